@@ -1,0 +1,11 @@
+"""gsgd_backends: the in-place layer over :mod:`gsgd_core` (DESIGN §7).
+
+Same operations as the core with a trailing underscore, updating the caller's arrays in
+place. Today every mutable namespace (NumPy, PyTorch, CuPy, array-api-strict) takes the
+generic path: the functional core plus a write-back. JAX arrays are immutable and get a clear
+error pointing to the functional core.
+"""
+
+from .inplace import canonicalize_, gsgd_step_, gsgd_update_, rescale_, skeleton_init_
+
+__all__ = ["canonicalize_", "gsgd_step_", "gsgd_update_", "rescale_", "skeleton_init_"]

@@ -1,0 +1,29 @@
+"""gsgd_core: G-SGD (Meng et al., ICLR 2019) and its relatives, written against the Array API.
+
+The functional reference of the ``gsgd`` library: it imports no framework, resolves the array
+namespace once per call, returns new arrays and never mutates its inputs, so the same code
+runs on NumPy, PyTorch, JAX (under ``jit``), CuPy and array-api-strict.
+
+Public names (DESIGN §7)::
+
+    Chain, Chain.mlp, Chain.from_shapes
+    path_values, icr, gsgd_step, gsgd_init, gsgd_update, GSGDState
+    rescale, random_rescaling, canonicalize, skeleton_init, weights_from_path_values
+    psi_init, psi_update, PSIState                     (seed 004, Algorithm 1)
+    path_sgd_gamma, path_sgd_step                      (Neyshabur et al. 2015)
+    gsgd_core.reference                                (dense checks for small chains)
+"""
+
+from .chain import Chain
+from .group import canonicalize, random_rescaling, rescale, skeleton_init, weights_from_path_values
+from .gsgd import GSGDState, gsgd_init, gsgd_step, gsgd_update, icr, path_values
+from .path_sgd import path_sgd_gamma, path_sgd_step
+from .psi import PSIState, psi_init, psi_update
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Chain", "GSGDState", "PSIState", "__version__", "canonicalize", "gsgd_init", "gsgd_step",
+    "gsgd_update", "icr", "path_sgd_gamma", "path_sgd_step", "path_values", "psi_init",
+    "psi_update", "random_rescaling", "rescale", "skeleton_init", "weights_from_path_values",
+]

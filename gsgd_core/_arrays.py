@@ -1,0 +1,222 @@
+"""Namespace resolution, input validation and the 3-D layer views used by every public function.
+
+Every public function of :mod:`gsgd_core` calls :func:`prepare` once: it validates the
+structure of its arguments (layer counts, shapes, dtypes) before any arithmetic, resolves the
+array namespace ``xp`` once, and returns the layers viewed as ``(n_l, n_{l-1}, k_l)``.
+Results are reshaped back with :func:`restore`, so they come out in the caller's namespace,
+dtype, device and shape.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import array_api_compat
+import numpy as np
+
+from .chain import Chain
+
+
+@dataclass(frozen=True)
+class LayerMeta:
+    """Skeleton metadata of one layer, as arrays of one namespace and device."""
+
+    tau_idx: Any      # flat indices of the tau edges (one per node of layer l)
+    tau_src: Any      # tau_l(j): source node of each tau edge
+    tau_free: Any     # bool per node of layer l: its tau edge is also a free edge
+    free_idx: Any     # flat indices of the free edges lying in this layer (one per node of l-1)
+    sigma: Any        # sigma_{l-1}(a): target of each free edge
+    free_mask: Any    # bool (n_l, n_{l-1}, k_l)
+    tau_mask: Any     # bool (n_l, n_{l-1}, k_l)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated call: namespace, dtype, device, the 3-D views and the original shapes."""
+
+    xp: Any
+    dtype: Any
+    device: Any
+    shapes: tuple
+    meta: tuple  # LayerMeta per layer, index l-1
+
+
+def _layer_meta(chain: Chain, xp, device) -> tuple[LayerMeta, ...]:
+    def arr(a):
+        return xp.asarray(a, device=device)
+
+    metas = []
+    for l in range(1, chain.L + 1):
+        tau_idx, free_idx = chain.tau_index(l), chain.free_index(l)
+        free_flat = chain.free_masks[l - 1].reshape(-1)
+        tau_src = np.asarray(chain.tau[l - 1] if l < chain.L else [], dtype=np.int64)
+        sigma = np.asarray(chain.sigma[l - 2] if l >= 2 else [], dtype=np.int64)
+        metas.append(LayerMeta(
+            tau_idx=arr(tau_idx.astype(np.int64)), tau_src=arr(tau_src),
+            tau_free=arr(free_flat[tau_idx]), free_idx=arr(free_idx.astype(np.int64)),
+            sigma=arr(sigma), free_mask=arr(chain.free_masks[l - 1]),
+            tau_mask=arr(chain.tau_masks[l - 1])))
+    return tuple(metas)
+
+
+def layer_meta(chain: Chain, xp, device) -> tuple[LayerMeta, ...]:
+    """Metadata of every layer in namespace ``xp`` on ``device``, cached on the chain.
+
+    Under tracing (JAX's ``jit``) the device is unknown (``None``) and nothing is cached, so
+    no traced value outlives its trace.
+    """
+    if device is None:
+        return _layer_meta(chain, xp, device)
+    key = (xp.__name__, str(device))
+    cached = chain._cache.get(key)
+    if cached is None:
+        cached = chain._cache[key] = _layer_meta(chain, xp, device)
+    return cached
+
+
+def _shape_error(chain: Chain, l: int, what: str, shape) -> ValueError:
+    n, n_prev, k = chain.layer_shape(l)
+    return ValueError(
+        f"layer {l}: {what} has shape {tuple(shape)}, but the chain expects ({n}, {n_prev * k}), "
+        f"({n}, {n_prev}) with k=1, or ({n}, {n_prev}, *kernel) with prod(kernel)={k} "
+        f"(chain sizes={list(chain.sizes)}, slots={list(chain.slots)})")
+
+
+def check_weight_shape(chain: Chain, l: int, shape, what: str = "weight") -> None:
+    n, n_prev, k = chain.layer_shape(l)
+    shape = tuple(shape)
+    if len(shape) < 2 or shape[0] != n:
+        raise _shape_error(chain, l, what, shape)
+    if len(shape) == 2 and shape[1] == n_prev * k:
+        return
+    if len(shape) >= 3 and shape[1] == n_prev and math.prod(shape[2:]) == k:
+        return
+    raise _shape_error(chain, l, what, shape)
+
+
+def _check_list(chain: Chain, name: str, values) -> list:
+    if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name} must be a list with one entry per layer ({chain.L}), "
+                         f"got {type(values).__name__}")
+    if len(values) != chain.L:
+        raise ValueError(f"{name} has {len(values)} entries, but the chain has {chain.L} layers")
+    return list(values)
+
+
+def _is_array(x) -> bool:
+    return array_api_compat.is_array_api_obj(x)
+
+
+def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
+            extra: Sequence[tuple[str, Any]] = (), biases_optional: bool = False) -> Prepared:
+    """Validate a call's arrays against ``chain`` and resolve their namespace once.
+
+    ``extra`` holds further per-layer lists (``(name, list)``) whose entries must have the
+    weights' shapes (momentum buffers, path values, ...); ``None`` entries are skipped.
+    With ``biases_optional``, ``biases=None`` is accepted whatever the chain's biases.
+    """
+    if biases_optional and biases is None:
+        return prepare(replace(chain, bias=False), weights, None, grads=grads, extra=extra)
+    if not isinstance(chain, Chain):
+        raise ValueError(f"chain must be a gsgd_core.Chain, got {type(chain).__name__}")
+    weights = _check_list(chain, "weights", weights)
+    biases = [None] * chain.L if biases is None else _check_list(chain, "biases", biases)
+    for l, (w, b) in enumerate(zip(weights, biases), start=1):
+        if not _is_array(w):
+            raise ValueError(f"layer {l}: weight is a {type(w).__name__}, not an array")
+        check_weight_shape(chain, l, w.shape)
+        has_bias = chain.bias[l - 1]
+        if has_bias and b is None:
+            raise ValueError(f"layer {l}: the chain has a bias here but biases[{l - 1}] is None")
+        if not has_bias and b is not None:
+            raise ValueError(f"layer {l}: the chain has no bias here but biases[{l - 1}] "
+                             f"is an array of shape {tuple(b.shape)}")
+        if b is not None and tuple(b.shape) != (chain.sizes[l],):
+            raise ValueError(f"layer {l}: bias has shape {tuple(b.shape)}, "
+                             f"expected ({chain.sizes[l]},)")
+    arrays = [w for w in weights] + [b for b in biases if b is not None]
+    lists = list(extra)
+    if grads is not None:
+        lists.append(("grads", grads))
+    if bias_grads is not None or grads is not None:
+        lists.append(("bias_grads", [None] * chain.L if bias_grads is None else bias_grads))
+    for name, values in lists:
+        values = _check_list(chain, name, values)
+        is_bias = name.startswith("bias")
+        for l, (v, w, b) in enumerate(zip(values, weights, biases), start=1):
+            ref = b if is_bias else w
+            if v is None:
+                if is_bias and b is not None and name == "bias_grads":
+                    raise ValueError(f"layer {l}: the layer has a bias but bias_grads[{l - 1}] "
+                                     f"is None")
+                continue
+            if ref is None:
+                raise ValueError(f"layer {l}: {name}[{l - 1}] given for a layer without a bias")
+            if not _is_array(v):
+                raise ValueError(f"layer {l}: {name}[{l - 1}] is a {type(v).__name__}, "
+                                 f"not an array")
+            if tuple(v.shape) != tuple(ref.shape):
+                raise ValueError(f"layer {l}: {name}[{l - 1}] has shape {tuple(v.shape)}, "
+                                 f"but the {'bias' if is_bias else 'weight'} has shape "
+                                 f"{tuple(ref.shape)}")
+            arrays.append(v)
+    try:
+        xp = array_api_compat.array_namespace(*arrays)
+    except TypeError as exc:
+        raise ValueError(f"all arrays must come from one array namespace: {exc}") from None
+    dtype = weights[0].dtype
+    if not xp.isdtype(dtype, "real floating"):
+        raise ValueError(f"weights must be real floating point, got dtype {dtype}")
+    for a in arrays:
+        if a.dtype != dtype:
+            raise ValueError(f"all arrays must share the weights' dtype {dtype}; "
+                             f"found an array of dtype {a.dtype} and shape {tuple(a.shape)}")
+    device = array_api_compat.device(weights[0])
+    return Prepared(xp=xp, dtype=dtype, device=device,
+                    shapes=tuple(tuple(w.shape) for w in weights),
+                    meta=layer_meta(chain, xp, device))
+
+
+def view3(chain: Chain, xp, arrays) -> list:
+    """Layers as ``(n_l, n_{l-1}, k_l)`` views (``None`` stays ``None``)."""
+    return [None if a is None else xp.reshape(a, chain.layer_shape(l))
+            for l, a in enumerate(arrays, start=1)]
+
+
+def restore(xp, arrays, shapes) -> list:
+    """Reshape 3-D layer arrays back to the caller's shapes."""
+    return [None if a is None else xp.reshape(a, s) for a, s in zip(arrays, shapes)]
+
+
+def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None) -> None:
+    """Validate a hyperparameter given as a Python number; arrays (traced schedules) pass."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(value) or value < low or (high is not None and value > high):
+            bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+            raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
+        return
+    if not _is_array(value) or tuple(value.shape) != ():
+        raise ValueError(f"{name} must be a Python number or a 0-d array, got {value!r}")
+
+
+def scalar(p: Prepared, value):
+    """A hyperparameter as something that combines with arrays without changing their dtype."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return p.xp.astype(p.xp.asarray(value, device=p.device), p.dtype)
+
+
+def safe_div(xp, num, den):
+    """``num / den`` with ``0`` where ``den == 0`` (never NaN or Inf from finite input)."""
+    zero = den == 0
+    return xp.where(zero, 0.0, num / xp.where(zero, 1.0, den))
+
+
+def outer3(u, v):
+    """``u[:, None, None] * v[None, :, None]``: a per-edge product of node vectors."""
+    return u[:, None, None] * v[None, :, None]

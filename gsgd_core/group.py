@@ -1,0 +1,140 @@
+"""The positive-scaling group acting on a chain, and moves along or across its orbits.
+
+``rescale`` is the group action (paper Def. 3.1); ``canonicalize`` picks one point per orbit;
+``skeleton_init`` (paper §11.2) and ``weights_from_path_values`` set weights from the
+skeleton's point of view.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._arrays import _is_array, outer3, prepare, restore, safe_div, view3
+from .chain import Chain
+from .sweeps import chain_products
+
+__all__ = ["rescale", "random_rescaling", "canonicalize", "skeleton_init",
+           "weights_from_path_values"]
+
+
+def _apply_scales(xp, W, b, c):
+    """``W_l * c_l[:, None, None] / c_{l-1}[None, :, None]``, ``b_l * c_l`` (c per node layer)."""
+    W_new = [W[l] * c[l + 1][:, None, None] / c[l][None, :, None] for l in range(len(W))]
+    b_new = [None if bl is None else bl * c[l + 1] for l, bl in enumerate(b)]
+    return W_new, b_new
+
+
+def _host_scales(chain: Chain, scales) -> list:
+    """Validate the scales' count and shapes (and, for host data, positivity) up front."""
+    if isinstance(scales, (str, bytes)) or not isinstance(scales, Sequence):
+        raise ValueError(f"scales must be a list of {chain.L - 1} vectors (one per hidden "
+                         f"layer), got {type(scales).__name__}")
+    if len(scales) != chain.L - 1:
+        raise ValueError(f"scales has {len(scales)} vectors, but the chain has "
+                         f"{chain.L - 1} hidden layers")
+    out = []
+    for l, s in enumerate(scales, start=1):
+        if not _is_array(s):
+            s = np.asarray(s, dtype=np.float64)
+        if tuple(s.shape) != (chain.sizes[l],):
+            raise ValueError(f"hidden layer {l}: scales have shape {tuple(s.shape)}, "
+                             f"expected ({chain.sizes[l]},)")
+        if isinstance(s, np.ndarray) and not (np.all(np.isfinite(s)) and np.all(s > 0)):
+            raise ValueError(f"hidden layer {l}: scales must be finite and > 0")
+        out.append(s)
+    return out
+
+
+def rescale(chain: Chain, weights: Sequence[Any], biases, scales):
+    """Apply the positive scaling operator ``g_c`` (paper Def. 3.1) with node scales ``c``.
+
+    ``W_l <- W_l * c_l[:, None, None] / c_{l-1}[None, :, None]``, ``b_l <- b_l * c_l`` with
+    ``c_0 = c_L = 1``. The network function and all path values are unchanged (Thm 3.3).
+
+    Parameters
+    ----------
+    scales : list of ``L - 1`` positive vectors, ``scales[l-1]`` of shape ``(n_l,)``; host
+        (NumPy, lists) or arrays of the weights' namespace.
+    """
+    scales = _host_scales(chain, scales)
+    p = prepare(chain, weights, biases)
+    xp = p.xp
+    ones = [xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)]
+    c = ones + [xp.astype(xp.asarray(s, device=p.device), p.dtype) for s in scales] + [
+        xp.ones(chain.sizes[-1], dtype=p.dtype, device=p.device)]
+    b = list(biases) if biases is not None else [None] * chain.L
+    W_new, b_new = _apply_scales(xp, view3(chain, xp, weights), b, c)
+    return restore(xp, W_new, p.shapes), b_new
+
+
+def random_rescaling(chain: Chain, rng: np.random.Generator, spread: float = 1.0) -> list:
+    """Random node scales ``exp(spread * N(0, 1))`` for :func:`rescale` (host NumPy arrays)."""
+    if not isinstance(rng, np.random.Generator):
+        raise ValueError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    if not np.isfinite(spread) or spread < 0:
+        raise ValueError(f"spread must be finite and >= 0, got {spread!r}")
+    return [np.exp(spread * rng.standard_normal(n)) for n in chain.sizes[1:-1]]
+
+
+def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
+    """The canonical point of the orbit: every free skeleton weight becomes ``±1``.
+
+    Uses ``c_l[j] = |W_{l+1}[sigma(j), j, s]| * c_{l+1}[sigma(j)] = |F_l[j]|`` (top down),
+    the unique group element with that property. Idempotent, and equal for ``w`` and every
+    rescaling of ``w``. A node whose free chain holds a zero weight has no such element; it
+    keeps scale ``1``.
+    """
+    p = prepare(chain, weights, biases)
+    xp = p.xp
+    W = view3(chain, xp, weights)
+    _, F = chain_products(xp, chain, p.meta, W, p.dtype, p.device)
+    c = [xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)]
+    c += [xp.where(F[l] == 0, 1.0, xp.abs(F[l])) for l in range(1, chain.L)]
+    c += [F[chain.L]]
+    b = list(biases) if biases is not None else [None] * chain.L
+    W_new, b_new = _apply_scales(xp, W, b, c)
+    # Exactly +-1 in every namespace, whatever order the compiler evaluates W * c / c' in.
+    W_new = [xp.where(m.free_mask, xp.sign(w), wn) for m, w, wn in zip(p.meta, W, W_new)]
+    return restore(xp, W_new, p.shapes), b_new
+
+
+def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None):
+    """Set every skeleton edge (tau and free edges) to ``+1`` (paper §11.2).
+
+    Afterwards ``B = F = 1``, so path values equal the weights and learning rates mean for
+    G-SGD what they mean for SGD. It changes the network function; biases are returned as
+    given (they may be left out).
+    """
+    p = prepare(chain, weights, biases, biases_optional=True)
+    xp = p.xp
+    W = view3(chain, xp, weights)
+    W_new = [xp.where(m.free_mask | m.tau_mask, 1.0, w) for m, w in zip(p.meta, W)]
+    return restore(xp, W_new, p.shapes), (None if biases is None else list(biases))
+
+
+def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequence[Any]):
+    """Weights with basis-path values ``V``, ``Vb``, keeping the free weights of ``weights``.
+
+    Only the free entries of ``weights`` are read. A forward sweep sets every non-free edge to
+    ``W = V / (F_l[b] B_{l-1}[a])`` and ``b = Vb / F_l``, with ``B`` taken from the new
+    weights. Inverts :func:`path_values` for weights whose skeleton products are non-zero
+    (Theorem 3.6); where a product is zero the edge is set to ``0``.
+    """
+    p = prepare(chain, weights, Vb, extra=(("path values", V),))
+    xp = p.xp
+    W = view3(chain, xp, weights)
+    V3 = view3(chain, xp, V)
+    _, F = chain_products(xp, chain, p.meta, W, p.dtype, p.device)
+    B = xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)
+    W_new = []
+    for l in range(1, chain.L + 1):
+        m = p.meta[l - 1]
+        Wl = xp.where(m.free_mask, W[l - 1], safe_div(xp, V3[l - 1], outer3(F[l], B)))
+        W_new.append(Wl)
+        if l < chain.L:
+            B = xp.take(B, m.tau_src) * xp.take(xp.reshape(Wl, (-1,)), m.tau_idx)
+    Vb = list(Vb) if Vb is not None else [None] * chain.L
+    b_new = [None if v is None else safe_div(xp, v, F[l + 1]) for l, v in enumerate(Vb)]
+    return restore(xp, W_new, p.shapes), b_new

@@ -1,0 +1,167 @@
+"""G-SGD: SGD on basis-path values (paper Algorithm 1), functional, with explicit state.
+
+``gsgd_step`` is one plain step; ``gsgd_init``/``gsgd_update`` is the optax-style pair that
+adds momentum, dampening, Nesterov and weight decay, all taken in path space so that every
+iterate commutes with positive rescaling.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional, Sequence
+
+from ._arrays import check_hyper, prepare, restore, scalar, view3
+from .chain import Chain
+from .sweeps import allocate3, chain_products, icr3, path_values3
+
+__all__ = ["GSGDState", "path_values", "icr", "gsgd_step", "gsgd_init", "gsgd_update"]
+
+Arrays = Sequence[Any]
+OptArrays = Sequence[Optional[Any]]
+
+
+class GSGDState(NamedTuple):
+    """Momentum state in path space: one buffer per layer (the layer's shape) and per bias.
+
+    ``step`` counts completed updates (0-d integer array); on the first update the buffer
+    is set to the path gradient itself, as ``torch.optim.SGD`` does.
+    """
+
+    momentum: tuple
+    bias_momentum: tuple
+    step: Any
+
+
+def _sweep_inputs(chain, weights, biases, grads=None, bias_grads=None, extra=()):
+    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
+    W = view3(chain, p.xp, weights)
+    b = list(biases) if biases is not None else [None] * chain.L
+    B, F = chain_products(p.xp, chain, p.meta, W, p.dtype, p.device)
+    return p, W, b, B, F
+
+
+def path_values(chain: Chain, weights: Arrays, biases: OptArrays | None = None):
+    """Values of the basis paths, in the layers' own shapes.
+
+    ``V_l = F_l[:, None, None] * W_l * B_{l-1}[None, :, None]`` and ``Vb_l = b_l * F_l``
+    (DESIGN §2; paper §2.2, ``v_p(w) = prod_e w_e``). Entries at free edges are ``0`` (they
+    own no basis path). Invariant under :func:`gsgd_core.rescale` (Theorem 3.3).
+
+    Returns
+    -------
+    V, Vb : lists with one array (or ``None`` for ``Vb`` of a layer without bias) per layer.
+    """
+    p, W, b, B, F = _sweep_inputs(chain, weights, biases)
+    V, Vb = path_values3(p.xp, p.meta, W, b, B, F)
+    return restore(p.xp, V, p.shapes), Vb
+
+
+def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
+        bias_grads: OptArrays | None = None):
+    """Gradients with respect to basis-path values by the inverse chain rule (paper eq. 3).
+
+    Solves ``dL/dw = G^T dL/dv`` (``G[p, e] = v_p / w_e`` for ``e`` on ``p``) by one backward
+    sweep; see :func:`gsgd_core.sweeps.icr3`. Returns ``(D, Db)`` in the layers' own shapes,
+    ``0`` at free edges.
+    """
+    p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads)
+    G = view3(chain, p.xp, grads)
+    Gb = list(bias_grads) if bias_grads is not None else [None] * chain.L
+    D, Db, _, _ = icr3(p.xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
+    return restore(p.xp, D, p.shapes), Db
+
+
+def gsgd_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
+              bias_grads: OptArrays | None, lr):
+    """One G-SGD step: ``v <- v - lr * dL/dv`` on basis paths (paper eq. 2), free weights kept.
+
+    ICR (eq. 3) gives ``dL/dv``; weight allocation (eq. 5–6) writes the new path values back
+    into the weights. Returns new ``(weights, biases)``; the inputs are not modified.
+    """
+    weights, biases, _ = gsgd_update(chain, None, weights, biases, grads, bias_grads, lr=lr)
+    return weights, biases
+
+
+def gsgd_init(chain: Chain, weights: Arrays, biases: OptArrays | None = None) -> GSGDState:
+    """Zero momentum buffers shaped like ``weights`` and ``biases``."""
+    p = prepare(chain, weights, biases)
+    xp = p.xp
+    zeros = tuple(xp.zeros(s, dtype=p.dtype, device=p.device) for s in p.shapes)
+    bzeros = tuple(None if b is None else xp.zeros(b.shape, dtype=p.dtype, device=p.device)
+                   for b in (biases if biases is not None else [None] * chain.L))
+    return GSGDState(zeros, bzeros, xp.asarray(0, dtype=xp.int32, device=p.device))
+
+
+def _check_update_hypers(lr, momentum, dampening, nesterov, weight_decay) -> None:
+    check_hyper("lr", lr)
+    check_hyper("momentum", momentum)
+    check_hyper("dampening", dampening, high=1.0)
+    check_hyper("weight_decay", weight_decay)
+    if nesterov and ((isinstance(momentum, numbers.Real) and momentum <= 0)
+                     or (isinstance(dampening, numbers.Real) and dampening != 0)):
+        raise ValueError("nesterov needs momentum > 0 and dampening = 0, "
+                         f"got momentum={momentum!r}, dampening={dampening!r}")
+
+
+def _is_zero(x) -> bool:
+    return isinstance(x, numbers.Real) and x == 0
+
+
+def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
+                biases: OptArrays | None, grads: Arrays, bias_grads: OptArrays | None, *,
+                lr, momentum=0.0, dampening=0.0, nesterov: bool = False,
+                weight_decay=0.0):
+    """One G-SGD step with momentum, dampening, Nesterov and weight decay in path space.
+
+    With ``D = dL/dv`` from ICR (eq. 3) and ``V`` the basis-path values::
+
+        D <- D + weight_decay * V                     (L2 on basis-path values)
+        M <- D                          on the first step,
+        M <- momentum * M + (1 - dampening) * D       afterwards
+        V' = V - lr * (D + momentum * M if nesterov else M)
+
+    (``torch.optim.SGD``'s conventions, taken in path space), then weight allocation (eq. 6)
+    writes ``V'`` back with the free weights unchanged. With ``momentum == 0`` this is the
+    paper's Algorithm 1 and ``state`` may be ``None``.
+
+    Returns
+    -------
+    weights, biases, state : new arrays in the inputs' namespace, dtype, device and shapes.
+    """
+    _check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
+    use_momentum = not _is_zero(momentum)
+    if use_momentum and state is None:
+        raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
+                         "biases)")
+    extra = () if state is None else (("momentum", state.momentum),
+                                      ("bias_momentum", state.bias_momentum))
+    p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads, extra)
+    xp = p.xp
+    G = view3(chain, xp, grads)
+    Gb = list(bias_grads) if bias_grads is not None else [None] * chain.L
+    D, Db, V, Vb = icr3(xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
+    if not _is_zero(weight_decay):
+        wd = scalar(p, weight_decay)
+        D = [d + wd * v for d, v in zip(D, V)]
+        Db = [None if d is None else d + wd * v for d, v in zip(Db, Vb)]
+    new_state = state
+    if use_momentum:
+        mu, damp = scalar(p, momentum), scalar(p, dampening)
+        first = state.step == 0
+
+        def buffer(m, d):
+            return None if d is None else xp.where(first, d, mu * m + (1.0 - damp) * d)
+
+        M = [buffer(m, d) for m, d in zip(view3(chain, xp, state.momentum), D)]
+        Mb = [buffer(m, d) for m, d in zip(state.bias_momentum, Db)]
+        new_state = GSGDState(tuple(restore(xp, M, p.shapes)), tuple(Mb), state.step + 1)
+        if nesterov:
+            D = [d + mu * m for d, m in zip(D, M)]
+            Db = [None if d is None else d + mu * m for d, m in zip(Db, Mb)]
+        else:
+            D, Db = M, Mb
+    elif state is not None:
+        new_state = state._replace(step=state.step + 1)
+    W_new, b_new = allocate3(xp, chain, p.meta, W, b, D, Db, V, B, F, scalar(p, lr),
+                             p.dtype, p.device)
+    return restore(xp, W_new, p.shapes), b_new, new_state

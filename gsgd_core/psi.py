@@ -1,0 +1,81 @@
+"""PSI-SGD / PSI-SGDM for weights followed by a normalisation layer (seed 004, Algorithm 1).
+
+A unit's incoming weight vector ``w_i`` (one row: ``W[i]`` flattened) feeding batch, layer or
+group norm can be multiplied by any ``a_i > 0`` without changing the network. PSI-SGD takes
+the Riemannian gradient of the quotient (PSI) manifold, ``||w_i||^2 * grad_i`` (eq. 7), and
+the retraction ``W + Xi`` (eq. 8).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import array_api_compat
+
+from ._arrays import _is_array, check_hyper
+
+__all__ = ["PSIState", "psi_init", "psi_update"]
+
+
+class PSIState(NamedTuple):
+    """One momentum buffer ``u`` per weight, shaped like it."""
+
+    momentum: tuple
+
+
+def _check_pairs(weights, others, name):
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence) or not weights:
+        raise ValueError("weights must be a non-empty list of arrays")
+    if len(others) != len(weights):
+        raise ValueError(f"{name} has {len(others)} entries for {len(weights)} weights")
+    for i, (w, o) in enumerate(zip(weights, others)):
+        if not (_is_array(w) and _is_array(o)):
+            raise ValueError(f"weight {i}: weights and {name} must be arrays")
+        if w.ndim < 1 or tuple(o.shape) != tuple(w.shape):
+            raise ValueError(f"weight {i}: {name} has shape {tuple(o.shape)}, but the weight "
+                             f"has shape {tuple(w.shape)}")
+
+
+def psi_init(weights: Sequence[Any]) -> PSIState:
+    """Zero momentum buffers ``u_0 = 0`` shaped like ``weights``."""
+    _check_pairs(weights, weights, "weights")
+    xp = array_api_compat.array_namespace(*weights)
+    return PSIState(tuple(xp.zeros(w.shape, dtype=w.dtype, device=array_api_compat.device(w))
+                          for w in weights))
+
+
+def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *, lr,
+               momentum=0.0, max_norm: float = 1e4):
+    """One PSI-SGDM step (seed 004, Algorithm 1; eq. 10–11), per row ``i`` of each weight::
+
+        u_i <- momentum * u_i - lr * ||w_i||^2 * g_i
+        w_i <- w_i + u_i
+
+    then rows with ``||w_i|| > max_norm`` are divided by their norm, and their ``u_i`` with
+    them (seed 004 §6: the function is unchanged, and the pair stays a rescaled copy of the
+    un-normalised one). ``momentum = 0`` is PSI-SGD. Rows are indexed by the first axis
+    (output units), as ``torch.nn.Linear``/``Conv`` store them.
+
+    Returns ``(weights, state)``; the iterates commute with per-row rescaling of ``(W, u)``
+    (seed 004 Theorem 1) as long as no row is renormalised.
+    """
+    check_hyper("lr", lr)
+    check_hyper("momentum", momentum)
+    check_hyper("max_norm", max_norm)
+    if not (isinstance(state, PSIState)):
+        raise ValueError("state must come from psi_init")
+    _check_pairs(weights, grads, "grads")
+    _check_pairs(weights, state.momentum, "momentum buffers")
+    xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
+    new_w, new_u = [], []
+    for w, g, u in zip(weights, grads, state.momentum):
+        rows = (w.shape[0], -1)
+        w2, g2, u2 = (xp.reshape(a, rows) for a in (w, g, u))
+        sq = xp.sum(w2 * w2, axis=1, keepdims=True)
+        u2 = momentum * u2 - lr * (sq * g2)
+        w2 = w2 + u2
+        norm = xp.sqrt(xp.sum(w2 * w2, axis=1, keepdims=True))
+        scale = xp.where(norm > max_norm, norm, 1.0)
+        new_w.append(xp.reshape(w2 / scale, w.shape))
+        new_u.append(xp.reshape(u2 / scale, w.shape))
+    return new_w, PSIState(tuple(new_u))

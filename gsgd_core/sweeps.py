@@ -1,0 +1,113 @@
+"""The two sweeps of G-SGD over a chain: ICR (backward) and weight allocation (forward).
+
+Everything here works on 3-D layer views ``(n_l, n_{l-1}, k_l)`` of one namespace ``xp`` and
+is the masked reference formulation of DESIGN §3–§4: clear, jit-friendly (no data-dependent
+shapes or control flow), and O(m) work per sweep. The public wrappers live in
+:mod:`gsgd_core.gsgd` and :mod:`gsgd_core.group`.
+"""
+
+from __future__ import annotations
+
+from ._arrays import outer3, safe_div
+
+
+def _flat(xp, a):
+    return xp.reshape(a, (-1,))
+
+
+def chain_products(xp, chain, meta, W, dtype, device):
+    """Tau and sigma chain products ``B_0..B_{L-1}`` and ``F_1..F_L`` (DESIGN §2).
+
+    ``B_l[j] = B_{l-1}[tau_l(j)] * W_l[j, tau_l(j), s_l]`` (input -> j along tau edges),
+    ``F_l[j] = W_{l+1}[sigma_l(j), j, s_{l+1}] * F_{l+1}[sigma_l(j)]`` (j -> output along
+    free edges). Returned as lists indexed by node layer (``B[l]``, ``F[l]``); ``B[L]`` and
+    ``F[0]`` are ``None``.
+    """
+    L = chain.L
+    B = [xp.ones(chain.sizes[0], dtype=dtype, device=device)] + [None] * L
+    for l in range(1, L):
+        m = meta[l - 1]
+        B[l] = xp.take(B[l - 1], m.tau_src) * xp.take(_flat(xp, W[l - 1]), m.tau_idx)
+    F = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
+    for l in range(L - 1, 0, -1):
+        m = meta[l]  # layer l+1 holds the free edges of the nodes of layer l
+        F[l] = xp.take(_flat(xp, W[l]), m.free_idx) * xp.take(F[l + 1], m.sigma)
+    return B, F
+
+
+def path_values3(xp, meta, W, b, B, F):
+    """``V_l = F_l ⊗ W_l ⊗ B_{l-1}`` (0 at free edges) and ``Vb_l = b_l * F_l``."""
+    V = [xp.where(meta[l].free_mask, 0.0, outer3(F[l + 1], B[l]) * W[l]) for l in range(len(W))]
+    Vb = [None if bl is None else bl * F[l + 1] for l, bl in enumerate(b)]
+    return V, Vb
+
+
+def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
+    """Inverse chain rule: path gradients ``D = dL/dv`` by one backward sweep (DESIGN §3).
+
+    Solves eq. (3) of the paper, ``dL/dw = G^T dL/dv``, restricted to non-free edges, where
+    it is unit triangular. With ``P_l = W_l * grad_l`` and ``T_L = 0``, for ``l = L..1``::
+
+        U_l     = where(free_l, 0, P_l - tau_l * T_l)
+        T_{l-1} = sum_{0,2}( where(free_l, 0, P_l) + where(free_l & tau_l, T_l, 0) )
+
+    ``T_l[j]`` sums ``U = v * dL/dv`` over the basis paths whose tau-chain passes node ``j``.
+    Then ``D = U / V`` on tau edges and ``D = grad / (F_l[b] B_{l-1}[a])`` elsewhere (the
+    same number, with no division by the weight: exact for pruned weights); biases
+    ``Db = grad_b / F_l``; ``0`` at free edges and wherever a skeleton product is ``0``.
+
+    Returns ``D``, ``Db`` and ``V`` (path values, needed by the forward sweep).
+    """
+    L = chain.L
+    V, Vb = path_values3(xp, meta, W, b, B, F)
+    D = [None] * L
+    T = xp.zeros(chain.sizes[L], dtype=dtype, device=device)
+    for l in range(L, 0, -1):
+        m = meta[l - 1]
+        P = xp.where(m.free_mask, 0.0, W[l - 1] * G[l - 1])
+        Tb = T[:, None, None]
+        U_tau = P - Tb
+        D_bulk = safe_div(xp, G[l - 1], outer3(F[l], B[l - 1]))
+        D[l - 1] = xp.where(m.free_mask, 0.0,
+                            xp.where(m.tau_mask, safe_div(xp, U_tau, V[l - 1]), D_bulk))
+        # Paths through a free tau edge still pass its source: carry T_l down unchanged.
+        carried = xp.where(m.free_mask & m.tau_mask, Tb, 0.0)
+        T = xp.sum(P + carried, axis=(0, 2))
+    Db = [None if g is None else safe_div(xp, g, F[l + 1]) for l, g in enumerate(Gb)]
+    return D, Db, V, Vb
+
+
+def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
+    """Weight allocation: apply ``V' = V - lr*D`` by one forward sweep (eq. 5–6, DESIGN §4).
+
+    With ``rho_{l-1}[a]`` the product of weight ratios along the tau-chain into ``a``
+    (``rho_0 = 1``), each non-free edge ``(a -> b)`` of layer ``l`` gets::
+
+        W'[b, a, :] = (W[b, a, :] - lr * D[b, a, :] / (F_l[b] B_{l-1}[a])) / rho_{l-1}[a]
+        b'_l        = b_l - lr * Db_l / F_l
+        rho_l[b]    = 1 - lr * D_tau / V_tau   (tau edge of b not free)
+                    = rho_{l-1}[tau_l(b)]      (tau edge of b free)
+
+    Free edges keep their values. This is ``W * r`` with ``r = ((1..1, R) ⊙ Ã^{-1})`` written
+    so that no weight is divided by itself. ``rho_l`` is a single path ratio, never a product,
+    so it cannot underflow. A tau path ratio of exactly ``0`` (a path value landing on 0)
+    would zero the tau weight and leave the weights above it undefined; it is replaced by the
+    dtype's machine epsilon, the only case where ``V' != V - lr*D``.
+    """
+    eps = float(xp.finfo(dtype).eps)
+    rho = xp.ones(chain.sizes[0], dtype=dtype, device=device)
+    W_new, b_new = [], []
+    for l in range(1, chain.L + 1):
+        m = meta[l - 1]
+        step = safe_div(xp, D[l - 1], outer3(F[l], B[l - 1]))
+        Wl = (W[l - 1] - lr * step) / rho[None, :, None]
+        W_new.append(xp.where(m.free_mask, W[l - 1], Wl))
+        bl = b[l - 1]
+        b_new.append(None if bl is None else bl - lr * safe_div(xp, Db[l - 1], F[l]))
+        if l < chain.L:
+            D_tau = xp.take(_flat(xp, D[l - 1]), m.tau_idx)
+            V_tau = xp.take(_flat(xp, V[l - 1]), m.tau_idx)
+            R = 1.0 - lr * safe_div(xp, D_tau, V_tau)
+            R = xp.where(R == 0, eps, R)
+            rho = xp.where(m.tau_free, xp.take(rho, m.tau_src), R)
+    return W_new, b_new

@@ -1,0 +1,42 @@
+"""Small helpers shared by the tests: tolerances and the data of one random problem."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from _nets import loss_and_grads, make_data
+from _strategies import random_params
+
+
+def assert_close(actual, expected, rtol, what=""):
+    """``|actual - expected| <= rtol * (max|expected| + 1)``, elementwise (None == None)."""
+    if expected is None:
+        assert actual is None, what
+        return
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    scale = float(np.max(np.abs(expected), initial=0.0)) + 1.0
+    err = float(np.max(np.abs(actual - expected), initial=0.0))
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} > {rtol:.1g} * {scale:.3g}"
+
+
+def assert_all_close(actuals, expecteds, rtol, what=""):
+    assert len(actuals) == len(expecteds)
+    for i, (a, e) in enumerate(zip(actuals, expecteds)):
+        assert_close(a, e, rtol, f"{what}[{i}]")
+
+
+class Problem:
+    """Host float64 weights, biases, data and gradients of one random chain problem."""
+
+    def __init__(self, chain, seed):
+        self.chain = chain
+        self.rng = np.random.default_rng(seed)
+        self.W, self.b = random_params(chain, self.rng)
+        self.x, self.y = make_data(chain, self.rng)
+
+    def grads(self, W=None, b=None):
+        _, G, Gb = loss_and_grads(self.chain, self.W if W is None else W,
+                                  self.b if b is None else b, self.x, self.y)
+        return G, Gb

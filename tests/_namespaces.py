@@ -1,0 +1,104 @@
+"""The array namespaces the suite runs on, each with conversions to and from host NumPy."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import array_api_compat
+import numpy as np
+
+
+@dataclass
+class Namespace:
+    name: str
+    dtype_name: str
+    xp: Any = None
+    dtype: Any = None
+    device: Any = None
+    skip_reason: str | None = None
+    _from_np: Callable | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}-{self.dtype_name}"
+
+    @property
+    def is_f64(self) -> bool:
+        return self.dtype_name == "float64"
+
+    @property
+    def rtol(self) -> float:
+        return 1e-9 if self.is_f64 else 2e-3
+
+    def asarray(self, a):
+        """Host data to this namespace's dtype (``None`` stays ``None``)."""
+        if a is None:
+            return None
+        return self._from_np(np.asarray(a, dtype=np.float64).astype(self.dtype_name))
+
+    def aslist(self, arrays):
+        return [self.asarray(a) for a in arrays]
+
+    @staticmethod
+    def to_numpy(a):
+        if a is None:
+            return None
+        if hasattr(a, "detach"):
+            return a.detach().cpu().numpy()
+        if hasattr(a, "get") and type(a).__module__.startswith("cupy"):
+            return a.get()
+        try:
+            return np.from_dlpack(a)
+        except (TypeError, AttributeError, BufferError, RuntimeError):
+            return np.asarray(a)
+
+    def tolist(self, arrays):
+        return [self.to_numpy(a) for a in arrays]
+
+
+def _numpy(dt):
+    return Namespace("numpy", dt, array_api_compat.array_namespace(np.zeros(1)), getattr(np, dt), "cpu",
+                     _from_np=lambda a: a)
+
+
+def _strict(dt):
+    import array_api_strict as xs
+    return Namespace("array_api_strict", dt, xs, getattr(xs, dt), xs.Device("CPU_DEVICE"),
+                     _from_np=lambda a: xs.asarray(a))
+
+
+def _torch(dt):
+    import torch
+    return Namespace("torch", dt, array_api_compat.array_namespace(torch.zeros(1)),
+                     getattr(torch, dt), torch.device("cpu"),
+                     _from_np=lambda a: torch.as_tensor(a))
+
+
+def _jax(dt):
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    return Namespace("jax", dt, jnp, getattr(jnp, dt), None, _from_np=lambda a: jnp.asarray(a))
+
+
+def _cupy(dt):
+    import cupy
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver or no device: CuPy imports but cannot run
+        return Namespace("cupy", dt, skip_reason=f"CuPy installed but no GPU usable: {exc}")
+    return Namespace("cupy", dt, cupy, getattr(cupy, dt), None, _from_np=cupy.asarray)
+
+
+def available_namespaces() -> list[Namespace]:
+    out = []
+    for module, make in (("numpy", _numpy), ("array_api_strict", _strict), ("torch", _torch),
+                         ("jax", _jax), ("cupy", _cupy)):
+        for dt in ("float64", "float32"):
+            if importlib.util.find_spec(module) is None:
+                out.append(Namespace(module, dt, skip_reason=f"{module} is not installed"))
+            else:
+                out.append(make(dt))
+    return out

@@ -1,0 +1,61 @@
+"""Hypothesis strategies: chains (widths, slots, biases, custom skeletons) and their data."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from gsgd_core import Chain
+from gsgd_core.reference import n_paths
+
+
+@st.composite
+def chains(draw, max_depth=6, max_width=6, max_slots=9, custom=None, max_paths=None,
+           max_edges=4000):
+    """Chains of depth 2..max_depth, widths 1..max_width (unequal), slots 1..max_slots."""
+    L = draw(st.integers(2, max_depth))
+    sizes = tuple(draw(st.lists(st.integers(1, max_width), min_size=L + 1, max_size=L + 1)))
+    slot = st.one_of(st.just(1), st.integers(1, max_slots))
+    slots = tuple(draw(st.lists(slot, min_size=L, max_size=L)))
+    bias = tuple(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+    use_custom = draw(st.booleans()) if custom is None else custom
+    kwargs = {}
+    if use_custom:
+        kwargs["tau"] = [[draw(st.integers(0, sizes[l - 1] - 1)) for _ in range(sizes[l])]
+                         for l in range(1, L)]
+        kwargs["sigma"] = [[draw(st.integers(0, sizes[l + 1] - 1)) for _ in range(sizes[l])]
+                           for l in range(1, L)]
+        kwargs["skeleton_slots"] = [draw(st.integers(0, k - 1)) for k in slots]
+    chain = Chain(sizes, slots, bias=bias, **kwargs)
+    if chain.m > max_edges:
+        slots = (1,) * L
+        kwargs.pop("skeleton_slots", None)
+        chain = Chain(sizes, slots, bias=bias, **kwargs)
+    if max_paths is not None and n_paths(chain) > max_paths:
+        # Dense references: shrink to a chain whose paths can be enumerated.
+        chain = Chain(sizes[:3], (1, 1), bias=bias[:2])
+    return chain
+
+
+def small_chains(**kw):
+    """Chains for the dense references (at most ~2,000 paths)."""
+    kw.setdefault("max_depth", 4)
+    kw.setdefault("max_width", 4)
+    kw.setdefault("max_slots", 3)
+    return chains(max_paths=2000, **kw)
+
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+def random_params(chain, rng, low=0.5, high=1.5):
+    """Weights (3-D views) and biases with magnitudes in [low, high] and random signs."""
+    def draw(shape):
+        return rng.choice([-1.0, 1.0], size=shape) * rng.uniform(low, high, size=shape)
+    W = [draw(chain.layer_shape(l)) for l in range(1, chain.L + 1)]
+    b = [draw((chain.sizes[l],)) if chain.bias[l - 1] else None for l in range(1, chain.L + 1)]
+    return W, b
+
+
+def random_like(params, rng):
+    return [None if p is None else rng.standard_normal(p.shape) for p in params]

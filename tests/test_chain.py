@@ -1,0 +1,90 @@
+"""Chain structure: the default skeleton of DESIGN §2, counts, shape inference, validation."""
+
+import numpy as np
+import pytest
+
+from gsgd_core import Chain
+
+
+@pytest.mark.parametrize("h, weights, H, ratio", [
+    (8, 536, 16, 1.49e-2), (16, 1200, 32, 1.33e-2), (32, 2912, 64, 1.10e-2),
+    (64, 7872, 128, 8.13e-3), (128, 23936, 256, 5.35e-3), (256, 80640, 512, 3.17e-3),
+    (512, 292352, 1024, 1.75e-3), (1024, 1108992, 2048, 9.23e-4)])
+def test_counts_match_paper_table_6(h, weights, H, ratio):
+    chain = Chain.mlp([49, h, h, 10], bias=False)
+    assert (chain.m, chain.H, chain.g_space_dim) == (weights, H, weights - H)
+    # Table 6 prints h/m in its "invariant ratio" row, half the H/m that §5.2 defines
+    # (16/536 = 2.99e-2, the table says 1.49e-2 = 8/536). We keep the definition.
+    assert chain.invariant_ratio == pytest.approx(2 * ratio, rel=5e-3)
+
+
+def test_default_skeleton_is_the_papers_for_equal_widths():
+    d, h, K = 5, 4, 3
+    chain = Chain.mlp([d, h, h, h, K], bias=False)
+    L = chain.L
+    for j in range(h):  # W_1[j, j mod d] is a tau edge, W_L[j mod K, j] a free edge
+        assert chain.tau_mask(1)[j, j % d, 0] and chain.free_mask(L)[j % K, j, 0]
+    for l in range(2, L):  # in between, the diagonal is both the tau and the free edge
+        diag = np.eye(h, dtype=bool)[:, :, None]
+        assert np.array_equal(chain.tau_mask(l), diag)
+        assert np.array_equal(chain.free_mask(l), diag)
+    assert not chain.free_mask(1).any() and not chain.tau_mask(L).any()
+    assert sum(int(m.sum()) for m in chain.free_masks) == chain.H
+
+
+def test_default_skeleton_unequal_widths_and_kernel_centre():
+    chain = Chain((3, 5, 2, 4), (9, 4, 1), bias=True)
+    assert chain.tau == ((0, 1, 2, 0, 1), (0, 1))
+    assert chain.sigma == ((0, 1, 0, 1, 0), (0, 1))
+    assert chain.skeleton_slots == (4, 2, 0)
+    n, n_prev, k = chain.layer_shape(2)
+    for a in range(n_prev):  # free edge of node a of layer 1 lies in W_2 at (a mod 2, a, 2)
+        assert chain.free_mask(2)[a % 2, a, 2]
+    assert chain.m == 5 * 3 * 9 + 5 + 2 * 5 * 4 + 2 + 4 * 2 + 4
+    assert chain.H == 7
+
+
+def test_from_shapes_conv_flatten_linear():
+    shapes = [(8, 3, 3, 3), (16, 8, 3, 3), (10, 16 * 4 * 4), (5, 10)]
+    chain = Chain.from_shapes(shapes, bias=[True, True, True, False])
+    assert chain.sizes == (3, 8, 16, 10, 5)
+    assert chain.slots == (9, 9, 16, 1)
+    assert chain.skeleton_slots == (4, 4, 8, 0)
+
+
+def test_chain_is_hashable_and_compares_by_structure():
+    a, b = Chain.mlp([3, 4, 2]), Chain((3, 4, 2), (1, 1), bias=True)
+    _ = a.free_masks  # cached metadata must not affect equality or hashing
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != Chain.mlp([3, 4, 2], bias=False)
+    custom = Chain((3, 4, 2), tau=[[2, 2, 1, 0]], sigma=[[1, 1, 0, 0]])
+    assert custom != a and custom.tau == ((2, 2, 1, 0),)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sizes=(3, 4)), "at least 2 layers"),
+    (dict(sizes=(3, 0, 2)), "at least one unit"),
+    (dict(sizes=(3, 4, 2), slots=(1,)), "slots has 1 entries for 2 layers"),
+    (dict(sizes=(3, 4, 2), slots=(1, 0)), "at least one slot"),
+    (dict(sizes=(3, 4, 2), bias=(True,)), "bias has 1 flags for 2 layers"),
+    (dict(sizes=(3, 4, 2), tau=[[0, 1, 2, 3]]), r"tau of hidden layer 1: values \[3\]"),
+    (dict(sizes=(3, 4, 2), sigma=[[0, 1]]), "sigma of hidden layer 1 has 2 entries"),
+    (dict(sizes=(3, 4, 2), tau=[[0] * 4, [0] * 2]), "one map per hidden layer"),
+    (dict(sizes=(3, 4, 2), slots=(3, 1), skeleton_slots=(3, 0)), "layer 1: skeleton slot 3"),
+    (dict(sizes=(3, 4.0, 2)), r"sizes\[1\] must be an int"),
+])
+def test_invalid_chains_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Chain(**kwargs)
+
+
+def test_from_shapes_rejects_mismatched_layers():
+    with pytest.raises(ValueError, match=r"layer 2: weight shape \(4, 7\) does not follow"):
+        Chain.from_shapes([(3, 2), (4, 7)])
+    with pytest.raises(ValueError, match="expects 5 inputs but layer 1 has 3 units"):
+        Chain.from_shapes([(3, 2, 3), (4, 5, 3)])
+
+
+def test_str_reports_dimensions():
+    assert str(Chain.mlp([2, 3, 1], bias=False)) == (
+        "Chain(2 -> 3 -> 1; m=9, H=3, G-space dim=6, H/m=0.333)")

@@ -1,0 +1,128 @@
+"""Bad input gets a ValueError that names the layer and the shapes, before any arithmetic."""
+
+import numpy as np
+import pytest
+import torch
+
+import gsgd_core as gc
+
+CHAIN = gc.Chain((3, 4, 2), (1, 3), bias=(True, False))
+
+
+class Untouchable(np.ndarray):
+    """An array that fails loudly if any arithmetic reaches it."""
+
+    def __array_ufunc__(self, *args, **kwargs):
+        raise AssertionError("arithmetic ran before validation")
+
+    def __array_function__(self, *args, **kwargs):
+        raise AssertionError("arithmetic ran before validation")
+
+
+def _params(kind=np.asarray):
+    W = [kind(np.ones((4, 3))), kind(np.ones((2, 4, 3)))]
+    return W, [kind(np.ones(4)), None], [kind(np.ones((4, 3))), kind(np.ones((2, 4, 3)))], [
+        kind(np.ones(4)), None]
+
+
+def _untouchable(a):
+    return np.asarray(a).view(Untouchable)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda W, b, G, Gb: (W[:1], b, G, Gb), "weights has 1 entries, but the chain has 2 layers"),
+    (lambda W, b, G, Gb: ([W[0], np.ones((2, 5, 3))], b, G, Gb),
+     r"layer 2: weight has shape \(2, 5, 3\), but the chain expects \(2, 12\)"),
+    (lambda W, b, G, Gb: (W, b, [G[0], np.ones((2, 12))], Gb),
+     r"layer 2: grads\[1\] has shape \(2, 12\), but the weight has shape \(2, 4, 3\)"),
+    (lambda W, b, G, Gb: (W, [None, None], G, Gb), r"layer 1: the chain has a bias here"),
+    (lambda W, b, G, Gb: (W, [b[0], np.ones(2)], G, Gb), r"layer 2: the chain has no bias"),
+    (lambda W, b, G, Gb: (W, [np.ones(3), None], G, Gb), r"layer 1: bias has shape \(3,\)"),
+    (lambda W, b, G, Gb: (W, b, G, [None, None]), r"layer 1: the layer has a bias but"),
+    (lambda W, b, G, Gb: (W, b, G, [np.ones(5), None]),
+     r"layer 1: bias_grads\[0\] has shape \(5,\), but the bias has shape \(4,\)"),
+    (lambda W, b, G, Gb: ([W[0], "w"], b, G, Gb), "layer 2: weight is a str, not an array"),
+    (lambda W, b, G, Gb: ([np.ones((4, 3), dtype=int), W[1]], b, G, Gb), "real floating"),
+    (lambda W, b, G, Gb: (W, b, [G[0].astype(np.float32), G[1]], Gb), "share the weights' dtype"),
+    (lambda W, b, G, Gb: (W, b, [torch.ones(4, 3, dtype=torch.float64), G[1]], Gb),
+     "one array namespace"),
+])
+def test_structural_errors_name_layer_and_shapes(mutate, message):
+    W, b, G, Gb = mutate(*_params())
+    with pytest.raises(ValueError, match=message):
+        gc.gsgd_step(CHAIN, W, b, G, Gb, 0.1)
+
+
+def test_errors_come_before_any_arithmetic():
+    W, b, G, Gb = _params(_untouchable)
+    with pytest.raises(ValueError, match="layer 2: grads"):
+        gc.gsgd_step(CHAIN, W, b, [G[0], _untouchable(np.ones((2, 12)))], Gb, 0.1)
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        gc.gsgd_step(CHAIN, W, b, G, Gb, -0.1)
+
+
+@pytest.mark.parametrize("hyper, message", [
+    (dict(lr=-1.0), "lr must be finite and >= 0, got -1.0"),
+    (dict(lr=float("nan")), "lr must be finite"),
+    (dict(lr=float("inf")), "lr must be finite"),
+    (dict(lr=0.1, momentum=-0.5), "momentum must be finite and >= 0"),
+    (dict(lr=0.1, momentum=0.9, dampening=1.5), r"dampening must be finite and in \[0, 1\]"),
+    (dict(lr=0.1, weight_decay=-1e-4), "weight_decay must be finite and >= 0"),
+    (dict(lr=0.1, nesterov=True), "nesterov needs momentum > 0 and dampening = 0"),
+    (dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "nesterov needs"),
+    (dict(lr=True), "lr must be a number"),
+    (dict(lr=np.ones(2)), "lr must be a Python number or a 0-d array"),
+])
+def test_hyperparameter_errors(hyper, message):
+    W, b, G, Gb = _params()
+    state = gc.gsgd_init(CHAIN, W, b)
+    with pytest.raises(ValueError, match=message):
+        gc.gsgd_update(CHAIN, state, W, b, G, Gb, **hyper)
+
+
+def test_momentum_needs_a_state_and_a_matching_one():
+    W, b, G, Gb = _params()
+    with pytest.raises(ValueError, match="momentum needs a state"):
+        gc.gsgd_update(CHAIN, None, W, b, G, Gb, lr=0.1, momentum=0.9)
+    other = gc.gsgd_init(gc.Chain((3, 4, 2), (1, 1), bias=(True, False)),
+                         [np.ones((4, 3)), np.ones((2, 4))], [np.ones(4), None])
+    with pytest.raises(ValueError, match=r"layer 2: momentum\[1\] has shape \(2, 4\)"):
+        gc.gsgd_update(CHAIN, other, W, b, G, Gb, lr=0.1, momentum=0.9)
+
+
+def test_zero_learning_rate_is_the_identity():
+    W, b, G, Gb = _params()
+    W2, b2 = gc.gsgd_step(CHAIN, W, b, G, Gb, 0.0)
+    assert all(np.array_equal(x, y) for x, y in zip(W + b[:1], W2 + b2[:1]))
+
+
+@pytest.mark.parametrize("scales, message", [
+    ([np.ones(4), np.ones(2)], "scales has 2 vectors, but the chain has 1 hidden layers"),
+    ([np.ones(3)], r"hidden layer 1: scales have shape \(3,\), expected \(4,\)"),
+    ([np.array([1.0, 0.0, 1.0, 1.0])], "scales must be finite and > 0"),
+    ("abc", "scales must be a list"),
+])
+def test_rescale_errors(scales, message):
+    W, b, _, _ = _params()
+    with pytest.raises(ValueError, match=message):
+        gc.rescale(CHAIN, W, b, scales)
+
+
+def test_other_entry_points_validate_too():
+    W, b, G, Gb = _params()
+    with pytest.raises(ValueError, match="chain must be a gsgd_core.Chain"):
+        gc.path_values((3, 4, 2), W, b)
+    with pytest.raises(ValueError, match="numpy.random.Generator"):
+        gc.random_rescaling(CHAIN, 0)
+    with pytest.raises(ValueError, match="spread must be finite and >= 0"):
+        gc.random_rescaling(CHAIN, np.random.default_rng(), -1.0)
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        gc.path_sgd_step(CHAIN, W, b, G, Gb, -1.0)
+    with pytest.raises(ValueError, match=r"layer 2: path values\[1\] has shape"):
+        gc.weights_from_path_values(CHAIN, [W[0], np.ones((2, 4))], b, W)
+    with pytest.raises(ValueError, match=r"weight 0: grads has shape \(3,\)"):
+        gc.psi_update(gc.psi_init(W), W, [np.ones(3), G[1]], lr=0.1)
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        gc.psi_update(gc.psi_init(W), W, G, lr=-0.1)
+    with pytest.raises(ValueError, match="state must come from psi_init"):
+        gc.psi_update(None, W, G, lr=0.1)

@@ -1,0 +1,131 @@
+"""Invariance under the positive-scaling group: Theorems 3.3 and 3.6, canonical form, and
+G-SGD trajectories that commute with rescaling (with and without momentum)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsgd_core as gc
+from _helpers import Problem, assert_all_close, assert_close
+from _nets import output
+from _strategies import chains, seeds
+
+spreads = st.floats(0.0, 1.5)
+
+
+@given(chain=chains(), seed=seeds, spread=spreads)
+def test_function_and_path_values_invariant_under_rescaling(hxp, chain, seed, spread):
+    pb = Problem(chain, seed)
+    c = gc.random_rescaling(chain, pb.rng, spread)
+    W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
+    W2, b2 = gc.rescale(chain, W, b, c)
+    V, Vb = gc.path_values(chain, W, b)
+    V2, Vb2 = gc.path_values(chain, W2, b2)
+    assert_all_close(hxp.tolist(V2), hxp.tolist(V), hxp.rtol, "path values (Thm 3.3)")
+    assert_all_close(hxp.tolist(Vb2), hxp.tolist(Vb), hxp.rtol, "bias path values")
+    out = output(chain, hxp.tolist(W), hxp.tolist(b), pb.x)
+    out2 = output(chain, hxp.tolist(W2), hxp.tolist(b2), pb.x)
+    assert_close(out2, out, hxp.rtol, "network function (Thm 3.3)")
+
+
+@given(chain=chains(), seed=seeds, spread=spreads)
+def test_weights_from_path_values_inverts_path_values(hxp, chain, seed, spread):
+    """Theorem 3.6: basis-path values plus the free weights determine the weights."""
+    pb = Problem(chain, seed)
+    W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
+    V, Vb = gc.path_values(chain, W, b)
+    W2, b2 = gc.weights_from_path_values(chain, V, Vb, W)
+    assert_all_close(hxp.tolist(W2), pb.W, hxp.rtol, "weights")
+    assert_all_close(hxp.tolist(b2), pb.b, hxp.rtol, "biases")
+    # From a rescaled twin's free weights, the same path values give the twin itself.
+    Wt, bt = gc.rescale(chain, W, b, gc.random_rescaling(chain, pb.rng, spread))
+    W3, b3 = gc.weights_from_path_values(chain, V, Vb, Wt)
+    assert_all_close(hxp.tolist(W3), hxp.tolist(Wt), hxp.rtol, "twin weights")
+    assert_all_close(hxp.tolist(b3), hxp.tolist(bt), hxp.rtol, "twin biases")
+
+
+@given(chain=chains(), seed=seeds, spread=spreads)
+def test_canonical_form_is_idempotent_and_constant_on_orbits(hxp, chain, seed, spread):
+    pb = Problem(chain, seed)
+    W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
+    Wc, bc = gc.canonicalize(chain, W, b)
+    for l, w in enumerate(hxp.tolist(Wc), start=1):  # every free weight is exactly +-1
+        free = w.reshape(chain.layer_shape(l))[chain.free_mask(l)]
+        assert np.array_equal(np.abs(free), np.ones_like(free))
+    Wcc, bcc = gc.canonicalize(chain, Wc, bc)
+    for a, c in zip(hxp.tolist(Wcc) + hxp.tolist(bcc), hxp.tolist(Wc) + hxp.tolist(bc)):
+        assert (a is None and c is None) or np.array_equal(a, c), "not idempotent"
+    Wt, bt = gc.rescale(chain, W, b, gc.random_rescaling(chain, pb.rng, spread))
+    Wtc, btc = gc.canonicalize(chain, Wt, bt)
+    assert_all_close(hxp.tolist(Wtc), hxp.tolist(Wc), hxp.rtol, "canonical weights")
+    assert_all_close(hxp.tolist(btc), hxp.tolist(bc), hxp.rtol, "canonical biases")
+
+
+def _trajectory(chain, pb, W, b, steps, **hyper):
+    """G-SGD on host float64 arrays; returns the weights and biases after each step."""
+    state = gc.gsgd_init(chain, W, b)
+    out = []
+    for _ in range(steps):
+        G, Gb = pb.grads(W, b)
+        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **hyper)
+        out.append((W, b))
+    return out
+
+
+HYPERS = [dict(lr=0.05), dict(lr=0.02, momentum=0.9),
+          dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=1e-3),
+          dict(lr=0.02, momentum=0.5, dampening=0.3)]
+
+
+@pytest.mark.parametrize("hyper", HYPERS, ids=lambda h: ",".join(f"{k}={v}" for k, v in h.items()))
+@settings(max_examples=10)
+@given(chain=chains(max_depth=4), seed=seeds)
+def test_gsgd_trajectories_of_rescaled_twins_coincide(hyper, chain, seed):
+    """20 steps from w and from a random rescaling g(w): the iterates stay g-related."""
+    pb = Problem(chain, seed)
+    scales = gc.random_rescaling(chain, pb.rng, 1.0)
+    Wt, bt = gc.rescale(chain, pb.W, pb.b, scales)
+    ours = _trajectory(chain, pb, pb.W, pb.b, 20, **hyper)
+    twin = _trajectory(chain, pb, Wt, bt, 20, **hyper)
+    for (W, b), (W2, b2) in zip(ours, twin):
+        # Free weights never move, so the same group element relates the two at every step.
+        We, be = gc.rescale(chain, W, b, scales)
+        assert_all_close(W2, We, 1e-8, "twin weights")
+        assert_all_close(b2, be, 1e-8, "twin biases")
+    W, b = ours[-1]
+    W2, b2 = twin[-1]
+    assert_close(output(chain, W2, b2, pb.x), output(chain, W, b, pb.x), 1e-8, "outputs")
+
+
+def test_sgd_trajectories_of_rescaled_twins_differ():
+    """The control: plain SGD does not commute with rescaling, so the test above can fail."""
+    chain = gc.Chain.mlp([4, 5, 5, 3])
+    pb = Problem(chain, 7)
+    scales = gc.random_rescaling(chain, pb.rng, 1.0)
+    Wt, bt = gc.rescale(chain, pb.W, pb.b, scales)
+    outs = []
+    for W, b in ((pb.W, pb.b), (Wt, bt)):
+        for _ in range(20):
+            G, Gb = pb.grads(W, b)
+            W = [w - 0.05 * g for w, g in zip(W, G)]
+            b = [v - 0.05 * g for v, g in zip(b, Gb)]
+        outs.append(output(chain, W, b, pb.x))
+    assert np.max(np.abs(outs[0] - outs[1])) > 1e-3
+
+
+@given(chain=chains(custom=True), seed=seeds)
+def test_skeleton_init_sets_every_skeleton_edge_to_one(chain, seed):
+    pb = Problem(chain, seed)
+    W, b = gc.skeleton_init(chain, pb.W, pb.b)
+    assert b is not None and all(x is y for x, y in zip(b, pb.b))
+    W_nobias, none = gc.skeleton_init(chain, pb.W)  # biases may be left out
+    assert none is None
+    for l, (w, w2, w0) in enumerate(zip(W, W_nobias, pb.W), start=1):
+        skel = chain.free_mask(l) | chain.tau_mask(l)
+        assert np.all(w[skel] == 1.0) and np.array_equal(w[~skel], w0[~skel])
+        assert np.array_equal(w, w2)
+    V, Vb = gc.path_values(chain, W, b)  # B = F = 1: path values are the weights
+    for l, (v, w) in enumerate(zip(V, W), start=1):
+        nonfree = ~chain.free_mask(l)
+        assert np.array_equal(v[nonfree], w[nonfree])
