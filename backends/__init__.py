@@ -6,6 +6,8 @@ generic path: the functional core plus a write-back. JAX arrays are immutable an
 error pointing to the functional core.
 """
 
-from .inplace import canonicalize_, gsgd_step_, gsgd_update_, rescale_, skeleton_init_
+from .inplace import (canonicalize_, gsgd_step_, gsgd_update_, path_sgd_step_, psi_update_,
+                      rescale_, skeleton_init_)
 
-__all__ = ["canonicalize_", "gsgd_step_", "gsgd_update_", "rescale_", "skeleton_init_"]
+__all__ = ["canonicalize_", "gsgd_step_", "gsgd_update_", "path_sgd_step_", "psi_update_",
+           "rescale_", "skeleton_init_"]

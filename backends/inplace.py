@@ -12,7 +12,8 @@ from gsgd_core import Chain, GSGDState
 
 from ._dispatch import assign
 
-__all__ = ["gsgd_step_", "gsgd_update_", "rescale_", "canonicalize_", "skeleton_init_"]
+__all__ = ["gsgd_step_", "gsgd_update_", "rescale_", "canonicalize_", "skeleton_init_",
+           "path_sgd_step_", "psi_update_"]
 
 
 def _write(dsts, srcs) -> None:
@@ -61,3 +62,17 @@ def skeleton_init_(chain: Chain, weights) -> None:
     """:func:`gsgd_core.skeleton_init` applied in place (skeleton edges set to ``+1``)."""
     W, _ = gsgd_core.skeleton_init(chain, weights)
     _write(weights, W)
+
+
+def path_sgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr) -> None:
+    """:func:`gsgd_core.path_sgd_step` applied in place."""
+    W, b = gsgd_core.path_sgd_step(chain, weights, biases, grads, bias_grads, lr)
+    _write(weights, W)
+    _write(biases or [], b)
+
+
+def psi_update_(state: gsgd_core.PSIState, weights, grads, **hyper) -> None:
+    """:func:`gsgd_core.psi_update` applied in place to ``weights`` and ``state``."""
+    W, new_state = gsgd_core.psi_update(state, weights, grads, **hyper)
+    _write(weights, W)
+    _write(state.momentum, new_state.momentum)

@@ -1,0 +1,14 @@
+"""``torch.optim`` optimizers over the gsgd core: G-SGD, PSI-SGD(M) and Path-SGD.
+
+    from gsgd_adapters.torch import GSGD, skeleton_init_model_
+    skeleton_init_model_(model)               # paper §11.2, once, before training
+    opt = GSGD(model, lr=0.1, momentum=0.9)   # the rest of the training loop is unchanged
+    print(opt.describe())
+"""
+
+from .discovery import ChainLayers, chain_of, discover
+from .groups import Description
+from .optim import GSGD, PSISGD, PathSGD, skeleton_init_model_
+
+__all__ = ["GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description", "chain_of", "discover",
+           "skeleton_init_model_"]

@@ -1,0 +1,433 @@
+"""gsgd_adapters.torch: chain discovery, trajectories against the core, invariance of whole
+training runs, and torch.optim behaviour (state_dict, schedulers, closure, GradScaler, ...)."""
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import gsgd_core as gc
+from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, discover, skeleton_init_model_
+
+torch.set_default_dtype(torch.float64)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 3))
+
+
+def cnn():
+    """conv -> pool -> conv -> pool -> flatten -> linear -> linear: ONE chain."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(4, 5, 3, padding=1), nn.ReLU(), nn.AvgPool2d(2),
+                         nn.Flatten(), nn.Linear(5 * 2 * 2, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def data(model, n=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, 6) if isinstance(model[0], nn.Linear) else (n, 2, 8, 8)
+    return torch.randn(shape, generator=g), torch.randn(n, 3, generator=g)
+
+
+def loss_of(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def train(model, opt, x, y, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    return model
+
+
+MODELS = [mlp, cnn]
+
+
+@pytest.mark.parametrize("make", MODELS)
+def test_discovery_finds_one_chain_through_pooling_and_flatten(make):
+    model = make()
+    found = discover(model)
+    assert len(found.chains) == 1
+    layers = [m for m in model if isinstance(m, (nn.Linear, nn.Conv2d))]
+    assert found.chains[0].modules == layers
+    opt = GSGD(model, lr=0.1)
+    d = opt.describe()
+    assert d.fallback == [] and d.H == sum(m.weight.shape[0] for m in layers[:-1])
+    assert d.m == sum(p.numel() for p in model.parameters())
+    assert "skeleton NOT initialised" in str(opt)
+    skeleton_init_model_(model)
+    assert opt.describe().chains[0][2] and "skeleton initialised" in repr(opt)
+
+
+@pytest.mark.parametrize("make", MODELS)
+@pytest.mark.parametrize("hyper", [dict(lr=0.05), dict(lr=0.05, momentum=0.9, nesterov=True,
+                                                          weight_decay=1e-3)])
+def test_trajectory_equals_the_core(make, hyper):
+    model = make()
+    twin = copy.deepcopy(model)
+    x, y = data(model)
+    opt = GSGD(model, **hyper)
+    chain = discover(twin).chains[0]
+    W = [m.weight.detach().clone() for m in chain.modules]
+    b = [m.bias.detach().clone() for m in chain.modules]
+    state = gc.gsgd_init(chain.chain, W, b)
+    for _ in range(5):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        twin.zero_grad()
+        loss_of(twin, x, y).backward()
+        G = [m.weight.grad for m in chain.modules]
+        Gb = [m.bias.grad for m in chain.modules]
+        W, b, state = gc.gsgd_update(chain.chain, state, W, b, G, Gb, **hyper)
+        with torch.no_grad():
+            for m, w, v in zip(chain.modules, W, b):
+                m.weight.copy_(w)
+                m.bias.copy_(v)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def _rescaled_twin(model, spread=1.0, seed=0):
+    twin = copy.deepcopy(model)
+    chain = discover(twin).chains[0]
+    scales = gc.random_rescaling(chain.chain, np.random.default_rng(seed), spread)
+    W, b = gc.rescale(chain.chain, [m.weight.detach() for m in chain.modules],
+                      [m.bias.detach() for m in chain.modules], scales)
+    with torch.no_grad():
+        for m, w, v in zip(chain.modules, W, b):
+            m.weight.copy_(w)
+            m.bias.copy_(v)
+    return twin
+
+
+@pytest.mark.parametrize("make", MODELS)
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_rescaled_twins_train_identically_under_gsgd_but_not_sgd(make, momentum):
+    model = make()
+    skeleton_init_model_(model)
+    twin = _rescaled_twin(model)
+    x, y = data(model)
+    assert torch.allclose(model(x), twin(x), rtol=1e-12)
+    ma, mb = copy.deepcopy(model), copy.deepcopy(twin)
+    train(ma, GSGD(ma, lr=0.02, momentum=momentum), x, y, 20)
+    train(mb, GSGD(mb, lr=0.02, momentum=momentum), x, y, 20)
+    out_a, out_b = ma(x), mb(x)
+    assert torch.allclose(out_b, out_a, rtol=1e-8, atol=1e-8 * float(out_a.abs().max()))
+    assert not torch.allclose(out_a, model(x), atol=1e-3)  # it did train
+    sa, sb = copy.deepcopy(model), copy.deepcopy(twin)
+    train(sa, torch.optim.SGD(sa.parameters(), lr=0.02, momentum=momentum), x, y, 20)
+    train(sb, torch.optim.SGD(sb.parameters(), lr=0.02, momentum=momentum), x, y, 20)
+    assert (sa(x) - sb(x)).abs().max() > 1e-4
+
+
+def test_state_dict_resume_is_bit_exact_and_weights_only_loadable():
+    model = cnn()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.05, momentum=0.9)
+    train(model, opt, x, y, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = cnn()
+    resumed.load_state_dict(saved["model"])
+    opt2 = GSGD(resumed, lr=0.05, momentum=0.9)
+    opt2.load_state_dict(saved["opt"])
+    train(model, opt, x, y, 3)
+    train(resumed, opt2, x, y, 3)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dict_of_another_structure_is_refused():
+    opt = GSGD(mlp(), lr=0.1, momentum=0.9)
+    other = GSGD(cnn(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="saved for a different structure"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_scheduler_closure_zero_grad_and_grads_left_untouched():
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1, momentum=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    lrs = []
+    for _ in range(3):
+        def closure():
+            opt.zero_grad()
+            loss = loss_of(model, x, y)
+            loss.backward()
+            return loss
+        loss = opt.step(closure)
+        assert torch.is_tensor(loss)
+        grads = [p.grad.clone() for p in model.parameters()]
+        lrs.append(opt.param_groups[0]["lr"])
+        for p, g in zip(model.parameters(), grads):
+            assert torch.equal(p.grad, g)
+        sched.step()
+    assert lrs == [0.1, 0.05, 0.025]
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_lr_schedule_reaches_the_core():
+    model = mlp()
+    twin = copy.deepcopy(model)
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    chain = discover(twin).chains[0]
+    for lr in (0.1, 0.05, 0.025):
+        train(model, opt, x, y, 1)
+        sched.step()
+        twin.zero_grad()
+        loss_of(twin, x, y).backward()
+        W, b = gc.gsgd_step(chain.chain, [m.weight.detach() for m in chain.modules],
+                            [m.bias.detach() for m in chain.modules],
+                            [m.weight.grad for m in chain.modules],
+                            [m.bias.grad for m in chain.modules], lr)
+        with torch.no_grad():
+            for m, w, v in zip(chain.modules, W, b):
+                m.weight.copy_(w)
+                m.bias.copy_(v)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_maximize_equals_minimising_the_negative():
+    a, b = mlp(), mlp()
+    x, y = data(a)
+    oa, ob = GSGD(a, lr=0.05, maximize=True), GSGD(b, lr=0.05)
+    for _ in range(3):
+        oa.zero_grad()
+        (-loss_of(a, x, y)).backward()
+        oa.step()
+        ob.zero_grad()
+        loss_of(b, x, y).backward()
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_missing_grads_all_skip_partial_count_as_zero():
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # no gradients at all: nothing moves
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    loss_of(model, x, y).backward()
+    model[2].weight.grad = None
+    twin = copy.deepcopy(model)  # deepcopy leaves .grad behind: copy them by hand
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    twin[2].weight.grad = torch.zeros_like(twin[2].weight)
+    opt.step()
+    GSGD(twin, lr=0.1).step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_grad_scaler_skips_non_finite_steps_and_unscales_others():
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(loss_of(model, x, y)).backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    twin = copy.deepcopy(model)
+    opt.zero_grad()
+    scaler.scale(loss_of(model, x, y)).backward()
+    scaler.step(opt)
+    train(twin, GSGD(twin, lr=0.05), x, y, 1)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_check_finite_names_the_parameter():
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1, check_finite=True)
+    loss_of(model, x, y).backward()
+    model[2].bias.grad[1] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite gradient in 2\.bias"):
+        opt.step()
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 4, 3, padding=1)
+        self.c1 = nn.Conv2d(4, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+        self.out = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = torch.relu(self.c2(torch.relu(self.c1(h))) + h)
+        h = torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1)
+        return self.out(torch.relu(self.head(h)))
+
+
+def test_residual_add_ends_chains_and_the_block_is_its_own_chain():
+    found = discover(Residual())
+    assert [c.names for c in found.chains] == [["c1", "c2"], ["head", "out"]]
+    opt = GSGD(Residual(), lr=0.1)
+    assert opt.describe().fallback == ["stem.weight", "stem.bias"]
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.bn1 = nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.c2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.c1(x)))
+        h = torch.relu(self.bn2(self.c2(h)))
+        return self.fc(h.mean(dim=(2, 3)))
+
+
+def test_batch_norm_ends_chains_and_normalised_weights_get_psi_sgd():
+    model = BNNet()
+    opt = GSGD(model, lr=0.1, momentum=0.9)
+    d = opt.describe()
+    assert d.chains == [] and d.normalised == ["c1.weight", "c2.weight"]
+    assert "fc.weight" in d.fallback and "bn1.weight" in d.fallback
+    assert GSGD(BNNet(), lr=0.1, bn="sgd").describe().normalised == []
+
+
+def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere():
+    model, twin = BNNet(), BNNet()
+    x = torch.randn(8, 2, 6, 6, generator=torch.Generator().manual_seed(3))
+    y = torch.randn(8, 3, generator=torch.Generator().manual_seed(4))
+    opt = PSISGD(model, lr=0.1, momentum=0.9)
+    psi = [twin.c1.weight, twin.c2.weight]
+    rest = [p for p in twin.parameters() if all(p is not q for q in psi)]
+    sgd = torch.optim.SGD(rest, lr=0.1, momentum=0.9)
+    state = gc.psi_init([p.detach() for p in psi])
+    for _ in range(4):
+        train(model, opt, x, y, 1)
+        twin.zero_grad()
+        sgd.zero_grad()
+        loss_of(twin, x, y).backward()
+        sgd.step()
+        W, state = gc.psi_update(state, [p.detach() for p in psi], [p.grad for p in psi],
+                                 lr=0.1, momentum=0.9)
+        with torch.no_grad():
+            for p, w in zip(psi, W):
+                p.copy_(w)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_path_sgd_equals_the_core():
+    model, twin = mlp(), mlp()
+    x, y = data(model)
+    opt = PathSGD(model, lr=0.1)
+    chain = discover(twin).chains[0]
+    for _ in range(3):
+        train(model, opt, x, y, 1)
+        twin.zero_grad()
+        loss_of(twin, x, y).backward()
+        W, b = gc.path_sgd_step(chain.chain, [m.weight.detach() for m in chain.modules],
+                                [m.bias.detach() for m in chain.modules],
+                                [m.weight.grad for m in chain.modules],
+                                [m.bias.grad for m in chain.modules], 0.1)
+        with torch.no_grad():
+            for m, w, v in zip(chain.modules, W, b):
+                m.weight.copy_(w)
+                m.bias.copy_(v)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_explicit_chains_with_other_parameters():
+    model = mlp()
+    opt = GSGD([], lr=0.1, chains=[[model[0], model[2], model[4]]])
+    assert len(opt.describe().chains) == 1
+    extra = nn.Parameter(torch.ones(3))
+    opt = GSGD([extra], lr=0.1, chains=[[model[0], model[2]]])
+    assert opt.describe().fallback == ["<(3,)>"]
+
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(torch.relu(self.a(x)))))
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = -x
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("model, kwargs, message", [
+    (Twice(), {}, r"module 'a' is used more than once.*chains=\[\["),
+    (Untraceable(), {}, r"torch.fx cannot trace Untraceable.*chains=\[\["),
+    (mlp(), dict(lr=-0.1), "lr must be a finite number >= 0"),
+    (mlp(), dict(momentum=-1.0), "momentum must be a finite number >= 0"),
+    (mlp(), dict(nesterov=True), "nesterov needs momentum > 0"),
+    (mlp(), dict(bn="paper"), "bn must be 'psi' or 'sgd'"),
+])
+def test_construction_errors(model, kwargs, message):
+    kwargs.setdefault("lr", 0.1)
+    with pytest.raises(ValueError, match=message):
+        GSGD(model, **kwargs)
+
+
+def test_frozen_layer_in_a_chain_is_an_error_and_untraceable_models_take_chains():
+    model = mlp()
+    model[2].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"2.weight has requires_grad=False"):
+        GSGD(model, lr=0.1)
+    m = Untraceable()
+    opt = GSGD(m, lr=0.1, chains=[[m.a, m.b]])
+    assert opt.describe().chains[0][0] == ["a", "b"]
+
+
+def test_grouped_conv_ends_chains():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.Conv2d(4, 4, 1),
+                          nn.ReLU(), nn.Conv2d(4, 2, 1))
+    assert [c.names for c in discover(model).chains] == [["2", "4"]]
+
+
+def test_ddp_and_compile_wrappers_are_unwrapped():
+    model = mlp()
+    compiled = torch.compile(model)
+    assert [c.modules for c in discover(compiled).chains] == [[model[0], model[2], model[4]]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_trajectory_equals_cpu():
+    model = mlp()
+    gpu = copy.deepcopy(model).cuda()
+    x, y = data(model)
+    train(model, GSGD(model, lr=0.05, momentum=0.9), x, y, 5)
+    train(gpu, GSGD(gpu, lr=0.05, momentum=0.9), x.cuda(), y.cuda(), 5)
+    for p, q in zip(model.parameters(), gpu.parameters()):
+        assert q.device.type == "cuda"
+        assert torch.allclose(p, q.cpu(), rtol=1e-9, atol=1e-12)
