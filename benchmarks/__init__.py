@@ -1,0 +1,1 @@
+"""Benchmarks: the papers' experiments on scikit-learn's digits (``python -m benchmarks``)."""

@@ -1,0 +1,97 @@
+"""The five experiments, each returning a :class:`~benchmarks.experiments.Section`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gsgd_core import Chain
+
+from . import report
+from .digits import Run, train
+from .experiments import Arm, Section, compare, sgd_arms, table
+
+
+def invariant_ratio(b, data, out) -> Section:
+    """Paper §5.2 / Table 6 / Fig. 4: MLPs 64-h-h-10, SGD vs G-SGD against H/m."""
+    rows, pts = [], []
+    for h in b.widths:
+        chain = Chain.mlp([64, h, h, 10])
+        outs = compare(sgd_arms(b), Run((64, h, h, 10), "sgd", 0.1, 0), b, data, f"h={h}")
+        rows += [((str(h), f"{chain.invariant_ratio:.3g}"), o) for o in outs]
+        pts += [(chain.invariant_ratio, o.arm.label, o.final("loss"), o.final("test_err"))
+                for o in outs]
+    fig = report.ratio_figure(out, "invariant_ratio.png", pts)
+    return Section("1. Invariant ratio (paper §5.2, Fig. 4)",
+                   "MLP 64-h-h-10 with biases; H/m counts biases in m.",
+                   [table(rows, ["h", "H/m"])], [(fig, "loss and error against H/m")],
+                   data=dict(rows=rows))
+
+
+def unbalanced(b, data, out) -> Section:
+    """Seed 004 Fig. 1: one start rescaled by random positive factors of growing spread."""
+    base = Run((64, 64, 64, 10), "sgd", 0.1, 0, float64=True)
+    arms = [Arm("SGD", "sgd", "skeleton", b.sgd_grid),
+            Arm("G-SGD", "gsgd", "skeleton", b.sgd_grid)]
+    chosen = {o.arm.label: o for o in compare(arms, base, b, data, "balanced start")}
+    rows, curves, gaps = [], {}, []
+    for spread in b.spreads:
+        curves[spread] = {}
+        for label, o in chosen.items():
+            runs = [train(Run(base.widths, o.arm.opt, o.lr, s, "skeleton", spread,
+                              epochs=b.epochs, float64=True), data) for s in range(b.seeds)]
+            outcome = type(o)(o.arm, o.lr, runs)
+            rows.append(((f"{spread:g}",), outcome))
+            curves[spread][label] = runs[0]["loss"]
+            if label == "G-SGD":
+                base_runs = [r for (p,), oo in rows if p == "0" and oo.arm.label == "G-SGD"
+                             for r in oo.runs]
+                gaps.append(max(np.max(np.abs(np.array(r["loss"]) - np.array(r0["loss"]))
+                                       / np.array(r0["loss"]))
+                                for r, r0 in zip(runs, base_runs)))
+    fig = report.spread_figure(out, "unbalanced.png", curves)
+    text = ("MLP 64-64-64-10 in float64, skeleton-initialised, then every hidden unit rescaled "
+            "by exp(spread·N(0,1)) (the network function is unchanged). lr chosen on the "
+            "balanced start. Largest relative difference between a G-SGD loss curve and the "
+            f"same seed's balanced curve, over all spreads and seeds: {max(gaps):.2g}.")
+    return Section("2. Unbalanced initialisation (seed 004, Fig. 1)", text,
+                   [table(rows, ["spread"])], [(fig, "training loss per spread")],
+                   data=dict(max_gap=max(gaps), rows=rows))
+
+
+def path_sgd(b, data, out) -> Section:
+    """Paper §5.3: a 5-hidden-layer, 64-unit MLP; SGD, Path-SGD, G-SGD."""
+    arms = sgd_arms(b)[:2] + [Arm("Path-SGD, He init", "pathsgd", "he", b.path_grid),
+                              sgd_arms(b)[2]]
+    outs = compare(arms, Run((64,) + (64,) * 5 + (10,), "sgd", 0.1, 0), b, data, "Path-SGD")
+    fig = report.curves_figure(out, "path_sgd.png", outs, "MLP 64-(64x5)-10")
+    return Section("3. Path-SGD comparison (paper §5.3)", "MLP with five hidden layers of 64.",
+                   [table([((), o) for o in outs])], [(fig, "training loss")],
+                   data=dict(outcomes=outs))
+
+
+def batch_norm(b, data, out) -> Section:
+    """Seed 004 Table 1, small: an MLP with batch norm; SGD, Adam, PSI-SGD, PSI-SGDM."""
+    arms = [Arm("SGD", "sgd", "he", b.sgd_grid), Arm("Adam", "adam", "he", b.adam_grid),
+            Arm("PSI-SGD", "psisgd", "he", b.sgd_grid),
+            Arm("PSI-SGDM (0.9)", "psisgdm", "he", b.momentum_grid)]
+    outs = compare(arms, Run((64, 64, 64, 10), "sgd", 0.1, 0, bn=True), b, data, "batch norm")
+    fig = report.curves_figure(out, "batch_norm.png", outs, "MLP 64-64-64-10 with BN")
+    return Section("4. Batch norm (seed 004, Table 1, small)",
+                   "Linear -> BatchNorm -> ReLU blocks; PSI-SGD updates the BN-followed "
+                   "weights, the rest takes SGD(M) with the same lr.",
+                   [table([((), o) for o in outs])], [(fig, "training loss")],
+                   data=dict(outcomes=outs))
+
+
+def momentum(b, data, out) -> Section:
+    """SGD with momentum 0.9 against G-SGD with momentum 0.9 in path space."""
+    arms = sgd_arms(b, gsgd="gsgdm", sgd="sgdm", grid=b.momentum_grid)
+    outs = compare(arms, Run((64, 64, 64, 10), "sgdm", 0.01, 0), b, data, "momentum")
+    fig = report.curves_figure(out, "momentum.png", outs, "MLP 64-64-64-10, momentum 0.9")
+    return Section("5. Momentum", "Momentum 0.9 for all; G-SGD keeps its buffer in path space.",
+                   [table([((), o) for o in outs])], [(fig, "training loss")],
+                   data=dict(outcomes=outs))
+
+
+EXPERIMENTS = {"ratio": invariant_ratio, "unbalanced": unbalanced, "pathsgd": path_sgd,
+               "bn": batch_norm, "momentum": momentum}

@@ -1,0 +1,34 @@
+"""The main job runs end to end (quick budget), writes its summary and plots, and its
+unbalanced-start experiment shows G-SGD's curves unchanged by rescaling."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_quick_unbalanced_experiment(tmp_path):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only",
+                           "unbalanced", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "unbalanced.png").stat().st_size > 10_000
+    gap = float(re.search(r"over all spreads and seeds: ([0-9.e+-]+)\.", summary).group(1))
+    assert gap < 1e-9
+    assert "| 2 | SGD |" in summary and "| 2 | G-SGD |" in summary
+
+
+def test_help_lists_the_experiments():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for name in ("ratio", "unbalanced", "pathsgd", "bn", "momentum", "--quick", "--out"):
+        assert name in proc.stdout
