@@ -15,8 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import gsgd_core as gc
-from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, discover, skeleton_init_model_
+from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, random_rescale_model_, skeleton_init_model_
 
 
 @dataclass(frozen=True)
@@ -99,15 +98,7 @@ def build(run: Run) -> nn.Sequential:
     if run.init == "skeleton":
         skeleton_init_model_(model)
     if run.spread > 0:
-        for c in discover(model).chains:
-            scales = gc.random_rescaling(c.chain, np.random.default_rng(1000 + run.seed),
-                                         run.spread)
-            W, b = gc.rescale(c.chain, [m.weight.detach() for m in c.modules],
-                              [m.bias.detach() for m in c.modules], scales)
-            with torch.no_grad():
-                for m, w, v in zip(c.modules, W, b):
-                    m.weight.copy_(w)
-                    m.bias.copy_(v)
+        random_rescale_model_(model, np.random.default_rng(1000 + run.seed), run.spread)
     return model
 
 

@@ -110,7 +110,7 @@ def _ms(vals, pct=False):
 
 def table(outcomes, extra_cols=None) -> str:
     head = "| " + " | ".join((extra_cols or []) + ["optimizer", "lr", "train loss",
-                                                   "test error", "diverged"]) + " |"
+                                                   "test error", "NaN runs"]) + " |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for prefix, o in outcomes:
         ok = [r for r in o.runs if not r["diverged"]]

@@ -14,11 +14,11 @@ STEPS = 5
 
 def model_and_data():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.ReLU(),
-                          nn.Linear(5, 3)).double()
+    f64 = dict(dtype=torch.float64)  # explicit: independent of the process's default dtype
+    model = nn.Sequential(nn.Linear(6, 8, **f64), nn.ReLU(), nn.Linear(8, 5, **f64), nn.ReLU(),
+                          nn.Linear(5, 3, **f64))
     g = torch.Generator().manual_seed(1)
-    return model, torch.randn(16, 6, generator=g).double(), torch.randn(16, 3,
-                                                                        generator=g).double()
+    return model, torch.randn(16, 6, generator=g, **f64), torch.randn(16, 3, generator=g, **f64)
 
 
 def train(model, opt, x, y):

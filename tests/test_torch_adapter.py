@@ -10,9 +10,18 @@ import torch
 import torch.nn as nn
 
 import gsgd_core as gc
-from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, discover, skeleton_init_model_
+from gsgd_adapters.torch import (GSGD, PSISGD, PathSGD, discover, random_rescale_model_,
+                                 skeleton_init_model_)
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def float64_default():
+    """These tests compare trajectories in float64; restore the default afterwards."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def mlp():
@@ -44,6 +53,14 @@ def train(model, opt, x, y, steps):
         loss_of(model, x, y).backward()
         opt.step()
     return model
+
+
+def _load(modules, W, b):
+    """Copy the core's results into the layers."""
+    with torch.no_grad():
+        for m, w, v in zip(modules, W, b):
+            m.weight.copy_(w)
+            m.bias.copy_(v)
 
 
 MODELS = [mlp, cnn]
@@ -86,24 +103,14 @@ def test_trajectory_equals_the_core(make, hyper):
         G = [m.weight.grad for m in chain.modules]
         Gb = [m.bias.grad for m in chain.modules]
         W, b, state = gc.gsgd_update(chain.chain, state, W, b, G, Gb, **hyper)
-        with torch.no_grad():
-            for m, w, v in zip(chain.modules, W, b):
-                m.weight.copy_(w)
-                m.bias.copy_(v)
+        _load(chain.modules, W, b)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
 
 
 def _rescaled_twin(model, spread=1.0, seed=0):
     twin = copy.deepcopy(model)
-    chain = discover(twin).chains[0]
-    scales = gc.random_rescaling(chain.chain, np.random.default_rng(seed), spread)
-    W, b = gc.rescale(chain.chain, [m.weight.detach() for m in chain.modules],
-                      [m.bias.detach() for m in chain.modules], scales)
-    with torch.no_grad():
-        for m, w, v in zip(chain.modules, W, b):
-            m.weight.copy_(w)
-            m.bias.copy_(v)
+    random_rescale_model_(twin, np.random.default_rng(seed), spread)
     return twin
 
 
@@ -193,10 +200,7 @@ def test_lr_schedule_reaches_the_core():
                             [m.bias.detach() for m in chain.modules],
                             [m.weight.grad for m in chain.modules],
                             [m.bias.grad for m in chain.modules], lr)
-        with torch.no_grad():
-            for m, w, v in zip(chain.modules, W, b):
-                m.weight.copy_(w)
-                m.bias.copy_(v)
+        _load(chain.modules, W, b)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
 
@@ -348,10 +352,7 @@ def test_path_sgd_equals_the_core():
                                 [m.bias.detach() for m in chain.modules],
                                 [m.weight.grad for m in chain.modules],
                                 [m.bias.grad for m in chain.modules], 0.1)
-        with torch.no_grad():
-            for m, w, v in zip(chain.modules, W, b):
-                m.weight.copy_(w)
-                m.bias.copy_(v)
+        _load(chain.modules, W, b)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
 
@@ -391,7 +392,7 @@ class Untraceable(nn.Module):
     (mlp(), dict(lr=-0.1), "lr must be a finite number >= 0"),
     (mlp(), dict(momentum=-1.0), "momentum must be a finite number >= 0"),
     (mlp(), dict(nesterov=True), "nesterov needs momentum > 0"),
-    (mlp(), dict(bn="paper"), "bn must be 'psi' or 'sgd'"),
+    (mlp(), dict(bn="exact"), "bn must be .psi., .sgd. or .paper."),
 ])
 def test_construction_errors(model, kwargs, message):
     kwargs.setdefault("lr", 0.1)
@@ -431,3 +432,46 @@ def test_cuda_trajectory_equals_cpu():
     for p, q in zip(model.parameters(), gpu.parameters()):
         assert q.device.type == "cuda"
         assert torch.allclose(p, q.cpu(), rtol=1e-9, atol=1e-12)
+
+
+class BNChain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.bn1 = nn.Linear(6, 8), nn.BatchNorm1d(8)
+        self.l2, self.bn2 = nn.Linear(8, 5), nn.BatchNorm1d(5)
+        self.l3 = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.bn2(self.l2(torch.relu(self.bn1(self.l1(x)))))))
+
+
+def test_paper_bn_variant_follows_its_formula():
+    """Appendix 10.2: BN stays inside the chain and ICR reads grad * ||W[j]|| there."""
+    model, twin = BNChain(), BNChain()
+    opt = GSGD(model, lr=0.05, momentum=0.9, bn="paper")
+    d = opt.describe()
+    assert [c[0] for c in d.chains] == [["l1", "l2", "l3"]] and d.normalised == []
+    assert d.fallback == ["bn1.weight", "bn1.bias", "bn2.weight", "bn2.bias"]
+    layers = [twin.l1, twin.l2, twin.l3]
+    chain = gc.Chain.mlp([6, 8, 5, 3])
+    sgd = torch.optim.SGD([p for n, p in twin.named_parameters() if "bn" in n], lr=0.05,
+                          momentum=0.9)
+    W, b = [m.weight.detach() for m in layers], [m.bias.detach() for m in layers]
+    state = gc.gsgd_init(chain, W, b)
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+    for _ in range(3):
+        train(model, opt, x, y, 1)
+        sgd.zero_grad()
+        for m in layers:
+            m.zero_grad()
+        loss_of(twin, x, y).backward()
+        sgd.step()
+        G = [m.weight.grad * m.weight.norm(dim=1, keepdim=True) for m in layers[:2]]
+        G.append(layers[2].weight.grad)
+        W, b, state = gc.gsgd_update(chain, state, [m.weight.detach() for m in layers],
+                                     [m.bias.detach() for m in layers], G,
+                                     [m.bias.grad for m in layers], lr=0.05, momentum=0.9)
+        _load(layers, W, b)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.allclose(p, q, rtol=1e-12, atol=1e-14)

@@ -8,7 +8,8 @@
 
 from .discovery import ChainLayers, chain_of, discover
 from .groups import Description
-from .optim import GSGD, PSISGD, PathSGD, skeleton_init_model_
+from .model_ops import random_rescale_model_, skeleton_init_model_
+from .optim import GSGD, PSISGD, PathSGD
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description", "chain_of", "discover",
-           "skeleton_init_model_"]
+           "random_rescale_model_", "skeleton_init_model_"]

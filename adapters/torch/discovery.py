@@ -37,14 +37,21 @@ HOW_TO = ("pass the chains by hand: GSGD(model, chains=[[model.fc1, model.fc2, .
 
 @dataclass
 class ChainLayers:
-    """A chain found in a model: its layers (modules), their names and the core Chain."""
+    """A chain found in a model: its layers (modules), their names and the core Chain.
+
+    ``normalised[i]`` marks a layer followed by batch norm inside the chain (only when BN is
+    treated as pass-through, the paper's approximate variant, Appendix 10.2).
+    """
 
     names: list[str]
     modules: list[nn.Module]
+    normalised: list[bool] = None  # type: ignore[assignment]
     chain: Chain = field(init=False)
 
     def __post_init__(self) -> None:
         self.chain = chain_of(self.modules, self.names)
+        if self.normalised is None:
+            self.normalised = [False] * len(self.modules)
 
 
 @dataclass
@@ -113,31 +120,43 @@ def _step_kind(node: fx.Node, modules) -> str | None:
     return None
 
 
-def _next_layer(node: fx.Node, modules):
-    """The weight layer that ``node``'s output reaches through pass-through ops alone."""
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _next_layer(node: fx.Node, modules, through_bn: bool):
+    """The weight layer that ``node``'s output reaches through pass-through ops alone, the
+    norm directly after ``node`` (if any), and whether a batch norm was passed through."""
     spatial = isinstance(modules[node.target], nn.modules.conv._ConvNd)
-    cur = node
+    cur, norm = node, None
     while True:
         users = list(cur.users)
         if len(users) != 1 or (users[0].args[:1] != (cur,)):
-            return None, None
+            return None, norm, False
         user = users[0]
         mod = modules.get(user.target) if user.op == "call_module" else None
         if isinstance(mod, WEIGHT_LAYERS):
             conv = isinstance(mod, nn.modules.conv._ConvNd)
-            return (user, None) if conv == spatial else (None, None)
+            return (user if conv == spatial else None), norm, norm is not None
         if isinstance(mod, NORMS) and cur is node:
-            return None, mod
+            norm = mod
+            if not (through_bn and isinstance(mod, BATCH_NORMS)):
+                return None, norm, False
+            cur = user
+            continue
         kind = _step_kind(user, modules)
         if kind is None:
-            return None, None
+            return None, norm, False
         if kind == "flatten":
             spatial = False
         cur = user
 
 
-def discover(model: nn.Module) -> Discovery:
-    """Trace ``model`` and return its chains and its norm-followed weight layers."""
+def discover(model: nn.Module, through_bn: bool = False) -> Discovery:
+    """Trace ``model`` and return its chains and its norm-followed weight layers.
+
+    With ``through_bn``, batch norm directly after a layer does not end its chain (the
+    paper's approximate BN variant, Appendix 10.2); such layers are marked ``normalised``.
+    """
     model = unwrap(model)
     try:
         gm = fx.symbolic_trace(model)
@@ -153,17 +172,20 @@ def discover(model: nn.Module) -> Discovery:
         if seen[n.target] > 1:
             raise ValueError(f"module {n.target!r} is used more than once in forward(); a "
                              f"shared layer cannot be placed in one chain automatically; {HOW_TO}")
-    nxt, normalised, has_prev = {}, [], set()
+    nxt, normalised, has_prev, via_bn = {}, [], set(), set()
     for n in layer_nodes:
         mod = modules[n.target]
         grouped = isinstance(mod, nn.modules.conv._ConvNd) and mod.groups != 1
-        following, norm = (None, None) if grouped else _next_layer(n, modules)
+        following, norm, passed = (None, None, False) if grouped else _next_layer(
+            n, modules, through_bn)
         if following is not None and not (isinstance(modules[following.target],
                                                       nn.modules.conv._ConvNd)
                                           and modules[following.target].groups != 1):
             nxt[n] = following
             has_prev.add(following)
-        if norm is not None:
+            if passed:
+                via_bn.add(n)
+        elif norm is not None:
             normalised.append((n.target, mod))
     chains = []
     for n in layer_nodes:
@@ -172,7 +194,8 @@ def discover(model: nn.Module) -> Discovery:
         run = [n]
         while run[-1] in nxt:
             run.append(nxt[run[-1]])
-        chains.append(ChainLayers([r.target for r in run], [modules[r.target] for r in run]))
+        chains.append(ChainLayers([r.target for r in run], [modules[r.target] for r in run],
+                                  [r in via_bn for r in run]))
     return Discovery(chains, normalised)
 
 

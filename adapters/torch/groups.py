@@ -41,7 +41,8 @@ def chain_group(layers: ChainLayers) -> dict:
         params += [m.weight] + ([] if m.bias is None else [m.bias])
     spec = chain_spec(layers.chain)
     return dict(params=params, kind="chain", layout=layout, layer_names=list(layers.names),
-                chain_spec=spec, fingerprint=fingerprint(spec))
+                chain_spec=spec, fingerprint=fingerprint(spec),
+                normalised=list(layers.normalised))
 
 
 def _explicit_chains(model, chains) -> list[ChainLayers]:
@@ -67,14 +68,15 @@ class Plan:
     names: dict = field(default_factory=dict)
 
 
-def plan(params, chains, *, find_chains: bool, find_normalised: bool) -> Plan:
+def plan(params, chains, *, find_chains: bool, find_normalised: bool,
+         through_bn: bool = False) -> Plan:
     """Split a model (or explicit chains plus other parameters) into groups."""
     if isinstance(params, nn.Module):
         model = unwrap(params)
         names = {id(p): n for n, p in model.named_parameters()}
         found = None
         if find_chains and chains is None:
-            found = discover(model)
+            found = discover(model, through_bn)
         elif find_normalised:
             try:  # chains given by hand: norms are found only if the model traces
                 found = discover(model)

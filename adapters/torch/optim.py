@@ -16,13 +16,12 @@ import torch.nn as nn
 from torch.optim import Optimizer
 from torch.optim.sgd import sgd as sgd_update
 
-from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_, skeleton_init_
+from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_
 from gsgd_core import Chain, GSGDState, PSIState
 
-from .discovery import discover, unwrap
 from .groups import Description, chain_group, plan, skeleton_is_initialised
 
-__all__ = ["GSGD", "PSISGD", "PathSGD", "skeleton_init_model_"]
+__all__ = ["GSGD", "PSISGD", "PathSGD"]
 
 
 def _check(name: str, value, high: float | None = None) -> None:
@@ -40,13 +39,14 @@ class _ScaleInvariantOptimizer(Optimizer):
     algorithm = "?"
 
     def __init__(self, params, defaults: dict, *, chains, find_chains: bool,
-                 find_normalised: bool) -> None:
+                 find_normalised: bool, through_bn: bool = False) -> None:
         for key in ("lr", "momentum", "weight_decay"):
             _check(key, defaults.get(key, 0.0))
         _check("dampening", defaults.get("dampening", 0.0), high=1.0)
         if defaults.get("nesterov") and (defaults["momentum"] <= 0 or defaults["dampening"]):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
-        p = plan(params, chains, find_chains=find_chains, find_normalised=find_normalised)
+        p = plan(params, chains, find_chains=find_chains, find_normalised=find_normalised,
+                 through_bn=through_bn)
         self._names = p.names
         groups = [chain_group(c) for c in p.chains]
         if p.normalised:
@@ -157,11 +157,15 @@ class GSGD(_ScaleInvariantOptimizer):
         commutes with positive rescaling.
     chains : list of lists of layers, optional
         The chains by hand, each an ordered list of Linear/Conv modules.
-    bn : {"psi", "sgd"}
-        Weight layers directly followed by batch/group/layer norm end their chain. By default
-        their weights are updated by PSI-SGD(M) (seed 004), which keeps the optimisation
-        invariant under the norm's per-unit rescaling; ``"sgd"`` updates them like the rest.
-        PSI weights take no weight decay (their scale does not affect the loss).
+    bn : {"psi", "sgd", "paper"}
+        Weight layers directly followed by batch/group/layer norm end their chain (exact
+        invariance holds only without them). By default (``"psi"``) their weights are updated
+        by PSI-SGD(M) (seed 004), which is exactly invariant under the rescaling that the norm
+        allows; PSI weights take no weight decay (their scale does not affect the loss).
+        ``"sgd"`` updates them like the rest. ``"paper"`` is the G-SGD paper's approximate
+        variant (Appendix 10.2, eq. 29-30): batch norm does not end a chain, and the ICR of a
+        BN-followed layer uses ``grad * ||W[j]||`` (row norms). It is approximate: the
+        trajectory does not commute exactly with rescaling.
     check_finite : bool
         Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
         synchronisation per parameter). Off by default; ``torch.amp.GradScaler`` already
@@ -170,7 +174,7 @@ class GSGD(_ScaleInvariantOptimizer):
     Notes
     -----
     G-SGD learns well from a skeleton-initialised start (paper §11.2): call
-    :func:`skeleton_init_model_` once before training (``describe()`` says whether it was).
+    :func:`~gsgd_adapters.torch.skeleton_init_model_` once before training (``describe()`` says whether it was).
     """
 
     algorithm = "G-SGD"
@@ -179,19 +183,22 @@ class GSGD(_ScaleInvariantOptimizer):
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  chains=None, bn: str = "psi", check_finite: bool = False,
                  foreach: bool | None = None, max_norm: float = 1e4) -> None:
-        if bn not in ("psi", "sgd"):
-            raise ValueError(f"bn must be 'psi' or 'sgd', got {bn!r}")
+        if bn not in ("psi", "sgd", "paper"):
+            raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                         check_finite=check_finite, foreach=foreach, max_norm=max_norm)
         super().__init__(params, defaults, chains=chains, find_chains=True,
-                         find_normalised=(bn == "psi" and isinstance(params, nn.Module)))
+                         find_normalised=(bn == "psi" and isinstance(params, nn.Module)),
+                         through_bn=(bn == "paper"))
 
     def _step_chain(self, group: dict) -> None:
         if all(p.grad is None for p in group["params"]):
             return
         chain = self._chain(group)
         W, b, G, Gb = self._chain_arrays(group)
+        G = [_row_norm_scaled(g, w) if bn else g
+             for g, w, bn in zip(G, W, group.get("normalised", [False] * len(W)))]
         state = None
         if group["momentum"] != 0:
             st = [self.state[p] for p in group["params"]]
@@ -208,6 +215,12 @@ class GSGD(_ScaleInvariantOptimizer):
 
     def _step_psi(self, group: dict) -> None:
         _psi_step(self, group)
+
+
+def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad * ||W[j]||`` per output unit ``j``: the BN variant of ICR (paper eq. 30)."""
+    norms = torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), dim=1)
+    return grad * norms.reshape((-1,) + (1,) * (grad.ndim - 1))
 
 
 def _psi_step(opt: _ScaleInvariantOptimizer, group: dict) -> None:
@@ -264,17 +277,3 @@ class PathSGD(_ScaleInvariantOptimizer):
             return
         W, b, G, Gb = self._chain_arrays(group)
         path_sgd_step_(self._chain(group), W, b, G, Gb, group["lr"])
-
-
-def skeleton_init_model_(model: nn.Module, chains=None) -> list:
-    """Set every skeleton weight of the model's chains to ``+1`` (paper §11.2), in place.
-
-    Call once after the usual initialisation and before creating the optimizer's state: it
-    changes the network function. Returns the chains it initialised.
-    """
-    from .groups import _explicit_chains
-    model = unwrap(model)
-    found = discover(model).chains if chains is None else _explicit_chains(model, chains)
-    for c in found:
-        skeleton_init_(c.chain, [m.weight for m in c.modules])
-    return found
