@@ -1,8 +1,11 @@
-"""gsgd_adapters: framework glue over :mod:`gsgd_backends` (DESIGN §7).
+"""gsgd_adapters: framework glue over the gsgd core (DESIGN §7).
 
-Planned here: ``torch.optim`` optimizers that take a model (issue 6), a CuPy training-loop
-helper (issue 3) and an optax transformation (issue 7). This release ships none of them yet;
-use :mod:`gsgd_core` (functional) or :mod:`gsgd_backends` (in place) directly.
+- :mod:`gsgd_adapters.torch`: ``GSGD``, ``PSISGD`` and ``PathSGD`` as ``torch.optim``
+  optimizers that take a model (they call :mod:`gsgd_backends`, in place).
+- :mod:`gsgd_adapters.optax`: ``gsgd``, ``psi_sgd`` and ``path_sgd`` as optax
+  transformations (they call the functional :mod:`gsgd_core`, jit-compatible).
+
+Each is imported on demand, so installing one framework is enough.
 """
 
 __all__: list[str] = []

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, random_rescale_model_, skeleton_init_model_
+from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, random_rescale_, skeleton_init_
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,9 @@ def build(run: Run) -> nn.Sequential:
     if run.float64:
         model = model.double()
     if run.init == "skeleton":
-        skeleton_init_model_(model)
+        skeleton_init_(model)
     if run.spread > 0:
-        random_rescale_model_(model, np.random.default_rng(1000 + run.seed), run.spread)
+        random_rescale_(model, np.random.default_rng(1000 + run.seed), run.spread)
     return model
 
 

@@ -32,3 +32,15 @@ def test_help_lists_the_experiments():
     assert proc.returncode == 0
     for name in ("ratio", "unbalanced", "pathsgd", "bn", "momentum", "--quick", "--out"):
         assert name in proc.stdout
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_jax_digits_example_trains_next_to_optax_sgd():
+    pytest.importorskip("optax")
+    pytest.importorskip("sklearn")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.jax_digits", "--epochs", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 2 and all(len(r) == 3 for r in rows)
+    assert float(rows[1][2]) < float(rows[0][2])  # G-SGD's loss goes down

@@ -21,3 +21,16 @@ def test_torch_example_runs_on_a_model():
     import torch.nn as nn
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     exec(compile(BLOCKS[1], "README torch example", "exec"), {"model": model})
+
+
+@pytest.mark.skipif(len(BLOCKS) < 3, reason="README.md not found next to the tests")
+def test_optax_example_runs():
+    jnp = pytest.importorskip("jax.numpy")
+    optax = pytest.importorskip("optax")
+    params = [(jnp.ones((5, 4)), jnp.zeros(5)), (jnp.ones((3, 5)), jnp.zeros(3))]
+    grads = [(0.1 * w, 0.1 * b) for w, b in params]
+    scope = {"params": params, "grads": grads, "optax": optax}
+    exec(compile("state = None\n" + BLOCKS[2].replace(
+        "updates, state", "state = opt.init(params)\nupdates, state"), "README optax", "exec"),
+        scope)
+    assert len(scope["updates"]) == 2

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import gsgd_core as gc
-from gsgd_adapters.torch import (GSGD, PSISGD, PathSGD, discover, random_rescale_model_,
-                                 skeleton_init_model_)
+from gsgd_adapters.torch import (GSGD, PSISGD, PathSGD, discover, random_rescale_,
+                                 skeleton_init_)
 
 
 
@@ -78,7 +78,7 @@ def test_discovery_finds_one_chain_through_pooling_and_flatten(make):
     assert d.fallback == [] and d.H == sum(m.weight.shape[0] for m in layers[:-1])
     assert d.m == sum(p.numel() for p in model.parameters())
     assert "skeleton NOT initialised" in str(opt)
-    skeleton_init_model_(model)
+    skeleton_init_(model)
     assert opt.describe().chains[0][2] and "skeleton initialised" in repr(opt)
 
 
@@ -110,7 +110,7 @@ def test_trajectory_equals_the_core(make, hyper):
 
 def _rescaled_twin(model, spread=1.0, seed=0):
     twin = copy.deepcopy(model)
-    random_rescale_model_(twin, np.random.default_rng(seed), spread)
+    random_rescale_(twin, np.random.default_rng(seed), spread)
     return twin
 
 
@@ -118,14 +118,15 @@ def _rescaled_twin(model, spread=1.0, seed=0):
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_rescaled_twins_train_identically_under_gsgd_but_not_sgd(make, momentum):
     model = make()
-    skeleton_init_model_(model)
+    skeleton_init_(model)
     twin = _rescaled_twin(model)
     x, y = data(model)
     assert torch.allclose(model(x), twin(x), rtol=1e-12)
     ma, mb = copy.deepcopy(model), copy.deepcopy(twin)
     train(ma, GSGD(ma, lr=0.02, momentum=momentum), x, y, 20)
     train(mb, GSGD(mb, lr=0.02, momentum=momentum), x, y, 20)
-    out_a, out_b = ma(x), mb(x)
+    with torch.no_grad():
+        out_a, out_b = ma(x), mb(x)
     assert torch.allclose(out_b, out_a, rtol=1e-8, atol=1e-8 * float(out_a.abs().max()))
     assert not torch.allclose(out_a, model(x), atol=1e-3)  # it did train
     sa, sb = copy.deepcopy(model), copy.deepcopy(twin)
@@ -475,3 +476,19 @@ def test_paper_bn_variant_follows_its_formula():
         _load(layers, W, b)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_add_param_group_and_per_group_hyperparameters():
+    model = mlp()
+    extra = nn.Parameter(torch.ones(3))
+    opt = GSGD(model, lr=0.1, momentum=0.9)
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    assert opt.param_groups[-1]["kind"] == "sgd" and opt.param_groups[-1]["momentum"] == 0.9
+    opt.param_groups[0]["lr"] = 0.0  # the chain group: lr 0 leaves it where it is
+    x, y = data(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    (loss_of(model, x, y) + (extra ** 2).sum()).backward()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert torch.allclose(extra, torch.full((3,), 1.0 - 0.5 * 2.0))

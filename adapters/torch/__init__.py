@@ -1,15 +1,15 @@
 """``torch.optim`` optimizers over the gsgd core: G-SGD, PSI-SGD(M) and Path-SGD.
 
-    from gsgd_adapters.torch import GSGD, skeleton_init_model_
-    skeleton_init_model_(model)               # paper §11.2, once, before training
+    from gsgd_adapters.torch import GSGD, skeleton_init_
+    skeleton_init_(model)               # paper §11.2, once, before training
     opt = GSGD(model, lr=0.1, momentum=0.9)   # the rest of the training loop is unchanged
     print(opt.describe())
 """
 
 from .discovery import ChainLayers, chain_of, discover
 from .groups import Description
-from .model_ops import random_rescale_model_, skeleton_init_model_
+from .model_ops import random_rescale_, skeleton_init_
 from .optim import GSGD, PSISGD, PathSGD
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description", "chain_of", "discover",
-           "random_rescale_model_", "skeleton_init_model_"]
+           "random_rescale_", "skeleton_init_"]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch.nn as nn
 
-from gsgd_backends import rescale_, skeleton_init_
+from gsgd_backends import rescale_ as rescale_chain_
+from gsgd_backends import skeleton_init_ as skeleton_init_chain_
 from gsgd_core import random_rescaling
 
 from .discovery import ChainLayers, discover, unwrap
 from .groups import _explicit_chains
 
-__all__ = ["skeleton_init_model_", "random_rescale_model_"]
+__all__ = ["skeleton_init_", "random_rescale_"]
 
 
 def _chains(model: nn.Module, chains) -> list[ChainLayers]:
@@ -19,7 +20,7 @@ def _chains(model: nn.Module, chains) -> list[ChainLayers]:
     return discover(model).chains if chains is None else _explicit_chains(model, chains)
 
 
-def skeleton_init_model_(model: nn.Module, chains=None) -> list[ChainLayers]:
+def skeleton_init_(model: nn.Module, chains=None) -> list[ChainLayers]:
     """Set every skeleton weight of the model's chains to ``+1`` (paper §11.2), in place.
 
     Call once after the usual initialisation, before training: it changes the network
@@ -27,11 +28,11 @@ def skeleton_init_model_(model: nn.Module, chains=None) -> list[ChainLayers]:
     """
     found = _chains(model, chains)
     for c in found:
-        skeleton_init_(c.chain, [m.weight for m in c.modules])
+        skeleton_init_chain_(c.chain, [m.weight for m in c.modules])
     return found
 
 
-def random_rescale_model_(model: nn.Module, rng: np.random.Generator, spread: float = 1.0,
+def random_rescale_(model: nn.Module, rng: np.random.Generator, spread: float = 1.0,
                           chains=None) -> list[ChainLayers]:
     """Rescale every hidden unit of every chain by ``exp(spread * N(0, 1))``, in place.
 
@@ -40,6 +41,6 @@ def random_rescale_model_(model: nn.Module, rng: np.random.Generator, spread: fl
     """
     found = _chains(model, chains)
     for c in found:
-        rescale_(c.chain, [m.weight for m in c.modules], [m.bias for m in c.modules],
+        rescale_chain_(c.chain, [m.weight for m in c.modules], [m.bias for m in c.modules],
                  random_rescaling(c.chain, rng, spread))
     return found

@@ -1,0 +1,203 @@
+"""G-SGD, PSI-SGD(M) and Path-SGD for JAX as ``optax.GradientTransformation``\\ s.
+
+Parameters stay an ordinary pytree; a short description says which leaves form chains::
+
+    chains = chains_from_pairs(params)          # params = [(W1, b1), (W2, b2), ...]
+    opt = optax.chain(optax.clip_by_global_norm(1.0), gsgd(0.1, chains, momentum=0.9))
+    updates, state = opt.update(grads, state, params)   # params are required
+
+The math is :mod:`gsgd_core` (functional, Array API), so ``update`` compiles once under
+``jax.jit``: no data-dependent control flow, no host round-trips. Leaves outside chains take
+plain SGD (``torch.optim.SGD``'s momentum conventions). Weights use the ``(out, in, ...)``
+layout; ``transposed=True`` reads 2-D ``(in, out)`` kernels (flax, haiku) instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gsgd_core import Chain, gsgd_init, gsgd_update, path_sgd_step, psi_init, psi_update
+
+__all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "path_sgd",
+           "psi_sgd"]
+
+ScalarOrSchedule = Union[float, Callable[[Any], Any]]
+Path = tuple
+
+
+@dataclass(frozen=True)
+class ChainLeaves:
+    """A chain and the key paths of its layers' weights and biases in the params pytree
+    (``chain`` is ``None`` for a PSI-SGD group of normalised weights)."""
+
+    chain: Chain | None
+    weights: tuple
+    biases: tuple
+    transposed: bool = False
+
+
+def _key(entry):
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def _flat(tree):
+    """Leaves of ``tree`` with plain key paths (dict keys, list indices, attribute names)."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [tuple(_key(k) for k in path) for path, _ in pairs], [x for _, x in pairs], treedef
+
+
+def _chain_from(shapes, bias_flags, transposed):
+    shapes = [tuple(reversed(s)) if transposed else tuple(s) for s in shapes]
+    return Chain.from_shapes(shapes, bias=bias_flags)
+
+
+def chains_from_pairs(params: Sequence, *, transposed: bool = False) -> list[ChainLeaves]:
+    """One chain over a list of ``(W, b)`` pairs (``b`` may be ``None``)."""
+    weights = tuple((i, 0) for i in range(len(params)))
+    biases = tuple(None if p[1] is None else (i, 1) for i, p in enumerate(params))
+    chain = _chain_from([p[0].shape for p in params], [b is not None for b in biases],
+                        transposed)
+    return [ChainLeaves(chain, weights, biases, transposed)]
+
+
+def chains_from_dict(params: dict, layers: Sequence[str], *, weight: str = "w",
+                     bias: str = "b", transposed: bool = False) -> list[ChainLeaves]:
+    """One chain over ``params[name][weight]`` / ``params[name][bias]`` for ``layers`` in order."""
+    weights = tuple((n, weight) for n in layers)
+    biases = tuple((n, bias) if params[n].get(bias) is not None else None for n in layers)
+    chain = _chain_from([params[n][weight].shape for n in layers],
+                        [b is not None for b in biases], transposed)
+    return [ChainLeaves(chain, weights, biases, transposed)]
+
+
+class ChainTransformState(NamedTuple):
+    count: Any            # completed updates (drives schedules)
+    chains: tuple         # the core's state per chain (or None)
+    momentum: tuple       # SGD momentum buffers of leaves outside chains (None inside)
+
+
+def _lr(learning_rate, count):
+    return learning_rate(count) if callable(learning_rate) else learning_rate
+
+
+def _chain_leaf_paths(chains):
+    return {p for c in chains for p in c.weights + c.biases if p is not None}
+
+
+def _get(index, leaves, path, transposed=False):
+    if path is None:
+        return None
+    if path not in index:
+        raise ValueError(f"no leaf at key path {path} in params")
+    x = leaves[index[path]]
+    return x.T if transposed and x.ndim == 2 else x
+
+
+def _sgd_rest(g, p, buf, count, lr, momentum, dampening, nesterov, weight_decay):
+    """torch.optim.SGD's update of one leaf outside the chains: returns (update, buffer)."""
+    if weight_decay:
+        g = g + weight_decay * p
+    if momentum:
+        buf = jnp.where(count == 0, g, momentum * buf + (1 - dampening) * g)
+        g = g + momentum * buf if nesterov else buf
+    return -lr * g, buf
+
+
+def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
+    chains = list(chains)
+    chain_paths = _chain_leaf_paths(chains)
+    momentum = rest_hyper.get("momentum", 0.0)
+
+    def init(params):
+        paths, leaves, _ = _flat(params)
+        index = dict(zip(paths, range(len(paths))))
+        states = tuple(chain_init(c, [_get(index, leaves, p, c.transposed) for p in c.weights],
+                                  [_get(index, leaves, p) for p in c.biases]) for c in chains)
+        bufs = tuple(None if (path in chain_paths or not momentum) else jnp.zeros_like(x)
+                     for path, x in zip(paths, leaves))
+        return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("this transformation needs params: opt.update(grads, state, params)")
+        paths, leaves, treedef = _flat(params)
+        grads = treedef.flatten_up_to(updates)
+        index = dict(zip(paths, range(len(paths))))
+        lr = _lr(learning_rate, state.count)
+        out = [None] * len(leaves)
+        new_states = []
+        for c, cs in zip(chains, state.chains):
+            t = c.transposed
+            W = [_get(index, leaves, p, t) for p in c.weights]
+            b = [_get(index, leaves, p) for p in c.biases]
+            G = [_get(index, grads, p, t) for p in c.weights]
+            Gb = [_get(index, grads, p) for p in c.biases]
+            W2, b2, cs = chain_step(c, cs, W, b, G, Gb, lr)
+            new_states.append(cs)
+            for p, old, new in zip(c.weights + c.biases, W + b, W2 + b2):
+                if p is not None:
+                    d = new - old
+                    out[index[p]] = d.T if t and d.ndim == 2 and p in c.weights else d
+        bufs = list(state.momentum)
+        for i, path in enumerate(paths):
+            if path not in chain_paths:
+                out[i], bufs[i] = _sgd_rest(grads[i], leaves[i], bufs[i], state.count, lr,
+                                            **rest_hyper)
+        return (jax.tree_util.tree_unflatten(treedef, out),
+                ChainTransformState(state.count + 1, tuple(new_states), tuple(bufs)))
+
+    return optax.GradientTransformation(init, update)
+
+
+def gsgd(learning_rate: ScalarOrSchedule, chains: Sequence[ChainLeaves], *,
+         momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+         weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """G-SGD on the given chains (momentum, Nesterov and weight decay in path space, as
+    :func:`gsgd_core.gsgd_update`); SGD with the same hyperparameters elsewhere."""
+    hyper = dict(momentum=momentum, dampening=dampening, nesterov=nesterov,
+                 weight_decay=weight_decay)
+
+    def chain_init(c, W, b):
+        return gsgd_init(c.chain, W, b) if momentum else None
+
+    def chain_step(c, cs, W, b, G, Gb, lr):
+        return gsgd_update(c.chain, cs, W, b, G, Gb, lr=lr, **hyper)
+
+    return _transformation(learning_rate, chains, chain_init, chain_step, hyper)
+
+
+def path_sgd(learning_rate: ScalarOrSchedule,
+             chains: Sequence[ChainLeaves]) -> optax.GradientTransformation:
+    """Path-SGD (Neyshabur et al. 2015) on the chains, plain SGD elsewhere."""
+    def chain_step(c, cs, W, b, G, Gb, lr):
+        return (*path_sgd_step(c.chain, W, b, G, Gb, lr), cs)
+
+    return _transformation(learning_rate, chains, lambda c, W, b: None, chain_step,
+                           dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0))
+
+
+def psi_sgd(learning_rate: ScalarOrSchedule, normalised: Sequence[Path], *,
+            momentum: float = 0.0, max_norm: float = 1e4) -> optax.GradientTransformation:
+    """PSI-SGD(M) (seed 004, Algorithm 1) on the leaves at key paths ``normalised`` (weights
+    followed by a normalisation, rows = first axis); SGD(M) with the same lr elsewhere."""
+    normalised = tuple(tuple(p) for p in normalised)
+    leaves = ChainLeaves(None, normalised, ())  # no chain: PSI acts row by row
+
+    def chain_init(c, W, b):
+        return psi_init(W)
+
+    def chain_step(c, cs, W, b, G, Gb, lr):
+        W2, cs = psi_update(cs, W, G, lr=lr, momentum=momentum, max_norm=max_norm)
+        return W2, [], cs
+
+    return _transformation(learning_rate, [leaves], chain_init, chain_step,
+                           dict(momentum=momentum, dampening=0.0, nesterov=False,
+                                weight_decay=0.0))

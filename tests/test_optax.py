@@ -1,0 +1,178 @@
+"""gsgd_adapters.optax: jitted, equal to the NumPy core in float64, invariant, composable."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+
+import gsgd_core as gc  # noqa: E402
+from _helpers import assert_close  # noqa: E402
+from gsgd_adapters.optax import (ChainLeaves, chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
+                                 psi_sgd)
+
+SIZES = [6, 7, 5, 3]
+
+
+def make_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return [(jnp.asarray(rng.standard_normal((o, i)) * np.sqrt(2 / i)),
+             jnp.asarray(0.1 * rng.standard_normal(o))) for i, o in zip(SIZES[:-1], SIZES[1:])]
+
+
+def data(seed=1):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((12, SIZES[0]))), jnp.asarray(
+        rng.standard_normal((12, SIZES[-1])))
+
+
+def forward(params, x):
+    for i, (W, b) in enumerate(params):
+        x = x @ W.T + b
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+X, Y = data()
+loss = jax.jit(lambda p: jnp.mean((forward(p, X) - Y) ** 2))
+grad = jax.jit(jax.grad(lambda p: jnp.mean((forward(p, X) - Y) ** 2)))
+
+
+def run(opt, params, steps):
+    state = opt.init(params)
+    traces = []
+
+    @jax.jit
+    def step(p, s):
+        traces.append(1)
+        u, s = opt.update(grad(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params, len(traces)
+
+
+HYPER = dict(momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def test_jitted_trajectory_equals_the_numpy_core_and_compiles_once():
+    params = make_params()
+    chain = chains_from_pairs(params)[0].chain
+    ours, n_traces = run(gsgd(0.05, chains_from_pairs(params), **HYPER), params, 6)
+    assert n_traces == 1
+    W = [np.asarray(w) for w, _ in params]
+    b = [np.asarray(v) for _, v in params]
+    state = gc.gsgd_init(chain, W, b)
+    for _ in range(6):
+        g = grad([(jnp.asarray(w), jnp.asarray(v)) for w, v in zip(W, b)])
+        W, b, state = gc.gsgd_update(chain, state, W, b, [np.asarray(x) for x, _ in g],
+                                     [np.asarray(x) for _, x in g], lr=0.05, **HYPER)
+    for (w, v), w2, v2 in zip(ours, W, b):
+        assert_close(np.asarray(w), w2, 1e-12, "weights")
+        assert_close(np.asarray(v), v2, 1e-12, "biases")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_rescaled_twin_has_the_same_trajectory(momentum):
+    params = make_params()
+    chain = chains_from_pairs(params)[0].chain
+    scales = gc.random_rescaling(chain, np.random.default_rng(3), 1.0)
+    W, b = gc.rescale(chain, [w for w, _ in params], [v for _, v in params], scales)
+    twin = list(zip(W, b))
+    assert_close(forward(twin, X), forward(params, X), 1e-12)
+    opt = gsgd(0.02, chains_from_pairs(params), momentum=momentum)
+    a, _ = run(opt, params, 20)
+    t, _ = run(opt, twin, 20)
+    assert_close(forward(t, X), forward(a, X), 1e-8, "outputs after 20 steps")
+    assert not np.allclose(forward(a, X), forward(params, X), atol=1e-3)
+
+
+def test_composes_with_clipping_and_schedules():
+    params = make_params()
+    schedule = optax.exponential_decay(0.1, transition_steps=1, decay_rate=0.5)
+    opt = optax.chain(optax.clip_by_global_norm(0.5), gsgd(schedule, chains_from_pairs(params)))
+    ours, _ = run(opt, params, 3)
+    chain = chains_from_pairs(params)[0].chain
+    p = params
+    for k in range(3):
+        g = grad(p)
+        norm = optax.global_norm(g)
+        g = jax.tree_util.tree_map(lambda x: x * jnp.minimum(1.0, 0.5 / norm), g)
+        W, b = gc.gsgd_step(chain, [w for w, _ in p], [v for _, v in p], [x for x, _ in g],
+                            [x for _, x in g], schedule(jnp.asarray(k, jnp.int32)))
+        p = list(zip(W, b))
+    for (w, v), (w2, v2) in zip(ours, p):
+        assert_close(np.asarray(w), np.asarray(w2), 1e-12)
+        assert_close(np.asarray(v), np.asarray(v2), 1e-12)
+
+
+def test_leaves_outside_chains_take_optax_sgd():
+    params = {"net": make_params(), "temperature": jnp.asarray([1.5, -0.5])}
+    chains = [ChainLeaves(c.chain, tuple(("net",) + w for w in c.weights),
+                          tuple(("net",) + v for v in c.biases))
+              for c in chains_from_pairs(params["net"])]
+
+    def f(p):
+        return jnp.mean((forward(p["net"], X) * p["temperature"][0] - Y) ** 2) + jnp.sum(
+            p["temperature"] ** 2)
+
+    g = jax.jit(jax.grad(f))
+    state = (opt := gsgd(0.05, chains, momentum=0.9)).init(params)
+    ref_opt = optax.sgd(0.05, momentum=0.9)
+    ref_state = ref_opt.init(params["temperature"])
+    p, t = params, params["temperature"]
+    for _ in range(3):
+        gp = g(p)
+        u, state = opt.update(gp, state, p)
+        p = optax.apply_updates(p, u)
+        ru, ref_state = ref_opt.update(gp["temperature"], ref_state)
+        t = optax.apply_updates(t, ru)
+    assert_close(np.asarray(p["temperature"]), np.asarray(t), 1e-12)
+
+
+def test_dict_layout_with_transposed_kernels_equals_pairs():
+    params = make_params()
+    as_dict = {f"l{i}": {"w": w.T, "b": b} for i, (w, b) in enumerate(params)}
+    chains = chains_from_dict(as_dict, ["l0", "l1", "l2"], transposed=True)
+    assert chains[0].chain == chains_from_pairs(params)[0].chain
+    g = grad(params)
+    gd = {f"l{i}": {"w": gw.T, "b": gb} for i, (gw, gb) in enumerate(g)}
+    opt_d, opt_p = gsgd(0.1, chains), gsgd(0.1, chains_from_pairs(params))
+    ud, _ = opt_d.update(gd, opt_d.init(as_dict), as_dict)
+    up, _ = opt_p.update(g, opt_p.init(params), params)
+    for i, (uw, ub) in enumerate(up):
+        assert_close(np.asarray(ud[f"l{i}"]["w"].T), np.asarray(uw), 1e-14)
+        assert_close(np.asarray(ud[f"l{i}"]["b"]), np.asarray(ub), 1e-14)
+
+
+def test_path_sgd_and_psi_sgd_transformations_equal_the_core():
+    params = make_params()
+    chain = chains_from_pairs(params)[0].chain
+    g = grad(params)
+    opt = path_sgd(0.1, chains_from_pairs(params))
+    u, _ = opt.update(g, opt.init(params), params)
+    W, b = gc.path_sgd_step(chain, [w for w, _ in params], [v for _, v in params],
+                            [x for x, _ in g], [x for _, x in g], 0.1)
+    for (uw, ub), w0, w1, b0, b1 in zip(u, [w for w, _ in params], W,
+                                        [v for _, v in params], b):
+        assert_close(np.asarray(w0 + uw), np.asarray(w1), 1e-13)
+        assert_close(np.asarray(b0 + ub), np.asarray(b1), 1e-13)
+    opt = psi_sgd(0.1, [(0, 0), (1, 0)], momentum=0.9)
+    u, _ = opt.update(g, opt.init(params), params)
+    Wp, _ = gc.psi_update(gc.psi_init([params[0][0], params[1][0]]),
+                          [params[0][0], params[1][0]], [g[0][0], g[1][0]], lr=0.1,
+                          momentum=0.9)
+    assert_close(np.asarray(params[0][0] + u[0][0]), np.asarray(Wp[0]), 1e-13)
+    assert_close(np.asarray(params[1][0] + u[1][0]), np.asarray(Wp[1]), 1e-13)
+    assert_close(np.asarray(u[2][0]), np.asarray(-0.1 * g[2][0]), 1e-13)  # SGD elsewhere
+
+
+def test_update_without_params_is_a_clear_error():
+    params = make_params()
+    opt = gsgd(0.1, chains_from_pairs(params))
+    with pytest.raises(ValueError, match="needs params"):
+        opt.update(grad(params), opt.init(params))
