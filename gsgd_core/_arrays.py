@@ -9,6 +9,7 @@ dtype, device and shape.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, replace
@@ -35,10 +36,15 @@ class LayerMeta:
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated call: namespace, dtype, device, the 3-D views and the original shapes."""
+    """A validated call: namespace, compute and storage dtypes, device, original shapes.
+
+    ``dtype`` is the dtype arithmetic runs in: the inputs' own, except float16 and bfloat16,
+    which are computed in float32 and written back in their own dtype (DESIGN §6).
+    """
 
     xp: Any
     dtype: Any
+    store: Any
     device: Any
     shapes: tuple
     meta: tuple  # LayerMeta per layer, index l-1
@@ -175,20 +181,66 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
             raise ValueError(f"all arrays must share the weights' dtype {dtype}; "
                              f"found an array of dtype {a.dtype} and shape {tuple(a.shape)}")
     device = array_api_compat.device(weights[0])
-    return Prepared(xp=xp, dtype=dtype, device=device,
+    for a in arrays:
+        if array_api_compat.device(a) != device:
+            raise ValueError(f"all arrays must be on the weights' device {device}; found an "
+                             f"array of shape {tuple(a.shape)} on {array_api_compat.device(a)}")
+    compute = xp.float32 if xp.finfo(dtype).bits < 32 else dtype
+    return Prepared(xp=xp, dtype=compute, store=dtype, device=device,
                     shapes=tuple(tuple(w.shape) for w in weights),
                     meta=layer_meta(chain, xp, device))
 
 
-def view3(chain: Chain, xp, arrays) -> list:
-    """Layers as ``(n_l, n_{l-1}, k_l)`` views (``None`` stays ``None``)."""
-    return [None if a is None else xp.reshape(a, chain.layer_shape(l))
+def _cast(p: Prepared, a, dtype):
+    return a if a.dtype == dtype else p.xp.astype(a, dtype)
+
+
+def view3(p: Prepared, chain: Chain, arrays) -> list:
+    """Layers as ``(n_l, n_{l-1}, k_l)`` views in the compute dtype (``None`` stays)."""
+    return [None if a is None else _cast(p, p.xp.reshape(a, chain.layer_shape(l)), p.dtype)
             for l, a in enumerate(arrays, start=1)]
 
 
-def restore(xp, arrays, shapes) -> list:
-    """Reshape 3-D layer arrays back to the caller's shapes."""
-    return [None if a is None else xp.reshape(a, s) for a, s in zip(arrays, shapes)]
+def restore(p: Prepared, arrays) -> list:
+    """3-D layer arrays back in the caller's shapes and dtype."""
+    return [None if a is None else _cast(p, p.xp.reshape(a, s), p.store)
+            for a, s in zip(arrays, p.shapes)]
+
+
+def vecs(p: Prepared, arrays, L: int) -> list:
+    """Per-layer vectors (biases, their gradients) in the compute dtype; ``None`` -> Nones."""
+    return [None] * L if arrays is None else [None if a is None else _cast(p, a, p.dtype)
+                                              for a in arrays]
+
+
+def unvecs(p: Prepared, arrays) -> list:
+    """Per-layer vectors back in the caller's dtype."""
+    return [None if a is None else _cast(p, a, p.store) for a in arrays]
+
+
+def quiet_fp(fn):
+    """Silence NumPy's floating-point warnings in a function whose overflows are guarded
+    (:func:`guard`): they are handled by design, not errors. Other namespaces do not warn."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore"):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+def all_finite(xp, arrays):
+    """One 0-d boolean array: every entry of every array is finite (no host round-trip)."""
+    flags = [xp.all(xp.isfinite(a)) for a in arrays if a is not None]
+    out = flags[0]
+    for f in flags[1:]:
+        out = out & f
+    return out
+
+
+def guard(xp, ok, new, old):
+    """``new`` where it is finite and ``ok``, else ``old``: finite input never writes NaN/Inf."""
+    return [None if n is None else xp.where(ok & xp.isfinite(n), n, o)
+            for n, o in zip(new, old)]
 
 
 def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None) -> None:

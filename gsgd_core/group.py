@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._arrays import _is_array, outer3, prepare, restore, safe_div, view3
+from ._arrays import _is_array, outer3, prepare, restore, safe_div, unvecs, vecs, view3
 from .chain import Chain
 from .sweeps import chain_products
 
@@ -64,9 +64,8 @@ def rescale(chain: Chain, weights: Sequence[Any], biases, scales):
     ones = [xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)]
     c = ones + [xp.astype(xp.asarray(s, device=p.device), p.dtype) for s in scales] + [
         xp.ones(chain.sizes[-1], dtype=p.dtype, device=p.device)]
-    b = list(biases) if biases is not None else [None] * chain.L
-    W_new, b_new = _apply_scales(xp, view3(chain, xp, weights), b, c)
-    return restore(xp, W_new, p.shapes), b_new
+    W_new, b_new = _apply_scales(xp, view3(p, chain, weights), vecs(p, biases, chain.L), c)
+    return restore(p, W_new), unvecs(p, b_new)
 
 
 def random_rescaling(chain: Chain, rng: np.random.Generator, spread: float = 1.0) -> list:
@@ -88,16 +87,15 @@ def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
     """
     p = prepare(chain, weights, biases)
     xp = p.xp
-    W = view3(chain, xp, weights)
+    W = view3(p, chain, weights)
     _, F = chain_products(xp, chain, p.meta, W, p.dtype, p.device)
     c = [xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)]
     c += [xp.where(F[l] == 0, 1.0, xp.abs(F[l])) for l in range(1, chain.L)]
     c += [F[chain.L]]
-    b = list(biases) if biases is not None else [None] * chain.L
-    W_new, b_new = _apply_scales(xp, W, b, c)
+    W_new, b_new = _apply_scales(xp, W, vecs(p, biases, chain.L), c)
     # Exactly +-1 in every namespace, whatever order the compiler evaluates W * c / c' in.
     W_new = [xp.where(m.free_mask, xp.sign(w), wn) for m, w, wn in zip(p.meta, W, W_new)]
-    return restore(xp, W_new, p.shapes), b_new
+    return restore(p, W_new), unvecs(p, b_new)
 
 
 def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None):
@@ -109,9 +107,9 @@ def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None):
     """
     p = prepare(chain, weights, biases, biases_optional=True)
     xp = p.xp
-    W = view3(chain, xp, weights)
-    W_new = [xp.where(m.free_mask | m.tau_mask, 1.0, w) for m, w in zip(p.meta, W)]
-    return restore(xp, W_new, p.shapes), (None if biases is None else list(biases))
+    W_new = [xp.where(m.free_mask | m.tau_mask, 1.0, w)
+             for m, w in zip(p.meta, view3(p, chain, weights))]
+    return restore(p, W_new), (None if biases is None else list(biases))
 
 
 def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequence[Any]):
@@ -124,8 +122,8 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
     """
     p = prepare(chain, weights, Vb, extra=(("path values", V),))
     xp = p.xp
-    W = view3(chain, xp, weights)
-    V3 = view3(chain, xp, V)
+    W = view3(p, chain, weights)
+    V3 = view3(p, chain, V)
     _, F = chain_products(xp, chain, p.meta, W, p.dtype, p.device)
     B = xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)
     W_new = []
@@ -135,6 +133,6 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
         W_new.append(Wl)
         if l < chain.L:
             B = xp.take(B, m.tau_src) * xp.take(xp.reshape(Wl, (-1,)), m.tau_idx)
-    Vb = list(Vb) if Vb is not None else [None] * chain.L
-    b_new = [None if v is None else safe_div(xp, v, F[l + 1]) for l, v in enumerate(Vb)]
-    return restore(xp, W_new, p.shapes), b_new
+    b_new = [None if v is None else safe_div(xp, v, F[l + 1])
+             for l, v in enumerate(vecs(p, Vb, chain.L))]
+    return restore(p, W_new), unvecs(p, b_new)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
-from ._arrays import check_hyper, prepare, restore, scalar, view3
+from ._arrays import (all_finite, check_hyper, guard, prepare, quiet_fp, restore, scalar,
+                      unvecs, vecs, view3)
 from .chain import Chain
 from .sweeps import allocate3, chain_products, icr3, path_values3
 
@@ -34,8 +35,8 @@ class GSGDState(NamedTuple):
 
 def _sweep_inputs(chain, weights, biases, grads=None, bias_grads=None, extra=()):
     p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
-    W = view3(chain, p.xp, weights)
-    b = list(biases) if biases is not None else [None] * chain.L
+    W = view3(p, chain, weights)
+    b = vecs(p, biases, chain.L)
     B, F = chain_products(p.xp, chain, p.meta, W, p.dtype, p.device)
     return p, W, b, B, F
 
@@ -53,7 +54,7 @@ def path_values(chain: Chain, weights: Arrays, biases: OptArrays | None = None):
     """
     p, W, b, B, F = _sweep_inputs(chain, weights, biases)
     V, Vb = path_values3(p.xp, p.meta, W, b, B, F)
-    return restore(p.xp, V, p.shapes), Vb
+    return restore(p, V), unvecs(p, Vb)
 
 
 def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
@@ -65,10 +66,9 @@ def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
     ``0`` at free edges.
     """
     p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads)
-    G = view3(chain, p.xp, grads)
-    Gb = list(bias_grads) if bias_grads is not None else [None] * chain.L
+    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
     D, Db, _, _ = icr3(p.xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
-    return restore(p.xp, D, p.shapes), Db
+    return restore(p, D), unvecs(p, Db)
 
 
 def gsgd_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
@@ -86,8 +86,8 @@ def gsgd_init(chain: Chain, weights: Arrays, biases: OptArrays | None = None) ->
     """Zero momentum buffers shaped like ``weights`` and ``biases``."""
     p = prepare(chain, weights, biases)
     xp = p.xp
-    zeros = tuple(xp.zeros(s, dtype=p.dtype, device=p.device) for s in p.shapes)
-    bzeros = tuple(None if b is None else xp.zeros(b.shape, dtype=p.dtype, device=p.device)
+    zeros = tuple(xp.zeros(s, dtype=p.store, device=p.device) for s in p.shapes)
+    bzeros = tuple(None if b is None else xp.zeros(b.shape, dtype=p.store, device=p.device)
                    for b in (biases if biases is not None else [None] * chain.L))
     return GSGDState(zeros, bzeros, xp.asarray(0, dtype=xp.int32, device=p.device))
 
@@ -107,6 +107,7 @@ def _is_zero(x) -> bool:
     return isinstance(x, numbers.Real) and x == 0
 
 
+@quiet_fp
 def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
                 biases: OptArrays | None, grads: Arrays, bias_grads: OptArrays | None, *,
                 lr, momentum=0.0, dampening=0.0, nesterov: bool = False,
@@ -124,6 +125,10 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     writes ``V'`` back with the free weights unchanged. With ``momentum == 0`` this is the
     paper's Algorithm 1 and ``state`` may be ``None``.
 
+    Numerics (DESIGN §6): a step whose gradients hold a NaN or Inf is skipped whole (weights,
+    biases and state come back unchanged); an entry whose update overflows keeps its old
+    value; float16/bfloat16 are computed in float32. None of this needs a host round-trip.
+
     Returns
     -------
     weights, biases, state : new arrays in the inputs' namespace, dtype, device and shapes.
@@ -137,8 +142,8 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
                                       ("bias_momentum", state.bias_momentum))
     p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads, extra)
     xp = p.xp
-    G = view3(chain, xp, grads)
-    Gb = list(bias_grads) if bias_grads is not None else [None] * chain.L
+    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
+    ok = all_finite(xp, G + Gb)
     D, Db, V, Vb = icr3(xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
     if not _is_zero(weight_decay):
         wd = scalar(p, weight_decay)
@@ -146,22 +151,33 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
         Db = [None if d is None else d + wd * v for d, v in zip(Db, Vb)]
     new_state = state
     if use_momentum:
-        mu, damp = scalar(p, momentum), scalar(p, dampening)
-        first = state.step == 0
-
-        def buffer(m, d):
-            return None if d is None else xp.where(first, d, mu * m + (1.0 - damp) * d)
-
-        M = [buffer(m, d) for m, d in zip(view3(chain, xp, state.momentum), D)]
-        Mb = [buffer(m, d) for m, d in zip(state.bias_momentum, Db)]
-        new_state = GSGDState(tuple(restore(xp, M, p.shapes)), tuple(Mb), state.step + 1)
-        if nesterov:
-            D = [d + mu * m for d, m in zip(D, M)]
-            Db = [None if d is None else d + mu * m for d, m in zip(Db, Mb)]
-        else:
-            D, Db = M, Mb
+        D, Db, new_state = _momentum(p, chain, state, D, Db, ok, momentum, dampening, nesterov)
     elif state is not None:
-        new_state = state._replace(step=state.step + 1)
+        new_state = state._replace(step=xp.where(ok, state.step + 1, state.step))
     W_new, b_new = allocate3(xp, chain, p.meta, W, b, D, Db, V, B, F, scalar(p, lr),
                              p.dtype, p.device)
-    return restore(xp, W_new, p.shapes), b_new, new_state
+    W_new, b_new = guard(xp, ok, W_new, W), guard(xp, ok, b_new, b)
+    return restore(p, W_new), unvecs(p, b_new), new_state
+
+
+def _momentum(p, chain, state, D, Db, ok, momentum, dampening, nesterov):
+    """Path-space momentum buffers (torch.optim.SGD conventions); returns the step direction
+    and the new state (unchanged where the step is skipped)."""
+    xp = p.xp
+    mu, damp = scalar(p, momentum), scalar(p, dampening)
+    first = state.step == 0
+    M_old = view3(p, chain, state.momentum)
+    Mb_old = vecs(p, state.bias_momentum, chain.L)
+
+    def buffer(m, d):
+        return None if d is None else xp.where(first, d, mu * m + (1.0 - damp) * d)
+
+    M = [buffer(m, d) for m, d in zip(M_old, D)]
+    Mb = [buffer(m, d) for m, d in zip(Mb_old, Db)]
+    new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
+                          tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
+                          xp.where(ok, state.step + 1, state.step))
+    if nesterov:
+        return ([d + mu * m for d, m in zip(D, M)],
+                [None if d is None else d + mu * m for d, m in zip(Db, Mb)], new_state)
+    return M, Mb, new_state

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ._arrays import check_hyper, outer3, prepare, restore, safe_div, scalar, view3
+from ._arrays import (all_finite, check_hyper, guard, outer3, prepare, quiet_fp, restore,
+                      safe_div, scalar, unvecs, vecs, view3)
 from .chain import Chain
 
 __all__ = ["path_sgd_gamma", "path_sgd_step"]
@@ -37,28 +38,28 @@ def _gamma3(xp, chain, W, b, dtype, device):
 def path_sgd_gamma(chain: Chain, weights: Sequence[Any], biases=None):
     """Path-SGD's per-edge scaling ``gamma`` (DESIGN §5, §10), in the layers' own shapes."""
     p = prepare(chain, weights, biases)
-    b = list(biases) if biases is not None else [None] * chain.L
-    gamma, gamma_b = _gamma3(p.xp, chain, view3(chain, p.xp, weights), b, p.dtype, p.device)
-    return restore(p.xp, gamma, p.shapes), gamma_b
+    gamma, gamma_b = _gamma3(p.xp, chain, view3(p, chain, weights), vecs(p, biases, chain.L),
+                             p.dtype, p.device)
+    return restore(p, gamma), unvecs(p, gamma_b)
 
 
+@quiet_fp
 def path_sgd_step(chain: Chain, weights: Sequence[Any], biases, grads: Sequence[Any],
                   bias_grads, lr):
     """One Path-SGD step, ``w_e <- w_e - lr * grad_e / gamma_e``; commutes with rescaling.
 
     An edge with ``gamma_e = 0`` lies on no path of non-zero value, so its gradient is 0 too;
-    it is left unchanged.
+    it is left unchanged. The numerics rules of :func:`gsgd_core.gsgd_update` apply.
     """
     check_hyper("lr", lr)
     p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
     xp = p.xp
-    W = view3(chain, xp, weights)
-    b = list(biases) if biases is not None else [None] * chain.L
+    W, b = view3(p, chain, weights), vecs(p, biases, chain.L)
+    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
     gamma, gamma_b = _gamma3(xp, chain, W, b, p.dtype, p.device)
     lr = scalar(p, lr)
-    W_new = [w - lr * safe_div(xp, g, gm)
-             for w, g, gm in zip(W, view3(chain, xp, grads), gamma)]
-    gb = list(bias_grads) if bias_grads is not None else [None] * chain.L
+    W_new = [w - lr * safe_div(xp, g, gm) for w, g, gm in zip(W, G, gamma)]
     b_new = [None if bl is None else bl - lr * safe_div(xp, g, gm)
-             for bl, g, gm in zip(b, gb, gamma_b)]
-    return restore(xp, W_new, p.shapes), b_new
+             for bl, g, gm in zip(b, Gb, gamma_b)]
+    ok = all_finite(xp, G + Gb)
+    return restore(p, guard(xp, ok, W_new, W)), unvecs(p, guard(xp, ok, b_new, b))

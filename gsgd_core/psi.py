@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
 
-from ._arrays import _is_array, check_hyper
+from ._arrays import _is_array, check_hyper, quiet_fp
 
 __all__ = ["PSIState", "psi_init", "psi_update"]
 
@@ -44,6 +44,7 @@ def psi_init(weights: Sequence[Any]) -> PSIState:
                           for w in weights))
 
 
+@quiet_fp
 def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *, lr,
                momentum=0.0, max_norm: float = 1e4):
     """One PSI-SGDM step (seed 004, Algorithm 1; eq. 10–11), per row ``i`` of each weight::
@@ -69,13 +70,21 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
     new_w, new_u = [], []
     for w, g, u in zip(weights, grads, state.momentum):
+        if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:
+            raise ValueError(f"weights and grads must share one real floating dtype, got "
+                             f"{w.dtype} and {g.dtype}")
+        compute = xp.float32 if xp.finfo(w.dtype).bits < 32 else w.dtype
         rows = (w.shape[0], -1)
-        w2, g2, u2 = (xp.reshape(a, rows) for a in (w, g, u))
+        w2, g2, u2 = (xp.astype(xp.reshape(a, rows), compute) for a in (w, g, u))
         sq = xp.sum(w2 * w2, axis=1, keepdims=True)
-        u2 = momentum * u2 - lr * (sq * g2)
-        w2 = w2 + u2
-        norm = xp.sqrt(xp.sum(w2 * w2, axis=1, keepdims=True))
+        u_new = momentum * u2 - lr * (sq * g2)
+        w_new = w2 + u_new
+        norm = xp.sqrt(xp.sum(w_new * w_new, axis=1, keepdims=True))
         scale = xp.where(norm > max_norm, norm, 1.0)
-        new_w.append(xp.reshape(w2 / scale, w.shape))
-        new_u.append(xp.reshape(u2 / scale, w.shape))
+        w_new, u_new = w_new / scale, u_new / scale
+        # A row with a non-finite gradient or update keeps its old values (DESIGN §6).
+        ok = xp.all(xp.isfinite(g2) & xp.isfinite(w_new) & xp.isfinite(u_new), axis=1,
+                    keepdims=True)
+        new_w.append(xp.astype(xp.reshape(xp.where(ok, w_new, w2), w.shape), w.dtype))
+        new_u.append(xp.astype(xp.reshape(xp.where(ok, u_new, u2), w.shape), w.dtype))
     return new_w, PSIState(tuple(new_u))

@@ -54,7 +54,8 @@ def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
     ``T_l[j]`` sums ``U = v * dL/dv`` over the basis paths whose tau-chain passes node ``j``.
     Then ``D = U / V`` on tau edges and ``D = grad / (F_l[b] B_{l-1}[a])`` elsewhere (the
     same number, with no division by the weight: exact for pruned weights); biases
-    ``Db = grad_b / F_l``; ``0`` at free edges and wherever a skeleton product is ``0``.
+    ``Db = grad_b / F_l``; ``0`` at free edges and wherever a skeleton product is ``0`` or
+    so small that ``D`` overflows (DESIGN §6: such paths are frozen).
 
     Returns ``D``, ``Db`` and ``V`` (path values, needed by the forward sweep).
     """
@@ -68,13 +69,22 @@ def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
         Tb = T[:, None, None]
         U_tau = P - Tb
         D_bulk = safe_div(xp, G[l - 1], outer3(F[l], B[l - 1]))
-        D[l - 1] = xp.where(m.free_mask, 0.0,
-                            xp.where(m.tau_mask, safe_div(xp, U_tau, V[l - 1]), D_bulk))
+        D[l - 1] = _frozen_if_overflow(xp, xp.where(
+            m.free_mask, 0.0, xp.where(m.tau_mask, safe_div(xp, U_tau, V[l - 1]), D_bulk)),
+            G[l - 1])
         # Paths through a free tau edge still pass its source: carry T_l down unchanged.
         carried = xp.where(m.free_mask & m.tau_mask, Tb, 0.0)
         T = xp.sum(P + carried, axis=(0, 2))
-    Db = [None if g is None else safe_div(xp, g, F[l + 1]) for l, g in enumerate(Gb)]
+    Db = [None if g is None else _frozen_if_overflow(xp, safe_div(xp, g, F[l + 1]), g)
+          for l, g in enumerate(Gb)]
     return D, Db, V, Vb
+
+
+def _frozen_if_overflow(xp, D, G):
+    """A path gradient that overflows from a finite gradient (a skeleton product at the edge
+    of the dtype's range) is treated like an underflowed product: 0, the path is frozen.
+    Non-finite gradients still propagate, so callers can see them."""
+    return xp.where(xp.isfinite(D) | ~xp.isfinite(G), D, 0.0)
 
 
 def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
@@ -101,7 +111,6 @@ def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
         m = meta[l - 1]
         step = safe_div(xp, D[l - 1], outer3(F[l], B[l - 1]))
         Wl = (W[l - 1] - lr * step) / rho[None, :, None]
-        W_new.append(xp.where(m.free_mask, W[l - 1], Wl))
         bl = b[l - 1]
         b_new.append(None if bl is None else bl - lr * safe_div(xp, Db[l - 1], F[l]))
         if l < chain.L:
@@ -109,5 +118,9 @@ def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
             V_tau = xp.take(_flat(xp, V[l - 1]), m.tau_idx)
             R = 1.0 - lr * safe_div(xp, D_tau, V_tau)
             R = xp.where(R == 0, eps, R)
+            # The tau edge itself as W * R / rho, so that the epsilon rule holds for it too.
+            tau_new = W[l - 1] * (R[:, None, None] / rho[None, :, None])
+            Wl = xp.where(m.tau_mask, tau_new, Wl)
             rho = xp.where(m.tau_free, xp.take(rho, m.tau_src), R)
+        W_new.append(xp.where(m.free_mask, W[l - 1], Wl))
     return W_new, b_new
