@@ -190,3 +190,30 @@ def test_fuzz_hostile_input_gives_a_clear_error_or_finite_output(chain, seed, sc
 
 def _all_finite(arrays):
     return all(np.all(np.isfinite(a)) for a in arrays if a is not None)
+
+
+@pytest.mark.parametrize("lr, momentum", [(50.0, 0.0), (5.0, 0.9)])
+def test_training_far_past_the_stability_limit_stays_finite(lr, momentum):
+    """Long, unstable float32 runs through the torch optimizer never write NaN or Inf."""
+    torch = pytest.importorskip("torch")
+    from gsgd_adapters.torch import GSGD, skeleton_init_
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(256, 16, generator=gen), torch.randint(0, 4, (256,), generator=gen)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    skeleton_init_(model)
+    opt = GSGD(model, lr=lr, momentum=momentum)
+    unstable = False
+    for _ in range(200):
+        idx = torch.randint(0, 256, (32,), generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        biggest = max(float(p.detach().abs().max()) for p in model.parameters())
+        unstable |= not bool(torch.isfinite(loss)) or biggest > 1e3
+    assert unstable, "the run stayed stable: this case does not exercise the rules"
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
