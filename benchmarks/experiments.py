@@ -125,3 +125,27 @@ def sgd_arms(b: Budget, gsgd: str = "gsgd", sgd: str = "sgd", grid=None):
     grid = grid or b.sgd_grid
     return [Arm("SGD, He init", sgd, "he", grid), Arm("SGD, skeleton init", sgd, "skeleton", grid),
             Arm("G-SGD, skeleton init", gsgd, "skeleton", grid)]
+
+
+def verdict(rows, ours: str = "G-SGD") -> str:
+    """One line per table group: does the ``ours`` row beat the best other row on mean test
+    error, by more than the larger of the two standard deviations?"""
+    groups: dict = {}
+    for prefix, o in rows:
+        groups.setdefault(tuple(prefix), []).append(o)
+    lines = []
+    for prefix, outs in groups.items():
+        mine = [o for o in outs if o.arm.label.startswith(ours)]
+        others = [o for o in outs if not o.arm.label.startswith(ours)]
+        if not mine or not others:
+            continue
+        m = mine[0].final("test_err")
+        best = min(others, key=lambda o: o.final("test_err").mean())
+        b = best.final("test_err")
+        gap, noise = 100 * (m.mean() - b.mean()), 100 * max(m.std(), b.std())
+        word = ("wins" if gap < -noise else "loses" if gap > noise else "ties (within noise)")
+        where = ", ".join(prefix) or "overall"
+        lines.append(f"- {where}: {mine[0].arm.label} {word}: {100 * m.mean():.2f}% test "
+                     f"error against {best.arm.label}'s {100 * b.mean():.2f}% "
+                     f"(std up to {noise:.2f})")
+    return "\n".join(lines)

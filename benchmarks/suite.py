@@ -8,7 +8,7 @@ from gsgd_core import Chain
 
 from . import report
 from .digits import Run, train
-from .experiments import Arm, Section, compare, sgd_arms, table
+from .experiments import Arm, Section, compare, sgd_arms, table, verdict
 
 
 def invariant_ratio(b, data, out) -> Section:
@@ -23,7 +23,8 @@ def invariant_ratio(b, data, out) -> Section:
     fig = report.ratio_figure(out, "invariant_ratio.png", pts)
     return Section("1. Invariant ratio (paper §5.2, Fig. 4)",
                    "MLP 64-h-h-10 with biases; H/m counts biases in m.",
-                   [table(rows, ["h", "H/m"])], [(fig, "loss and error against H/m")],
+                   [table(rows, ["h", "H/m"]), verdict([((f"h={p[0]}",), o) for p, o in rows])],
+                   [(fig, "loss and error against H/m")],
                    data=dict(rows=rows))
 
 
@@ -54,7 +55,9 @@ def unbalanced(b, data, out) -> Section:
             "balanced start. Largest relative difference between a G-SGD loss curve and the "
             f"same seed's balanced curve, over all spreads and seeds: {max(gaps):.2g}.")
     return Section("2. Unbalanced initialisation (seed 004, Fig. 1)", text,
-                   [table(rows, ["spread"])], [(fig, "training loss per spread")],
+                   [table(rows, ["spread"]),
+                    verdict([((f"spread {p[0]}",), o) for p, o in rows])],
+                   [(fig, "training loss per spread")],
                    data=dict(max_gap=max(gaps), rows=rows))
 
 
@@ -65,7 +68,8 @@ def path_sgd(b, data, out) -> Section:
     outs = compare(arms, Run((64,) + (64,) * 5 + (10,), "sgd", 0.1, 0), b, data, "Path-SGD")
     fig = report.curves_figure(out, "path_sgd.png", outs, "MLP 64-(64x5)-10")
     return Section("3. Path-SGD comparison (paper §5.3)", "MLP with five hidden layers of 64.",
-                   [table([((), o) for o in outs])], [(fig, "training loss")],
+                   [table([((), o) for o in outs]), verdict([((), o) for o in outs])],
+                   [(fig, "training loss")],
                    data=dict(outcomes=outs))
 
 
@@ -79,8 +83,8 @@ def batch_norm(b, data, out) -> Section:
     return Section("4. Batch norm (seed 004, Table 1, small)",
                    "Linear -> BatchNorm -> ReLU blocks; PSI-SGD updates the BN-followed "
                    "weights, the rest takes SGD(M) with the same lr.",
-                   [table([((), o) for o in outs])], [(fig, "training loss")],
-                   data=dict(outcomes=outs))
+                   [table([((), o) for o in outs]), verdict([((), o) for o in outs], "PSI")],
+                   [(fig, "training loss")], data=dict(outcomes=outs))
 
 
 def momentum(b, data, out) -> Section:
@@ -89,7 +93,8 @@ def momentum(b, data, out) -> Section:
     outs = compare(arms, Run((64, 64, 64, 10), "sgdm", 0.01, 0), b, data, "momentum")
     fig = report.curves_figure(out, "momentum.png", outs, "MLP 64-64-64-10, momentum 0.9")
     return Section("5. Momentum", "Momentum 0.9 for all; G-SGD keeps its buffer in path space.",
-                   [table([((), o) for o in outs])], [(fig, "training loss")],
+                   [table([((), o) for o in outs]), verdict([((), o) for o in outs])],
+                   [(fig, "training loss")],
                    data=dict(outcomes=outs))
 
 

@@ -59,8 +59,8 @@ class Namespace:
 
 
 def _numpy(dt):
-    return Namespace("numpy", dt, array_api_compat.array_namespace(np.zeros(1)), getattr(np, dt), "cpu",
-                     _from_np=lambda a: a)
+    xp = array_api_compat.array_namespace(np.zeros(1))
+    return Namespace("numpy", dt, xp, getattr(np, dt), "cpu", _from_np=lambda a: a)
 
 
 def _strict(dt):

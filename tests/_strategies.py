@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from hypothesis import strategies as st
 
 from gsgd_core import Chain

@@ -174,7 +174,8 @@ class GSGD(_ScaleInvariantOptimizer):
     Notes
     -----
     G-SGD learns well from a skeleton-initialised start (paper §11.2): call
-    :func:`~gsgd_adapters.torch.skeleton_init_` once before training (``describe()`` says whether it was).
+    :func:`~gsgd_adapters.torch.skeleton_init_` once before training (``describe()`` says
+    whether it was).
     """
 
     algorithm = "G-SGD"
