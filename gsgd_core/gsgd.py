@@ -57,6 +57,7 @@ def path_values(chain: Chain, weights: Arrays, biases: OptArrays | None = None):
     return restore(p, V), unvecs(p, Vb)
 
 
+@quiet_fp
 def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
         bias_grads: OptArrays | None = None):
     """Gradients with respect to basis-path values by the inverse chain rule (paper eq. 3).

@@ -100,7 +100,7 @@ def test_composes_with_clipping_and_schedules():
     p = params
     for k in range(3):
         g = grad(p)
-        norm = optax.global_norm(g)
+        norm = optax.tree.norm(g)
         scale = jnp.minimum(1.0, 0.5 / norm)
         g = jax.tree_util.tree_map(lambda x, s=scale: x * s, g)
         W, b = gc.gsgd_step(chain, [w for w, _ in p], [v for _, v in p], [x for x, _ in g],
