@@ -8,7 +8,7 @@ from gsgd_core import Chain
 
 from . import report
 from .digits import Run, train
-from .experiments import Arm, Section, compare, sgd_arms, table, verdict
+from .experiments import Arm, Outcome, Section, compare, sgd_arms, table, verdict
 
 
 def invariant_ratio(b, data, out) -> Section:
@@ -38,17 +38,16 @@ def unbalanced(b, data, out) -> Section:
     for spread in b.spreads:
         curves[spread] = {}
         for label, o in chosen.items():
-            runs = [train(Run(base.widths, o.arm.opt, o.lr, s, "skeleton", spread,
-                              epochs=b.epochs, float64=True), data) for s in range(b.seeds)]
-            outcome = type(o)(o.arm, o.lr, runs)
-            rows.append(((f"{spread:g}",), outcome))
+            # compare() already trained the balanced start (spread 0) on every seed
+            runs = o.runs if spread == 0 else [
+                train(Run(base.widths, o.arm.opt, o.lr, s, "skeleton", spread,
+                          epochs=b.epochs, float64=True), data) for s in range(b.seeds)]
+            rows.append(((f"{spread:g}",), Outcome(o.arm, o.lr, runs)))
             curves[spread][label] = runs[0]["loss"]
             if label == "G-SGD":
-                base_runs = [r for (p,), oo in rows if p == "0" and oo.arm.label == "G-SGD"
-                             for r in oo.runs]
-                gaps.append(max(np.max(np.abs(np.array(r["loss"]) - np.array(r0["loss"]))
-                                       / np.array(r0["loss"]))
-                                for r, r0 in zip(runs, base_runs)))
+                gaps += [np.max(np.abs(np.array(r["loss"]) - np.array(r0["loss"]))
+                                / np.array(r0["loss"]))
+                         for r, r0 in zip(runs, o.runs)]
     fig = report.spread_figure(out, "unbalanced.png", curves)
     text = ("MLP 64-64-64-10 in float64, skeleton-initialised, then every hidden unit rescaled "
             "by exp(spread·N(0,1)) (the network function is unchanged). lr chosen on the "

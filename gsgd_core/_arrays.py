@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import array_api_compat
@@ -124,8 +124,6 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
     weights' shapes (momentum buffers, path values, ...); ``None`` entries are skipped.
     With ``biases_optional``, ``biases=None`` is accepted whatever the chain's biases.
     """
-    if biases_optional and biases is None:
-        return prepare(replace(chain, bias=False), weights, None, grads=grads, extra=extra)
     if not isinstance(chain, Chain):
         raise ValueError(f"chain must be a gsgd_core.Chain, got {type(chain).__name__}")
     weights = _check_list(chain, "weights", weights)
@@ -134,7 +132,7 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
         if not _is_array(w):
             raise ValueError(f"layer {l}: weight is a {type(w).__name__}, not an array")
         check_weight_shape(chain, l, w.shape)
-        has_bias = chain.bias[l - 1]
+        has_bias = chain.bias[l - 1] and not (biases_optional and b is None)
         if has_bias and b is None:
             raise ValueError(f"layer {l}: the chain has a bias here but biases[{l - 1}] is None")
         if not has_bias and b is not None:

@@ -45,7 +45,7 @@ def chain_group(layers: ChainLayers) -> dict:
                 normalised=list(layers.normalised))
 
 
-def _explicit_chains(model, chains) -> list[ChainLayers]:
+def explicit_chains(model, chains) -> list[ChainLayers]:
     names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
     out = []
     for i, layers in enumerate(chains):
@@ -82,7 +82,7 @@ def plan(params, chains, *, find_chains: bool, find_normalised: bool,
                 found = discover(model)
             except ValueError:
                 find_normalised = False
-        chain_list = (_explicit_chains(model, chains) if chains is not None
+        chain_list = (explicit_chains(model, chains) if chains is not None
                       else found.chains if find_chains else [])
         normalised = found.normalised if find_normalised else []
         used = {id(p) for c in chain_list for m in c.modules for p in m.parameters()}
@@ -93,7 +93,7 @@ def plan(params, chains, *, find_chains: bool, find_normalised: bool,
     if chains is None and find_chains:
         raise ValueError("pass a model (chains are found in it) or chains=[[layer, ...], ...] "
                          "together with the other parameters")
-    return Plan(_explicit_chains(None, chains or []), [], list(params))
+    return Plan(explicit_chains(None, chains or []), [], list(params))
 
 
 @dataclass
@@ -144,5 +144,5 @@ def skeleton_is_initialised(group: dict, chain: Chain) -> bool:
     return True
 
 
-__all__ = ["Description", "Plan", "chain_group", "chain_of", "chain_spec", "fingerprint",
-           "plan", "skeleton_is_initialised"]
+__all__ = ["Description", "Plan", "chain_group", "chain_of", "chain_spec", "explicit_chains",
+           "fingerprint", "plan", "skeleton_is_initialised"]

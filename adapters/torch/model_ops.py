@@ -10,14 +10,14 @@ from gsgd_backends import skeleton_init_ as skeleton_init_chain_
 from gsgd_core import random_rescaling
 
 from .discovery import ChainLayers, discover, unwrap
-from .groups import _explicit_chains
+from .groups import explicit_chains
 
 __all__ = ["skeleton_init_", "random_rescale_"]
 
 
 def _chains(model: nn.Module, chains) -> list[ChainLayers]:
     model = unwrap(model)
-    return discover(model).chains if chains is None else _explicit_chains(model, chains)
+    return discover(model).chains if chains is None else explicit_chains(model, chains)
 
 
 def skeleton_init_(model: nn.Module, chains=None) -> list[ChainLayers]:

@@ -125,6 +125,18 @@ class _ScaleInvariantOptimizer(Optimizer):
         Gb = [None if x is None else self._grad(x, group, f"{n}.bias") for x, n in zip(b, names)]
         return W, b, G, Gb
 
+    def _step_psi(self, group: dict) -> None:
+        """PSI-SGD(M) on the weights of normalised layers (seed 004, Algorithm 1)."""
+        live = [(p, n) for p, n in zip(group["params"], group["layer_names"])
+                if p.grad is not None]
+        if not live:
+            return
+        W = [p for p, _ in live]
+        G = [self._grad(p, group, f"{n}.weight") for p, n in live]
+        U = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in W]
+        psi_update_(PSIState(tuple(U)), W, G, lr=group["lr"], momentum=group["momentum"],
+                    max_norm=group["max_norm"])
+
     def _step_sgd(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
@@ -214,25 +226,12 @@ class GSGD(_ScaleInvariantOptimizer):
                      dampening=group["dampening"], nesterov=group["nesterov"],
                      weight_decay=group["weight_decay"])
 
-    def _step_psi(self, group: dict) -> None:
-        _psi_step(self, group)
 
 
 def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``grad * ||W[j]||`` per output unit ``j``: the BN variant of ICR (paper eq. 30)."""
     norms = torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), dim=1)
     return grad * norms.reshape((-1,) + (1,) * (grad.ndim - 1))
-
-
-def _psi_step(opt: _ScaleInvariantOptimizer, group: dict) -> None:
-    live = [(p, n) for p, n in zip(group["params"], group["layer_names"]) if p.grad is not None]
-    if not live:
-        return
-    W = [p for p, _ in live]
-    G = [opt._grad(p, group, f"{n}.weight") for p, n in live]
-    U = [opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in W]
-    psi_update_(PSIState(tuple(U)), W, G, lr=group["lr"], momentum=group["momentum"],
-                max_norm=group["max_norm"])
 
 
 class PSISGD(_ScaleInvariantOptimizer):
@@ -256,8 +255,6 @@ class PSISGD(_ScaleInvariantOptimizer):
                         foreach=foreach, max_norm=max_norm)
         super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True)
 
-    def _step_psi(self, group: dict) -> None:
-        _psi_step(self, group)
 
 
 class PathSGD(_ScaleInvariantOptimizer):
