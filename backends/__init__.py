@@ -1,13 +1,15 @@
 """gsgd_backends: the in-place layer over :mod:`gsgd_core` (DESIGN §7).
 
 Same operations as the core with a trailing underscore, updating the caller's arrays in
-place. Today every mutable namespace (NumPy, PyTorch, CuPy, array-api-strict) takes the
-generic path: the functional core plus a write-back. JAX arrays are immutable and get a clear
-error pointing to the functional core.
+place. The plain G-SGD step of NumPy, PyTorch and CuPy arrays has a fast path
+(:mod:`gsgd_backends.fast` with the library's kernels, found by :func:`kernels_for`); every
+other operation and namespace takes the generic path, the functional core plus a write-back.
+JAX arrays are immutable and get a clear error pointing to the functional core.
 """
 
+from ._dispatch import kernels_for
 from .inplace import (canonicalize_, gsgd_step_, gsgd_update_, path_sgd_step_, psi_update_,
                       rescale_, skeleton_init_)
 
-__all__ = ["canonicalize_", "gsgd_step_", "gsgd_update_", "path_sgd_step_", "psi_update_",
-           "rescale_", "skeleton_init_"]
+__all__ = ["kernels_for", "canonicalize_", "gsgd_step_", "gsgd_update_", "path_sgd_step_",
+           "psi_update_", "rescale_", "skeleton_init_"]

@@ -6,9 +6,12 @@ caller has not imported cannot own their arrays, so it is never imported here.
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 IMMUTABLE = {"jax", "jaxlib"}
+#: Libraries with a fast path: ``gsgd_backends.<name>`` holds their kernels.
+FAST = ("numpy", "torch", "cupy")
 
 
 def library(array) -> str:
@@ -30,3 +33,12 @@ def assign(dst, src) -> None:
             dst.copy_(src)
     else:
         dst[...] = src
+
+
+def kernels_for(array):
+    """The fast-path kernels for the array's library (imported on first use), or ``None``
+    when the library has none and the generic core path applies."""
+    lib = library(array)
+    if lib not in FAST:
+        return None
+    return importlib.import_module(f".{lib}", __package__).KERNELS

@@ -1,16 +1,21 @@
 """In-place versions of the core's operations (trailing underscore), for mutable arrays.
 
-Each computes the new values with the functional core and writes them back into the caller's
-arrays. Per-library fast paths (issue 3) will replace the computation, not the contract:
-same arguments, same results to float64 rounding, arrays updated in place.
+The plain G-SGD step (no momentum, no weight decay) of NumPy, PyTorch and CuPy arrays takes
+the fast path of :mod:`.fast`; everything else computes the new values with the functional
+core and writes them back. Either way: same arguments, same results to float64 rounding,
+arrays updated in place.
 """
 
 from __future__ import annotations
 
+import numbers
+
 import gsgd_core
 from gsgd_core import Chain, GSGDState
+from gsgd_core.arrays import check_hyper
 
-from ._dispatch import assign
+from ._dispatch import assign, kernels_for
+from .fast import fast_step_
 
 __all__ = ["gsgd_step_", "gsgd_update_", "rescale_", "canonicalize_", "skeleton_init_",
            "path_sgd_step_", "psi_update_"]
@@ -29,8 +34,21 @@ def _write_state(state: GSGDState, new: GSGDState) -> None:
 
 
 def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, bias_grads,
-                 **hyper) -> None:
-    """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``."""
+                 *, kernels=None, **hyper) -> None:
+    """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``.
+
+    A plain step (``momentum == weight_decay == 0``) of NumPy, PyTorch or CuPy arrays runs
+    :func:`gsgd_backends.fast.fast_step_`, which hands the step back to the core when it
+    holds a non-finite value or cannot be done in place. ``kernels`` picks other kernels for
+    the library (``gsgd_backends.torch.COMPILED``); by default :func:`kernels_for` chooses.
+    """
+    if kernels is None and isinstance(weights, (list, tuple)) and weights:
+        kernels = kernels_for(weights[0])
+    if kernels is not None and _plain(hyper) and fast_step_(
+            kernels, chain, weights, biases, grads, bias_grads, hyper["lr"]):
+        if state is not None:
+            assign(state.step, state.step + 1)
+        return
     W, b, new_state = gsgd_core.gsgd_update(chain, state, weights, biases, grads, bias_grads,
                                             **hyper)
     _write(weights, W)
@@ -39,9 +57,22 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
         _write_state(state, new_state)
 
 
-def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr) -> None:
+def _plain(hyper: dict) -> bool:
+    """A valid step without momentum, Nesterov or weight decay (the fast path's case)."""
+    h = dict(dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0), **hyper)
+    if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"} or h["nesterov"]:
+        return False
+    if not all(isinstance(h[k], numbers.Real) and h[k] == 0 for k in ("momentum",
+                                                                     "weight_decay")):
+        return False
+    check_hyper("lr", h["lr"])
+    check_hyper("dampening", h["dampening"], high=1.0)
+    return True
+
+
+def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr, *, kernels=None) -> None:
     """:func:`gsgd_core.gsgd_step` applied in place."""
-    gsgd_update_(chain, None, weights, biases, grads, bias_grads, lr=lr)
+    gsgd_update_(chain, None, weights, biases, grads, bias_grads, lr=lr, kernels=kernels)
 
 
 def rescale_(chain: Chain, weights, biases, scales) -> None:

@@ -7,7 +7,7 @@ node ``j`` of layer ``l`` an incoming *tau* edge ``(j, tau_l(j), s_l)`` in ``W_l
 outgoing *free* edge ``(sigma_l(j), j, s_{l+1})`` in ``W_{l+1}``. Free edges are the ``H``
 free skeleton weights that G-SGD never changes; every other edge owns one basis path.
 
-All metadata here is host (NumPy) data; :mod:`gsgd_core._arrays` converts it once per
+All metadata here is host (NumPy) data; :mod:`gsgd_core.arrays` converts it once per
 array namespace and device.
 """
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ._arrays import _is_array, outer3, prepare, restore, safe_div, unvecs, vecs, view3
+from .arrays import _is_array, outer3, prepare, restore, safe_div, unvecs, vecs, view3
 from .chain import Chain
 from .sweeps import chain_products
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
-from ._arrays import (all_finite, check_hyper, guard, prepare, quiet_fp, restore, scalar,
+from .arrays import (all_finite, check_hyper, guard, prepare, quiet_fp, restore, scalar,
                       unvecs, vecs, view3)
 from .chain import Chain
 from .sweeps import allocate3, chain_products, icr3, path_values3

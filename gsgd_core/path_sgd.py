@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ._arrays import (all_finite, check_hyper, guard, outer3, prepare, quiet_fp, restore,
+from .arrays import (all_finite, check_hyper, guard, outer3, prepare, quiet_fp, restore,
                       safe_div, scalar, unvecs, vecs, view3)
 from .chain import Chain
 

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
 
-from ._arrays import _is_array, check_hyper, quiet_fp
+from .arrays import _is_array, check_hyper, quiet_fp
 
 __all__ = ["PSIState", "psi_init", "psi_update"]
 

@@ -8,7 +8,7 @@ shapes or control flow), and O(m) work per sweep. The public wrappers live in
 
 from __future__ import annotations
 
-from ._arrays import outer3, safe_div
+from .arrays import outer3, safe_div
 
 
 def _flat(xp, a):
@@ -69,18 +69,18 @@ def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
         Tb = T[:, None, None]
         U_tau = P - Tb
         D_bulk = safe_div(xp, G[l - 1], outer3(F[l], B[l - 1]))
-        D[l - 1] = _frozen_if_overflow(xp, xp.where(
+        D[l - 1] = frozen_if_overflow(xp, xp.where(
             m.free_mask, 0.0, xp.where(m.tau_mask, safe_div(xp, U_tau, V[l - 1]), D_bulk)),
             G[l - 1])
         # Paths through a free tau edge still pass its source: carry T_l down unchanged.
         carried = xp.where(m.free_mask & m.tau_mask, Tb, 0.0)
         T = xp.sum(P + carried, axis=(0, 2))
-    Db = [None if g is None else _frozen_if_overflow(xp, safe_div(xp, g, F[l + 1]), g)
+    Db = [None if g is None else frozen_if_overflow(xp, safe_div(xp, g, F[l + 1]), g)
           for l, g in enumerate(Gb)]
     return D, Db, V, Vb
 
 
-def _frozen_if_overflow(xp, D, G):
+def frozen_if_overflow(xp, D, G):
     """A path gradient that overflows from a finite gradient (a skeleton product at the edge
     of the dtype's range) is treated like an underflowed product: 0, the path is frozen.
     Non-finite gradients still propagate, so callers can see them."""

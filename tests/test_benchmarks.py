@@ -44,3 +44,28 @@ def test_jax_digits_example_trains_next_to_optax_sgd():
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 2 and all(len(r) == 3 for r in rows)
     assert float(rows[1][2]) < float(rows[0][2])  # G-SGD's loss goes down
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_cupy_digits_loop_trains_with_numpy_arrays():
+    """The hand-written loop of the CuPy example, here on NumPy (CuPy needs a GPU)."""
+    pytest.importorskip("sklearn")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cupy_digits", "--backend", "numpy",
+                           "--epochs", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 3 and float(rows[2][2]) < float(rows[0][2])
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.step_overhead", "--quick",
+                           "--no-compile", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = (tmp_path / "step_overhead.md").read_text()
+    assert "| torch cpu | MLP 64-64-64-10 |" in table and "| numpy | CNN c=32 |" in table
+    assert "train step, batch 128" in table
+    assert (tmp_path / "step_overhead.png").stat().st_size > 10_000

@@ -7,6 +7,7 @@ import pytest
 
 import gsgd_backends as gb
 import gsgd_core as gc
+from gsgd_backends import kernels_for
 from _helpers import Problem, assert_close
 
 # conv 3x3 -> conv 2x2 -> flatten of 4 positions -> linear -> linear, mixed biases
@@ -148,9 +149,15 @@ def test_backend_in_place_update_equals_core(hxp, momentum):
                                                  lr=0.1, momentum=momentum)
         gb.gsgd_update_(CHAIN, state_inplace, A, Ab, AG, AGb, lr=0.1, momentum=momentum)
     assert [id(a) for a in A] == ids
+    # The plain step of numpy/torch takes the fast path: the core's numbers to rounding.
+    fast = momentum == 0 and kernels_for(A[0]) is not None
     for a, e in zip(A + Ab + list(state_inplace.momentum), exp_W + exp_b +
                     list(exp_state.momentum)):
-        if e is not None:
+        if e is None:
+            continue
+        if fast:
+            assert_close(hxp.to_numpy(a), hxp.to_numpy(e), 1e-12 if hxp.is_f64 else 1e-5)
+        else:
             assert np.array_equal(hxp.to_numpy(a), hxp.to_numpy(e))
     assert int(hxp.to_numpy(state_inplace.step)) == 2
 

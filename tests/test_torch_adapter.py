@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 import gsgd_core as gc
+from _helpers import assert_close
 from gsgd_adapters.torch import (GSGD, PSISGD, PathSGD, discover, random_rescale_,
                                  skeleton_init_)
 
@@ -104,8 +105,10 @@ def test_trajectory_equals_the_core(make, hyper):
         Gb = [m.bias.grad for m in chain.modules]
         W, b, state = gc.gsgd_update(chain.chain, state, W, b, G, Gb, **hyper)
         _load(chain.modules, W, b)
+    # The plain step takes the fused fast path: the core's trajectory to float64 rounding.
     for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(p, q)
+        assert p.dtype == torch.float64
+        assert_close(p.detach().numpy(), q.detach().numpy(), 1e-10)
 
 
 def _rescaled_twin(model, spread=1.0, seed=0):
@@ -202,8 +205,8 @@ def test_lr_schedule_reaches_the_core():
                             [m.weight.grad for m in chain.modules],
                             [m.bias.grad for m in chain.modules], lr)
         _load(chain.modules, W, b)
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(p, q)
+    for p, q in zip(model.parameters(), twin.parameters()):  # fast path: equal to rounding
+        assert_close(p.detach().numpy(), q.detach().numpy(), 1e-10)
 
 
 def test_maximize_equals_minimising_the_negative():

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.optim import Optimizer
 from torch.optim.sgd import sgd as sgd_update
 
+import gsgd_backends.torch as gsgd_torch_kernels
 from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_
 from gsgd_core import Chain, GSGDState, PSIState
 
@@ -178,6 +179,10 @@ class GSGD(_ScaleInvariantOptimizer):
         variant (Appendix 10.2, eq. 29-30): batch norm does not end a chain, and the ICR of a
         BN-followed layer uses ``grad * ||W[j]||`` (row norms). It is approximate: the
         trajectory does not commute exactly with rescaling.
+    compile : bool
+        Plain steps (no momentum or weight decay) fuse each layer's weight update with
+        ``torch.compile`` (one loop per layer shape; the first step of each shape compiles for
+        a few seconds). Off by default: the eager fast path needs no compiler.
     check_finite : bool
         Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
         synchronisation per parameter). Off by default; ``torch.amp.GradScaler`` already
@@ -195,12 +200,14 @@ class GSGD(_ScaleInvariantOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  chains=None, bn: str = "psi", check_finite: bool = False,
-                 foreach: bool | None = None, max_norm: float = 1e4) -> None:
+                 foreach: bool | None = None, max_norm: float = 1e4,
+                 compile: bool = False) -> None:
         if bn not in ("psi", "sgd", "paper"):
             raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                         check_finite=check_finite, foreach=foreach, max_norm=max_norm)
+        self._kernels = gsgd_torch_kernels.COMPILED if compile else None
         super().__init__(params, defaults, chains=chains, find_chains=True,
                          find_normalised=(bn == "psi" and isinstance(params, nn.Module)),
                          through_bn=(bn == "paper"))
@@ -224,7 +231,7 @@ class GSGD(_ScaleInvariantOptimizer):
             state = GSGDState(tuple(mom), tuple(bmom), first["step"])
         gsgd_update_(chain, state, W, b, G, Gb, lr=group["lr"], momentum=group["momentum"],
                      dampening=group["dampening"], nesterov=group["nesterov"],
-                     weight_decay=group["weight_decay"])
+                     weight_decay=group["weight_decay"], kernels=self._kernels)
 
 
 

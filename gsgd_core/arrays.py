@@ -4,7 +4,8 @@ Every public function of :mod:`gsgd_core` calls :func:`prepare` once: it validat
 structure of its arguments (layer counts, shapes, dtypes) before any arithmetic, resolves the
 array namespace ``xp`` once, and returns the layers viewed as ``(n_l, n_{l-1}, k_l)``.
 Results are reshaped back with :func:`restore`, so they come out in the caller's namespace,
-dtype, device and shape.
+dtype, device and shape. The fast paths of :mod:`gsgd_backends` validate through the same
+:func:`prepare` and reuse the elementwise rules (:func:`safe_div`, :func:`outer3`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,280 @@
+"""``python -m benchmarks.step_overhead``: what a G-SGD step costs next to SGD.
+
+Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs from 1e4 to
+1e7 weights, on gradients held fixed, every optimizer stepping its own copy in turn
+(interleaved) and the median of many steps taken; then the end-to-end training step
+(forward + backward + step) of CNNs at batch 128. Prints a table and writes
+``step_overhead.md`` and ``step_overhead.png`` (ratio against size) to ``--out``.
+
+- torch (CPU float32, or CUDA when available): ``torch.optim.SGD(foreach=True)`` against
+  ``GSGD`` (eager fast path), ``GSGD(compile=True)``, and with momentum 0.9 on both sides.
+- NumPy: ``w -= lr * g`` and a preallocated in-place SGD against ``gsgd_step_``.
+- CuPy (GPU only): ``w -= lr * g`` against ``gsgd_step_``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+import gsgd_backends as gb
+import gsgd_core as gc
+from gsgd_adapters.torch import GSGD
+
+LR = 1e-4
+
+
+def mlp(widths):
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < len(widths) - 2 else [])
+    return nn.Sequential(*layers)
+
+
+def cnn(c):
+    """conv(3->c) pool conv(c->2c) pool conv(2c->4c) flatten linear(4c*16 -> 10), 16x16 in."""
+    return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(2 * c, 4 * c, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * c * 16, 10))
+
+
+MODELS = {  # name -> (builder, argument); sizes span 1e4..1e7 weights
+    "MLP 64-64-64-10": (mlp, (64, 64, 64, 10)),
+    "MLP 64-256-256-10": (mlp, (64, 256, 256, 10)),
+    "MLP 256-640x3-10": (mlp, (256, 640, 640, 640, 10)),
+    "MLP 1024-2048x3-10": (mlp, (1024, 2048, 2048, 2048, 10)),
+    "CNN c=8": (cnn, 8),
+    "CNN c=32": (cnn, 32),
+    "CNN c=110": (cnn, 110),
+    "CNN c=340": (cnn, 340),
+}
+QUICK = ("MLP 64-64-64-10", "MLP 64-256-256-10", "CNN c=8", "CNN c=32")
+E2E = ("CNN c=32", "CNN c=110")
+
+
+@dataclass
+class Row:
+    library: str
+    model: str
+    weights: int
+    baseline: str
+    base_ms: float
+    ratios: dict  # variant -> (ms, ratio)
+
+
+def interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds of each function, run in turn ``reps`` times after one warm-up each."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def torch_rows(name, device, reps, compile_):
+    build, arg = MODELS[name]
+    torch.manual_seed(0)
+    base = build(arg).to(device)
+    copies = {k: build(arg).to(device) for k in ("sgd", "gsgd", "gsgdc", "sgdm", "gsgdm")}
+    grads = [torch.randn_like(p) * 1e-3 for p in base.parameters()]
+    for m in copies.values():
+        m.load_state_dict(base.state_dict())
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g.clone()
+    opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
+            "gsgd": GSGD(copies["gsgd"], lr=LR),
+            "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
+                                    foreach=True),
+            "gsgdm": GSGD(copies["gsgdm"], lr=LR, momentum=0.9)}
+    if compile_:
+        opts["gsgdc"] = GSGD(copies["gsgdc"], lr=LR, compile=True)
+
+    def stepper(opt):
+        def f():
+            opt.step()
+            _sync(device)
+        return f
+
+    t = interleaved({k: stepper(o) for k, o in opts.items()}, reps)
+    m = sum(p.numel() for p in base.parameters())
+    ratios = {"G-SGD": (t["gsgd"], t["gsgd"] / t["sgd"])}
+    if compile_:
+        ratios["G-SGD compiled"] = (t["gsgdc"], t["gsgdc"] / t["sgd"])
+    ratios["momentum 0.9"] = (t["gsgdm"], t["gsgdm"] / t["sgdm"])
+    return Row(f"torch {device.type}", name, m, "SGD(foreach)", t["sgd"], ratios)
+
+
+def _chain_arrays(name, xp, dtype):
+    """The torch model's chain and random weights/gradients as arrays of ``xp``."""
+    build, arg = MODELS[name]
+    model = build(arg)
+    layers = [mod for mod in model if isinstance(mod, (nn.Linear, nn.Conv2d))]
+    shapes = [tuple(mod.weight.shape) for mod in layers]
+    if name.startswith("CNN"):
+        shapes[-1] = (shapes[-1][0], shapes[-2][0] * 16)  # flatten of 4x4 positions
+    chain = gc.Chain.from_shapes(shapes, bias=True)
+    rng = np.random.default_rng(0)
+    arr = lambda a: xp.asarray(a.astype(dtype))  # noqa: E731
+    W = [arr(rng.standard_normal(s) * 0.05) for s in shapes]
+    b = [arr(np.zeros(s[0])) for s in shapes]
+    G = [arr(rng.standard_normal(s) * 1e-3) for s in shapes]
+    Gb = [arr(rng.standard_normal(s[0]) * 1e-3) for s in shapes]
+    return chain, W, b, G, Gb
+
+
+def array_rows(name, xp, reps):
+    chain, W, b, G, Gb = _chain_arrays(name, xp, np.float32)
+    W0, b0 = [w.copy() for w in W], [x.copy() for x in b]
+    bufs = [xp.empty_like(w) for w in W0 + b0]
+
+    def sgd():
+        for p, g in zip(W0 + b0, G + Gb):
+            p -= LR * g
+
+    def sgd_inplace():
+        for p, g, buf in zip(W0 + b0, G + Gb, bufs):
+            xp.multiply(g, LR, out=buf)
+            xp.subtract(p, buf, out=p)
+
+    def gsgd():
+        gb.gsgd_step_(chain, W, b, G, Gb, LR)
+
+    sync = (lambda: xp.cuda.get_current_stream().synchronize()) if xp is not np else None
+    fns = {"sgd": sgd, "sgd_inplace": sgd_inplace, "gsgd": gsgd}
+    if sync:
+        fns = {k: (lambda f=f: (f(), sync())) for k, f in fns.items()}
+    t = interleaved(fns, reps)
+    ratios = {"G-SGD": (t["gsgd"], t["gsgd"] / t["sgd"])}
+    if xp is np:
+        ratios["G-SGD vs in-place SGD"] = (t["gsgd"], t["gsgd"] / t["sgd_inplace"])
+    m = sum(int(np.prod(w.shape)) for w in W + b)
+    return Row(xp.__name__, name, m, "w -= lr*g", t["sgd"], ratios)
+
+
+def e2e_row(name, device, reps, batch=128):
+    build, arg = MODELS[name]
+    torch.manual_seed(0)
+    models = {k: build(arg).to(device) for k in ("sgd", "gsgd")}
+    models["gsgd"].load_state_dict(models["sgd"].state_dict())
+    opts = {"sgd": torch.optim.SGD(models["sgd"].parameters(), lr=LR, foreach=True),
+            "gsgd": GSGD(models["gsgd"], lr=LR)}
+    x = torch.randn(batch, 3, 16, 16, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def train_step(k):
+        def f():
+            opts[k].zero_grad()
+            nn.functional.cross_entropy(models[k](x), y).backward()
+            opts[k].step()
+            _sync(device)
+        return f
+
+    t = interleaved({k: train_step(k) for k in models}, reps)
+    m = sum(p.numel() for p in models["sgd"].parameters())
+    return Row(f"torch {device.type}", f"{name} train step, batch {batch}", m, "SGD(foreach)",
+               t["sgd"], {"G-SGD": (t["gsgd"], t["gsgd"] / t["sgd"])})
+
+
+def table(rows) -> str:
+    lines = ["| library | model | parameters | baseline | baseline ms | G-SGD variant | ms "
+             "| ratio |", "|---|---|---:|---|---:|---|---:|---:|"]
+    for r in rows:
+        for variant, (sec, ratio) in r.ratios.items():
+            lines.append(f"| {r.library} | {r.model} | {r.weights:,} | {r.baseline} | "
+                         f"{1e3 * r.base_ms:.3f} | {variant} | {1e3 * sec:.3f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict = {}
+    for r in rows:
+        if "train step" in r.model:
+            continue
+        for variant, (_, ratio) in r.ratios.items():
+            key = f"{r.library} {r.model.split()[0]}: {variant}"
+            series.setdefault(key, []).append((r.weights, ratio))
+    for key, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+    ax.axhline(2.5, color="grey", ls="--", lw=1, label="target 2.5x")
+    ax.axhline(1.67, color="grey", ls=":", lw=1, label="memory floor 1.67x")
+    ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="step time / SGD step time",
+           title="G-SGD optimizer-step overhead")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine(device) -> str:
+    cpu = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name()} / {cpu}"
+    return cpu
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.step_overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small models, few steps")
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-compile", action="store_true", help="skip GSGD(compile=True)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = QUICK if args.quick else tuple(MODELS)
+    reps = (lambda m: 5) if args.quick else (lambda m: 20 if m > 2e6 else 60)
+    xps = [np]
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+        xps.append(cupy)
+    except Exception:
+        print("CuPy: skipped (not installed or no GPU)")
+    jobs = [("torch", n) for n in names] + [(xp, n) for xp in xps for n in names]
+    jobs += [("e2e", n) for n in (E2E[:1] if args.quick else E2E)]
+    rows = []
+    for kind, name in tqdm(jobs, desc="step overhead"):
+        size = sum(p.numel() for p in MODELS[name][0](MODELS[name][1]).parameters())
+        if kind == "torch":
+            rows.append(torch_rows(name, device, reps(size), not args.no_compile))
+        elif kind == "e2e":
+            rows.append(e2e_row(name, device, reps(size) // 2 + 3))
+        else:
+            rows.append(array_rows(name, kind, reps(size)))
+    text = f"Machine: {machine(device)}. Medians of interleaved steps, float32.\n\n{table(rows)}"
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_overhead.md").write_text(f"# G-SGD step overhead\n\n{text}\n")
+    plot(rows, out / "step_overhead.png")
+    print(f"wrote {out / 'step_overhead.md'} and {out / 'step_overhead.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

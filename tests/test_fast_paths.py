@@ -1,0 +1,290 @@
+"""The fast G-SGD step of each library (gsgd_backends.fast and its kernels) against the
+generic core: the same numbers on every drawn chain, the numerics rules on hostile input,
+and the cases it must hand back to the core (non-finite gradients, views it cannot write)."""
+
+import contextlib
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsgd_backends as gb
+import gsgd_backends.fast as fast
+import gsgd_core as gc
+from gsgd_backends._dispatch import FAST
+from _helpers import Problem, assert_close
+from _namespaces import available_namespaces
+from _strategies import chains, random_params, seeds
+
+CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
+                             bias=[True, False, True, True])
+
+
+@pytest.fixture(scope="session", ids=lambda ns: ns.id,
+                params=[ns for ns in available_namespaces() if ns.name in FAST])
+def fxp(request):
+    """The namespaces with a fast path: numpy, torch, cupy (float64 and float32)."""
+    if request.param.skip_reason:
+        pytest.skip(request.param.skip_reason)
+    return request.param
+
+
+def _tol(ns):
+    return 1e-12 if ns.is_f64 else 2e-4
+
+
+@contextlib.contextmanager
+def _chunk(kernels, chunk):
+    """Blocks of ``chunk`` elements, so that small layers cross block boundaries too."""
+    old = kernels.chunk
+    kernels.chunk = old if chunk is None or old is None else chunk
+    try:
+        yield
+    finally:
+        kernels.chunk = old
+
+
+def _fast(ns, chain, W, b, G, Gb, lr, chunk=None):
+    """One fast step on copies in ``ns``; returns (ran fast, weights, biases) on the host."""
+    A, Ab = ns.aslist(W), ns.aslist(b)
+    kernels = gb.kernels_for(A[0])
+    with _chunk(kernels, chunk):
+        ran = fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr)
+    return ran, ns.tolist(A), ns.tolist(Ab)
+
+
+def _core(ns, chain, W, b, G, Gb, lr):
+    W2, b2 = gc.gsgd_step(chain, ns.aslist(W), ns.aslist(b), ns.aslist(G), ns.aslist(Gb), lr)
+    return ns.tolist(W2), ns.tolist(b2)
+
+
+def _assert_same(ns, got, expected, what):
+    for i, (a, e) in enumerate(zip(got, expected)):
+        assert_close(a, e, _tol(ns), f"{what}[{i}]")
+
+
+@given(chain=chains(), seed=seeds, lr=st.sampled_from([0.01, 0.1, 0.5]),
+       chunk=st.sampled_from([None, 1, 7]))
+def test_fast_step_equals_the_core_on_every_chain(fxp, chain, seed, lr, chunk):
+    """Custom skeletons, slots, biases, unequal widths; blocks of 1 and 7 elements too."""
+    pb = Problem(chain, seed)
+    G, Gb = pb.grads()
+    ran, W, b = _fast(fxp, chain, pb.W, pb.b, G, Gb, lr, chunk)
+    assert ran
+    eW, eb = _core(fxp, chain, pb.W, pb.b, G, Gb, lr)
+    _assert_same(fxp, W, eW, "weights")
+    _assert_same(fxp, b, eb, "biases")
+
+
+def test_fast_step_keeps_free_weights_bit_for_bit_and_writes_in_place(fxp):
+    pb = Problem(CHAIN, 0)
+    G, Gb = pb.grads()
+    A = fxp.aslist(pb.W)
+    before = [x.copy() for x in fxp.tolist(A)]
+    ids = [id(a) for a in A]
+    gb.gsgd_step_(CHAIN, A, fxp.aslist(pb.b), fxp.aslist(G), fxp.aslist(Gb), 0.1)
+    assert [id(a) for a in A] == ids
+    for l, (w0, w1) in enumerate(zip(before, fxp.tolist(A)), start=1):
+        free = CHAIN.free_mask(l)
+        assert np.array_equal(w0.reshape(free.shape)[free], w1.reshape(free.shape)[free])
+        assert not np.array_equal(w0, w1)
+
+
+def test_dispatch_takes_the_fast_path_for_a_plain_step_only(fxp, monkeypatch):
+    import gsgd_backends.inplace as inplace
+    calls = []
+    real = inplace.fast_step_
+    monkeypatch.setattr(inplace, "fast_step_", lambda *a: calls.append(1) or real(*a))
+    pb = Problem(CHAIN, 1)
+    G, Gb = pb.grads()
+    A, Ab, AG, AGb = fxp.aslist(pb.W), fxp.aslist(pb.b), fxp.aslist(G), fxp.aslist(Gb)
+    gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1)
+    assert calls == [1]
+    state = gc.gsgd_init(CHAIN, A, Ab)
+    gb.gsgd_update_(CHAIN, state, A, Ab, AG, AGb, lr=0.1, momentum=0.9)
+    gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1, weight_decay=1e-3)
+    assert calls == [1]
+    with pytest.raises(ValueError, match="lr"):
+        gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=-1.0)
+    with pytest.raises(ValueError, match="nesterov"):
+        gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1, nesterov=True)
+
+
+def test_array_api_strict_takes_the_generic_path():
+    xs = pytest.importorskip("array_api_strict")
+    assert gb.kernels_for(xs.asarray([1.0])) is None
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("layer", [0, 1, 3])
+def test_non_finite_gradient_is_handed_to_the_core_before_any_write(fxp, bad, layer):
+    """Layer 0's gradients are not in any backward sum: they are checked on their own."""
+    pb = Problem(CHAIN, 2)
+    G, Gb = pb.grads()
+    G[layer] = G[layer].copy()
+    G[layer].reshape(-1)[3] = bad
+    ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    assert not ran
+    for x, y in zip(W + b, fxp.tolist(fxp.aslist(pb.W + pb.b))):
+        assert x is None or np.array_equal(x, y)
+    A = fxp.aslist(pb.W)
+    gb.gsgd_step_(CHAIN, A, fxp.aslist(pb.b), fxp.aslist(G), fxp.aslist(Gb), 0.1)
+    assert all(np.array_equal(x, y) for x, y in zip(fxp.tolist(A), fxp.tolist(fxp.aslist(pb.W))))
+
+
+def test_non_finite_bias_gradient_is_handed_to_the_core(fxp):
+    pb = Problem(CHAIN, 2)
+    G, Gb = pb.grads()
+    Gb[2] = Gb[2].copy()
+    Gb[2][0] = np.nan
+    assert not _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)[0]
+
+
+def test_overflowing_block_is_recomputed_by_the_core_rules(fxp, monkeypatch):
+    """A huge step overflows some entries: those keep their values, the rest move, exactly as
+    in the core, and only the blocks holding an overflow take the slow rules."""
+    calls = []
+    module = sys.modules[type(gb.kernels_for(fxp.asarray(np.zeros(1)))).__module__]
+    real = module.exact_rows
+    monkeypatch.setattr(module, "exact_rows", lambda *a: calls.append(1) or real(*a))
+    pb = Problem(CHAIN, 3)
+    G, Gb = pb.grads()
+    lr = 1e308 if fxp.is_f64 else 3e38
+    ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, lr, chunk=4)
+    assert ran and calls
+    assert all(np.all(np.isfinite(x)) for x in W)
+    eW, eb = _core(fxp, CHAIN, pb.W, pb.b, G, Gb, lr)
+    for a, e in zip(W + b, eW + eb):
+        if e is not None:  # entries are either kept or moved by ~lr: compare them exactly
+            same = a == e
+            assert np.all(same | np.isclose(a, e, rtol=_tol(fxp), atol=0))
+
+
+@pytest.mark.parametrize("case", ["zero tau", "zero free", "underflow", "huge gradient"])
+def test_degenerate_skeletons_match_the_core(fxp, case):
+    """Zero skeleton weights (safe division: frozen paths), skeleton products that underflow,
+    and gradients whose dL/dv overflows (frozen) give the core's numbers."""
+    chain = gc.Chain.mlp([3] * 6, bias=True) if case == "underflow" else CHAIN
+    pb = Problem(chain, 4)
+    W = [w.copy() for w in pb.W]
+    if case == "zero tau":
+        W[0][chain.tau_mask(1)] = 0.0
+    elif case == "zero free":
+        W[1][chain.free_mask(2)] = 0.0
+    elif case == "underflow":
+        tiny = 1e-70 if fxp.is_f64 else 1e-9
+        W = [w * tiny for w in W]
+    G, Gb = pb.grads(W, pb.b)
+    if case == "huge gradient":
+        W = [w * 1e-3 for w in W]
+        big = np.finfo(np.float64 if fxp.is_f64 else np.float32).max / 4
+        G = [g / np.max(np.abs(g)) * big for g in G]
+    ran, fW, fb = _fast(fxp, chain, W, pb.b, G, Gb, 0.1, chunk=5)
+    eW, eb = _core(fxp, chain, W, pb.b, G, Gb, 0.1)
+    assert all(np.all(np.isfinite(x)) for x in fW + fb if x is not None)
+    _assert_same(fxp, fW, eW, f"{case}, ran fast={ran}: weights")
+    _assert_same(fxp, fb, eb, f"{case}: biases")
+
+
+@settings(max_examples=40)
+@given(chain=chains(max_depth=4, max_width=4, max_slots=3), seed=seeds,
+       scale=st.sampled_from([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e30]),
+       gscale=st.sampled_from([0.0, 1e-30, 1.0, 1e6, 1e30]),
+       lr=st.sampled_from([0.0, 1e-3, 0.1, 10.0, 1e10, 1e30]))
+def test_fuzz_hostile_input_through_the_dispatch_equals_the_core(fxp, chain, seed, scale,
+                                                                 gscale, lr):
+    """Whatever the fast path does with hostile magnitudes (run, recompute blocks, or hand
+    the step to the core), the result is the core's, and finite."""
+    rng = np.random.default_rng(seed)
+    W, b = random_params(chain, rng)
+    W = [w * (scale if rng.random() < 0.5 else 1.0) for w in W]
+    W[0][rng.random(W[0].shape) < 0.2] = 0.0
+    G = [gscale * rng.standard_normal(w.shape) for w in W]
+    Gb = [None if v is None else rng.standard_normal(v.shape) for v in b]
+    host = fxp.tolist(fxp.aslist(W + b + G + Gb))
+    if not all(x is None or np.all(np.isfinite(x)) for x in host):
+        return  # float32 casts overflowed: not finite input
+    A, Ab = fxp.aslist(W), fxp.aslist(b)
+    gb.gsgd_step_(chain, A, Ab, fxp.aslist(G), fxp.aslist(Gb), lr)
+    eW, eb = _core(fxp, chain, W, b, G, Gb, lr)
+    got = fxp.tolist(A + Ab)
+    assert all(x is None or np.all(np.isfinite(x)) for x in got)
+    for a, e in zip(got, eW + eb):
+        if e is not None:
+            scale_ = np.maximum(np.abs(e), 1.0)
+            assert np.all(np.abs(a - e) <= _tol(fxp) * 10 * scale_)
+
+
+def test_weights_that_are_not_contiguous_take_the_core_and_are_still_updated():
+    torch = pytest.importorskip("torch")
+    chain = gc.Chain.mlp([4, 5, 3])
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+    W2d, G = [w[..., 0] for w in pb.W], [g[..., 0] for g in G]
+    A = [torch.tensor(w.T.copy()).T for w in W2d]  # transposed storage: not contiguous
+    kernels = gb.kernels_for(A[0])
+    T = lambda xs: [None if x is None else torch.tensor(x) for x in xs]  # noqa: E731
+    assert not fast.fast_step_(kernels, chain, A, T(pb.b), T(G), T(Gb), 0.1)
+    gb.gsgd_step_(chain, A, T(pb.b), T(G), T(Gb), 0.1)
+    eW, _ = gc.gsgd_step(chain, W2d, pb.b, G, Gb, 0.1)
+    for a, e in zip(A, eW):
+        assert_close(a.numpy(), e, 1e-12)
+
+
+def test_half_precision_takes_the_core():
+    torch = pytest.importorskip("torch")
+    chain = gc.Chain.mlp([4, 5, 3], bias=False)
+    A = [torch.ones(5, 4, dtype=torch.float16), torch.ones(3, 5, dtype=torch.float16)]
+    G = [torch.ones_like(a) for a in A]
+    assert not fast.fast_step_(gb.kernels_for(A[0]), chain, A, None, G, None, 0.1)
+
+
+def test_torch_parameters_with_autograd_are_updated_without_a_graph():
+    torch = pytest.importorskip("torch")
+    chain = gc.Chain.mlp([4, 5, 3])
+    pb = Problem(chain, 6)
+    G, Gb = pb.grads()
+    P = [torch.nn.Parameter(torch.tensor(x)) for x in pb.W + pb.b]
+    gb.gsgd_step_(chain, P[:2], P[2:], [torch.tensor(g) for g in G],
+                  [torch.tensor(g) for g in Gb], 0.1)
+    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
+    for a, e in zip(P, eW + eb):
+        assert a.grad_fn is None and a.requires_grad
+        assert_close(a.detach().numpy(), e, 1e-12)
+
+
+def test_compiled_torch_bulk_runs_and_equals_the_core():
+    """torch.compile on one fixed chain (it compiles per shape): the compiled kernel really
+    ran (dynamo's counters), and the step equals the core's, through the optimizer too."""
+    torch = pytest.importorskip("torch")
+    import torch._dynamo.utils as dynamo_utils
+
+    import gsgd_backends.torch as bt
+    from gsgd_adapters.torch import GSGD
+
+    pb = Problem(CHAIN, 7)
+    G, Gb = pb.grads()
+    T = lambda xs: [None if x is None else torch.tensor(x) for x in xs]  # noqa: E731
+    A, Ab = T(pb.W), T(pb.b)
+    frames = dynamo_utils.counters["stats"]["unique_graphs"]
+    gb.gsgd_step_(CHAIN, A, Ab, T(G), T(Gb), 0.1, kernels=bt.COMPILED)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] > frames
+    eW, eb = gc.gsgd_step(CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    for a, e in zip(A + Ab, eW + eb):
+        if e is not None:
+            assert_close(a.numpy(), e, 1e-12)
+    layers = [torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)]
+    model = torch.nn.Sequential(*layers).double()
+    opt = GSGD(model, lr=0.1, compile=True)
+    model(torch.randn(8, 5, dtype=torch.float64)).square().sum().backward()
+    chain = gc.Chain.mlp([5, 4, 3])
+    W = [model[0].weight.detach().numpy().copy(), model[2].weight.detach().numpy().copy()]
+    b = [model[0].bias.detach().numpy().copy(), model[2].bias.detach().numpy().copy()]
+    G = [model[0].weight.grad.numpy(), model[2].weight.grad.numpy()]
+    Gb = [model[0].bias.grad.numpy(), model[2].bias.grad.numpy()]
+    eW, eb = gc.gsgd_step(chain, W, b, G, Gb, 0.1)
+    opt.step()
+    assert_close(model[2].weight.detach().numpy(), eW[1], 1e-12)
+    assert_close(model[0].bias.detach().numpy(), eb[0], 1e-12)
