@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 from gsgd_backends import gsgd_update_, skeleton_init_
 from gsgd_core import Chain, gsgd_init
-from gsgd_core.arrays import check_hyper, prepare
+from gsgd_core.arrays import prepare
+from gsgd_core.gsgd import check_update_hypers
 
 __all__ = ["GSGD"]
 
@@ -33,11 +34,7 @@ class GSGD:
                  *, lr: float, momentum: float = 0.0, dampening: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0) -> None:
         prepare(chain, weights, biases)
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            check_hyper(name, value)
-        check_hyper("dampening", dampening, high=1.0)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
         self.chain, self.weights = chain, list(weights)
         self.biases = list(biases) if biases is not None else [None] * chain.L
         self.lr, self.momentum, self.dampening = lr, momentum, dampening

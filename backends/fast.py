@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gsgd_core import Chain
-from gsgd_core.arrays import outer3, prepare, safe_div
+from gsgd_core.arrays import all_finite, outer3, prepare, safe_div
 from gsgd_core.sweeps import chain_products, frozen_if_overflow
 
 
@@ -99,14 +99,15 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr) -> bool:
     lr = float(lr)
     B, F = chain_products(xp, chain, p.meta, W, dtype, p.device)
     T = _backward(kernels, xp, chain, p.meta, _plan(chain, xp, p.device), W, G, dtype, p.device)
-    if T is None or not all(g is None or bool(xp.all(xp.isfinite(g))) for g in Gb):
+    # T_1..T_{L-1} sum every weight gradient above layer 1; layer 1's are checked by one sum.
+    if not (bool(all_finite(xp, T[1:L] + Gb)) and math.isfinite(float(xp.sum(G[0])))):
         return False
     _forward(kernels, xp, chain, p.meta, W, b, G, Gb, T, B, F, lr, dtype, p.device)
     return True
 
 
 def _backward(kernels, xp, chain, meta, plan, W, G, dtype, device):
-    """``T_1..T_{L-1}`` (``T[l]``, ``T[L] = 0``), or ``None`` if a sum is not finite."""
+    """``T_1..T_{L-1}`` as ``T[l]`` (``T[L] = 0``)."""
     L = chain.L
     T = [None] * L + [xp.zeros(chain.sizes[L], dtype=dtype, device=device)]
     for l in range(L, 1, -1):
@@ -118,9 +119,7 @@ def _backward(kernels, xp, chain, meta, plan, W, G, dtype, device):
             carried = xp.take(T[l], plan.free_tau_nodes[l - 1])
             below = kernels.scatter_add(below, plan.free_tau_src[l - 1], carried)
         T[l - 1] = below
-    finite = all(bool(xp.all(xp.isfinite(t))) for t in T[1:L])
-    # T_1 sums every gradient above layer 1; layer 1's own are checked with one sum.
-    return T if finite and math.isfinite(float(xp.sum(G[0]))) else None
+    return T
 
 
 def _forward(kernels, xp, chain, meta, W, b, G, Gb, T, B, F, lr, dtype, device):

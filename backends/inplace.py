@@ -12,7 +12,7 @@ import numbers
 
 import gsgd_core
 from gsgd_core import Chain, GSGDState
-from gsgd_core.arrays import check_hyper
+from gsgd_core.gsgd import check_update_hypers
 
 from ._dispatch import assign, kernels_for
 from .fast import fast_step_
@@ -60,14 +60,11 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
 def _plain(hyper: dict) -> bool:
     """A valid step without momentum, Nesterov or weight decay (the fast path's case)."""
     h = dict(dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0), **hyper)
-    if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"} or h["nesterov"]:
-        return False
-    if not all(isinstance(h[k], numbers.Real) and h[k] == 0 for k in ("momentum",
-                                                                     "weight_decay")):
-        return False
-    check_hyper("lr", h["lr"])
-    check_hyper("dampening", h["dampening"], high=1.0)
-    return True
+    if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
+        return False  # the core raises its TypeError
+    check_update_hypers(**h)
+    return all(isinstance(h[k], numbers.Real) and h[k] == 0 for k in ("momentum",
+                                                                     "weight_decay"))
 
 
 def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr, *, kernels=None) -> None:

@@ -93,7 +93,10 @@ def gsgd_init(chain: Chain, weights: Arrays, biases: OptArrays | None = None) ->
     return GSGDState(zeros, bzeros, xp.asarray(0, dtype=xp.int32, device=p.device))
 
 
-def _check_update_hypers(lr, momentum, dampening, nesterov, weight_decay) -> None:
+def check_update_hypers(lr, momentum=0.0, dampening=0.0, nesterov=False,
+                        weight_decay=0.0) -> None:
+    """``ValueError`` for hyperparameters :func:`gsgd_update` refuses (shared by the
+    in-place layer and the adapters, so every entry point refuses the same values)."""
     check_hyper("lr", lr)
     check_hyper("momentum", momentum)
     check_hyper("dampening", dampening, high=1.0)
@@ -134,7 +137,7 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     -------
     weights, biases, state : new arrays in the inputs' namespace, dtype, device and shapes.
     """
-    _check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
+    check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
     use_momentum = not _is_zero(momentum)
     if use_momentum and state is None:
         raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
