@@ -1,7 +1,8 @@
 """The fast G-SGD step: bulk formula plus gathers (DESIGN §8), written once for every library.
 
 Only ``O(n_l)`` edges of layer ``l`` are special (tau and free edges), so the step treats the
-bulk of each layer with one formula and fixes the special entries with gathers:
+bulk of each layer with one formula and the special edges as short vectors, gathered once
+(they lie one per row, each access a cache miss) and written back once:
 
 - **Backward sweep** (``l = L..2``)::
 
@@ -9,22 +10,23 @@ bulk of each layer with one formula and fixes the special entries with gathers:
 
   ``T_l[b]`` is the sum of ``U = v * dL/dv`` over the basis paths whose tau chain passes
   ``b``; layer 1's column sum is never needed (``T_0`` is unused).
-- **Forward sweep**: tau edges, path ratios ``R`` and ``rho`` on vectors of size ``n_l``
-  (exactly :func:`gsgd_core.sweeps.allocate3`'s rules), then every layer's bulk in place::
+- **Vector stage** (:func:`_vectors`): chain products ``B``, ``F``, the tau edges' path
+  ratios ``R`` and ``rho`` (exactly :func:`gsgd_core.sweeps.allocate3`'s rules), new biases,
+  and the flags read back in the step's one host synchronisation.
+- **Bulk stage**: every layer in place, then its special edges and bias written back::
 
       W' = (W - lr * grad / (F_l[b] B_{l-1}[a])**2) / rho_{l-1}[a]
 
-  and last the new tau edges and the saved free edges are written back.
-
-The two heavy passes (the column sum and the bulk update) are the library's *kernels*
-(:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); everything else runs on the small vectors through
-the array-API namespace. Memory traffic is 5 passes over the weights against SGD's 3.
+The heavy passes (column sum, bulk update) are the library's *kernels* (:mod:`.numpy`,
+:mod:`.torch`, :mod:`.cupy`); a kernel set may also compile the two stages whole
+(``kernels.stage``). Memory traffic is 5 passes over the weights against SGD's 3.
 
 Numerics (DESIGN §6) match the core without a second pass over the weights: the backward
 sums see every non-finite gradient (``0 * inf`` is NaN), so a step that the core would skip
-or treat specially is handed back to the core before anything is written; the bulk kernel
-checks each chunk while it is still in cache and recomputes a chunk holding a non-finite
-value with the core's per-entry rules (:func:`exact_rows`).
+or treat specially is handed back to the core before anything is written. Eager kernels
+check each chunk of the bulk while it is still in cache and recompute a chunk holding a
+non-finite value with the core's per-entry rules (:func:`exact_rows`); compiled kernels run
+:func:`recip_rows` on layers whose node vectors are tame and :func:`exact_rows` elsewhere.
 """
 
 from __future__ import annotations
@@ -36,29 +38,45 @@ import numpy as np
 
 from gsgd_core import Chain
 from gsgd_core.arrays import all_finite, outer3, prepare, safe_div
-from gsgd_core.sweeps import chain_products, frozen_if_overflow
+from gsgd_core.sweeps import frozen_if_overflow
 
 
-class _Plan(NamedTuple):
-    """Per-layer index arrays of one chain in one namespace and device (cached on the chain)."""
+class _Layer(NamedTuple):
+    """Where layer ``l``'s special edges lie, as index arrays of one namespace and device.
 
-    free_tau_nodes: tuple  # nodes b of layer l whose tau edge is free (index l-1)
-    free_tau_src: tuple    # their tau sources in layer l-1
+    The tau and free edges sit one per row, all over the layer, so each access misses the
+    cache: they are gathered once per step (``spec``) and written back once.
+    """
+
+    spec: Any         # sorted flat indices of the layer's tau and free edges
+    tau: Any          # position in ``spec`` of each node's tau edge (none for l = L)
+    free: Any         # position in ``spec`` of each free edge (one per node of l-1)
+    node: Any         # per position in ``spec``: the node whose tau edge it is (0 if none)
+    moved: Any        # per position in ``spec``: a tau edge that is not free (gets a new value)
+    carry_nodes: Any  # nodes of layer l whose tau edge is free (T_l is carried down them)
+    carry_src: Any    # their tau sources in layer l-1
 
 
-def _plan(chain: Chain, xp, device) -> _Plan:
+def _layer_plan(chain: Chain, l: int) -> tuple:
+    tau_idx, free_idx = chain.tau_index(l), chain.free_index(l)
+    spec = np.union1d(tau_idx, free_idx).astype(np.int64)
+    tau, free = np.searchsorted(spec, tau_idx), np.searchsorted(spec, free_idx)
+    tau_free = chain.free_masks[l - 1].reshape(-1)[tau_idx]
+    node, moved = np.zeros(spec.size, np.int64), np.zeros(spec.size, bool)
+    node[tau] = np.arange(tau.size)
+    moved[tau[~tau_free]] = True
+    carry_nodes = np.flatnonzero(tau_free)
+    carry_src = np.asarray(chain.tau[l - 1] if l < chain.L else [], np.int64)[carry_nodes]
+    return spec, tau, free, node, moved, carry_nodes, carry_src
+
+
+def _plan(chain: Chain, xp, device) -> tuple[_Layer, ...]:
     key = ("fast", xp.__name__, str(device))
     plan = chain._cache.get(key)
     if plan is None:
-        nodes, srcs = [], []
-        for l in range(1, chain.L + 1):
-            free_flat = chain.free_masks[l - 1].reshape(-1)
-            tau_free = free_flat[chain.tau_index(l)]
-            b = np.flatnonzero(tau_free)
-            a = np.asarray(chain.tau[l - 1], dtype=np.int64)[b] if l < chain.L else b
-            nodes.append(xp.asarray(b.astype(np.int64), device=device))
-            srcs.append(xp.asarray(a.astype(np.int64), device=device))
-        plan = chain._cache[key] = _Plan(tuple(nodes), tuple(srcs))
+        plan = chain._cache[key] = tuple(
+            _Layer(*(xp.asarray(a, device=device) for a in _layer_plan(chain, l)))
+            for l in range(1, chain.L + 1))
     return plan
 
 
@@ -87,8 +105,8 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr) ->
 
 def _step(kernels, chain, weights, biases, grads, bias_grads, lr) -> bool:
     p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
-    xp, dtype, L = p.xp, p.dtype, chain.L
-    if dtype != p.store:
+    xp, L = p.xp, chain.L
+    if p.dtype != p.store:
         return False
     W = [kernels.view3(w, chain.layer_shape(l)) for l, w in enumerate(weights, start=1)]
     if any(w is None for w in W):
@@ -96,58 +114,111 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr) -> bool:
     G = [xp.reshape(g, chain.layer_shape(l)) for l, g in enumerate(grads, start=1)]
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
+    plan = _plan(chain, xp, p.device)
+    ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
+    gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
+    T = _backward(kernels, xp, plan, W, G, ws, gs, p.dtype, p.device)
     lr = float(lr)
-    B, F = chain_products(xp, chain, p.meta, W, dtype, p.device)
-    T = _backward(kernels, xp, chain, p.meta, _plan(chain, xp, p.device), W, G, dtype, p.device)
-    # T_1..T_{L-1} sum every weight gradient above layer 1; layer 1's are checked by one sum.
-    if not (bool(all_finite(xp, T[1:L] + Gb)) and math.isfinite(float(xp.sum(G[0])))):
+    vectors = kernels.stage(_vectors)(xp, chain, p.meta, plan, ws, gs, T, G[0], b, Gb, lr,
+                                      p.device, kernels.recip)
+    flags = vectors[-1].tolist()  # the step's one host synchronisation
+    if not flags[0]:
         return False
-    _forward(kernels, xp, chain, p.meta, W, b, G, Gb, T, B, F, lr, dtype, p.device)
+    B, F, rho, special, bias, _ = vectors
+    kernels.stage(_bulk_)(kernels, W, G, B, F, rho, lr, tuple(flags[1:]))
+    for l in range(L):
+        kernels.put_(W[l], plan[l].spec, special[l])
+        if b[l] is not None:
+            kernels.put_(b[l], None, bias[l])
     return True
 
 
-def _backward(kernels, xp, chain, meta, plan, W, G, dtype, device):
+def _backward(kernels, xp, plan, W, G, ws, gs, dtype, device):
     """``T_1..T_{L-1}`` as ``T[l]`` (``T[L] = 0``)."""
-    L = chain.L
-    T = [None] * L + [xp.zeros(chain.sizes[L], dtype=dtype, device=device)]
+    L = len(W)
+    T = [None] * L + [xp.zeros(W[L - 1].shape[0], dtype=dtype, device=device)]
     for l in range(L, 1, -1):
-        m = meta[l - 1]
-        P_free = (xp.take(_flat(xp, W[l - 1]), m.free_idx)
-                  * xp.take(_flat(xp, G[l - 1]), m.free_idx))
+        s = plan[l - 1]
+        P_free = xp.take(ws[l - 1], s.free) * xp.take(gs[l - 1], s.free)
         below = kernels.colsum(W[l - 1], G[l - 1]) - P_free
         if l < L:
-            carried = xp.take(T[l], plan.free_tau_nodes[l - 1])
-            below = kernels.scatter_add(below, plan.free_tau_src[l - 1], carried)
+            below = kernels.scatter_add(below, s.carry_src, xp.take(T[l], s.carry_nodes))
         T[l - 1] = below
     return T
 
 
-def _forward(kernels, xp, chain, meta, W, b, G, Gb, T, B, F, lr, dtype, device):
-    """Tau edges and ``rho`` on vectors, then each layer's bulk, tau and free writes."""
+def _products(xp, chain, meta, plan, ws, dtype, device):
+    """:func:`gsgd_core.sweeps.chain_products` from the gathered special edges."""
+    L = chain.L
+    B = [xp.ones(chain.sizes[0], dtype=dtype, device=device)] + [None] * L
+    for l in range(1, L):
+        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * xp.take(ws[l - 1], plan[l - 1].tau)
+    F = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
+    for l in range(L - 1, 0, -1):
+        F[l] = xp.take(ws[l], plan[l].free) * xp.take(F[l + 1], meta[l].sigma)
+    return B, F
+
+
+def _vectors(xp, chain, meta, plan, ws, gs, T, G1, b, Gb, lr, device, recip: bool):
+    """Everything of the step that lives on node vectors, as one function (compiled whole by
+    :data:`gsgd_backends.torch.COMPILED`): chain products, new special edges, ``rho``, new
+    biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias gradient
+    and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use :func:`recip_rows`
+    (tested only for kernels that use it, ``recip``)."""
+    B, F = _products(xp, chain, meta, plan, ws, T[-1].dtype, device)
+    special, rho = _special(xp, chain, meta, plan, ws, gs, T, B, F, lr, device)
+    bias = [None if bl is None else _bias(xp, bl, g, f, lr) for bl, g, f in zip(b, Gb, F[1:])]
+    # T_1..T_{L-1} sum every weight gradient above layer 1; layer 1's are checked by one sum.
+    ok = all_finite(xp, T[1:-1] + Gb) & xp.isfinite(xp.sum(G1))
+    tame = [_tame(xp, F[l], True) & _tame(xp, B[l - 1], True) & _tame(xp, rho[l - 1], False)
+            for l in range(1, chain.L + 1)] if recip else [ok] * chain.L
+    return B, F, rho, special, bias, xp.stack([ok] + tame)
+
+
+def _bulk_(kernels, W, G, B, F, rho, lr, tame) -> None:
+    """Every layer's bulk update (one compiled stage: the special edges are written after it,
+    outside, since a scatter inside would make the compiler stage the layer in a copy)."""
+    for l in range(1, len(W) + 1):
+        kernels.bulk_(W[l - 1], G[l - 1], F[l], B[l - 1], rho[l - 1], lr, tame[l - 1])
+
+
+def _bias(xp, b, Gb, F, lr):
+    """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow)."""
+    Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
+    new = b - lr * safe_div(xp, Db, F)
+    return xp.where(xp.isfinite(new), new, b)
+
+
+def _tame(xp, v, zero_ok: bool):
+    """Every entry of ``v`` lies in ``[4 sqrt(tiny), sqrt(max) / 4]`` (or is 0 if
+    ``zero_ok``), so products and reciprocals of two such numbers neither overflow nor
+    underflow: :func:`recip_rows` then equals :func:`exact_rows` to rounding."""
+    fi = xp.finfo(v.dtype)
+    a = xp.abs(v)
+    inside = (a >= 4 * math.sqrt(fi.smallest_normal)) & (a <= math.sqrt(fi.max) / 4)
+    return xp.all((inside | (a == 0)) if zero_ok else inside)
+
+
+def _special(xp, chain, meta, plan, ws, gs, T, B, F, lr, device):
+    """New values of each layer's special edges (new tau edges, free edges unchanged) and
+    ``rho_0..rho_{L-1}``."""
+    dtype = T[-1].dtype
     eps = float(xp.finfo(dtype).eps)
-    rho = xp.ones(chain.sizes[0], dtype=dtype, device=device)
-    for l in range(1, chain.L + 1):
-        m = meta[l - 1]
-        flat = _flat(xp, W[l - 1])
-        free_old = xp.take(flat, m.free_idx)
-        if l < chain.L:
-            tau_new, rho_next = _tau_edges(xp, m, flat, _flat(xp, G[l - 1]), T[l], B[l - 1],
-                                           F[l], rho, lr, eps)
-        kernels.bulk_(W[l - 1], G[l - 1], F[l], B[l - 1], rho, lr)
-        if l < chain.L:
-            kernels.put_(W[l - 1], m.tau_idx, tau_new)
-            rho = rho_next
-        kernels.put_(W[l - 1], m.free_idx, free_old)
-        if b[l - 1] is not None:
-            Db = frozen_if_overflow(xp, safe_div(xp, Gb[l - 1], F[l]), Gb[l - 1])
-            new = b[l - 1] - lr * safe_div(xp, Db, F[l])
-            kernels.put_(b[l - 1], None, xp.where(xp.isfinite(new), new, b[l - 1]))
+    rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
+    special = []
+    for l in range(1, chain.L):
+        s = plan[l - 1]
+        tau_new, rho_next = _tau_edges(xp, meta[l - 1], xp.take(ws[l - 1], s.tau),
+                                       xp.take(gs[l - 1], s.tau), T[l], B[l - 1], F[l],
+                                       rho[-1], lr, eps)
+        special.append(xp.where(s.moved, xp.take(tau_new, s.node), ws[l - 1]))
+        rho.append(rho_next)
+    return special + [ws[-1]], rho
 
 
-def _tau_edges(xp, m, flat, gflat, T, B_prev, F, rho, lr, eps):
+def _tau_edges(xp, m, w, g, T, B_prev, F, rho, lr, eps):
     """New tau-edge weights and ``rho_l``, by the rules of :func:`gsgd_core.sweeps.allocate3`:
     ``D = (P - T_l)/V``, ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``."""
-    w, g = xp.take(flat, m.tau_idx), xp.take(gflat, m.tau_idx)
     rho_src = xp.take(rho, m.tau_src)
     V = (F * xp.take(B_prev, m.tau_src)) * w
     D = frozen_if_overflow(xp, safe_div(xp, w * g - T, V), g)
@@ -165,4 +236,16 @@ def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
     fb = outer3(F, B_prev)
     D = frozen_if_overflow(xp, safe_div(xp, G, fb), G)
     new = (W - lr * safe_div(xp, D, fb)) / rho[None, :, None]
+    return xp.where(xp.isfinite(new), new, W)
+
+
+def recip_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
+    """:func:`exact_rows` with reciprocals of the node vectors in place of divisions per
+    entry (``c = 1/(F B)``: ``D = G c``, ``W' = (W - lr D c) / rho``), for a layer whose
+    vectors are tame (:func:`_tame`): no product of them under- or overflows, so the two
+    agree to rounding (at the overflow edge of ``D``, to a unit in the last place)."""
+    c = outer3(safe_div(xp, 1.0, F), safe_div(xp, 1.0, B_prev))
+    D = G * c
+    D = xp.where(xp.isfinite(D), D, 0.0)
+    new = (W - lr * (D * c)) * (1.0 / rho)[None, :, None]
     return xp.where(xp.isfinite(new), new, W)

@@ -23,6 +23,9 @@ class ArrayKernels:
     """The fast step's kernels over a NumPy-compatible module (``numpy``; ``cupy`` reuses
     them with whole-layer blocks, see :mod:`.cupy`)."""
 
+    #: The bulk checks its blocks itself: no tame test of the node vectors (:mod:`.fast`).
+    recip = False
+
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
         self._buffers: dict = {}
@@ -30,6 +33,10 @@ class ArrayKernels:
     def context(self):
         """Overflows inside the step are detected and handled, not warnings."""
         return np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore")
+
+    def stage(self, fn):
+        """Steps run eagerly: ``fn`` itself."""
+        return fn
 
     def view3(self, w, shape):
         """A writable ``(n, p, k)`` view of ``w`` sharing its memory, or ``None``."""
@@ -60,9 +67,10 @@ class ArrayKernels:
             buf = self._buffers[dtype] = self.mod.empty(size, dtype=dtype)
         return buf
 
-    def bulk_(self, W, G, f, beta, rho, lr: float) -> None:
+    def bulk_(self, W, G, f, beta, rho, lr: float, tame: bool) -> None:
         """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, block by block; a
-        block with a non-finite result is recomputed by :func:`.fast.exact_rows`."""
+        block with a non-finite result is recomputed by :func:`.fast.exact_rows` (which makes
+        ``tame`` moot here)."""
         xp, mod = array_api_compat.array_namespace(W), self.mod
         n, p, k = W.shape
         rows = n if self.chunk is None else max(1, min(n, self.chunk // (p * k)))

@@ -1,13 +1,16 @@
 """PyTorch kernels of the fast step (:mod:`.fast`), in place.
 
 ``KERNELS`` (eager): on the CPU both heavy passes run over blocks of rows that stay in cache:
-the column sum as ``W*grad`` into a reused block plus a matrix-vector product (BLAS reads the
-block once), the bulk update as a few in-place ops per block, each block checked for
-non-finite values before it is written. On a GPU each layer is one block.
+the column sum as ``addcmul_`` of each block into one block of partial sums, the bulk update
+as a few in-place ops per block, each block checked for non-finite values before it is
+written. On a GPU each layer is one block.
 
-``COMPILED``: the bulk update is :func:`.fast.exact_rows` (the core's per-entry rules, so no
-check is needed) compiled by ``torch.compile`` into one loop per layer shape; the first step
-of each new shape compiles for a few seconds.
+``COMPILED``: the column sum stays eager (inductor's reductions over rows stride across
+them); the vector stage and the bulk stage of :mod:`.fast` are each compiled whole by
+``torch.compile``, specialised to the chain's shapes, so a step is two compiled calls and a
+few eager ops. The bulk is one loop per layer: :func:`.fast.recip_rows` (no division per
+entry) where the layer's node vectors are tame, :func:`.fast.exact_rows` elsewhere. The first
+step of a new chain compiles for some seconds.
 """
 
 from __future__ import annotations
@@ -15,25 +18,30 @@ from __future__ import annotations
 import array_api_compat.torch as xp
 import torch
 
-from .fast import exact_rows, recip_square
+from .fast import exact_rows, recip_rows, recip_square
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
 
 
-def _exact_bulk_(W, G, f, beta, rho, lr):
-    W.copy_(exact_rows(xp, W, G, f, beta, rho, lr))
-
-
 class TorchKernels:
     def __init__(self, chunk: int, compiled: bool = False) -> None:
         self.chunk, self.compiled = chunk, compiled
+        self.recip = compiled  # the compiled bulk runs recip_rows on tame layers
         self._buffers: dict = {}
-        self._compiled_bulk = None
+        self._stages: dict = {}
 
     def context(self):
         """Parameters are written in place, outside autograd."""
         return torch.no_grad()
+
+    def stage(self, fn):
+        """``fn`` itself, or compiled whole (specialised to the chain's shapes) if compiled."""
+        if not self.compiled:
+            return fn
+        if fn not in self._stages:
+            self._stages[fn] = torch.compile(fn, dynamic=False)
+        return self._stages[fn]
 
     def view3(self, w, shape):
         """A ``(n, p, k)`` view of ``w`` sharing its storage, or ``None`` if not contiguous."""
@@ -51,19 +59,17 @@ class TorchKernels:
         return buf
 
     def colsum(self, W, G):
-        """``sum(W * G, dim=(0, 2))``: per block, ``W*G`` then ``block.T @ ones``."""
+        """``sum(W * G, dim=(0, 2))``: blocks of rows accumulated by ``addcmul_`` into one
+        cache-resident block of partial sums (row-major streaming; ATen's and inductor's
+        reductions over dim 0 stride across rows and run at half the read bandwidth)."""
         n, p, k = W.shape
         rows = self._rows(W)
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
-        buf = self._buffer(W, rows * p * k)
-        ones = torch.ones(rows, dtype=W.dtype, device=W.device)
-        acc = torch.zeros(p * k, dtype=W.dtype, device=W.device)
-        for i in range(0, n, rows):
+        acc = torch.mul(W2[:rows], G2[:rows])
+        for i in range(rows, n, rows):
             j = min(n, i + rows)
-            block = buf[:(j - i) * p * k].view(j - i, p * k)
-            torch.mul(W2[i:j], G2[i:j], out=block)
-            acc.addmv_(block.t(), ones[:j - i])
-        return acc.view(p, k).sum(1)
+            acc[:j - i].addcmul_(W2[i:j], G2[i:j])
+        return acc.sum(0).view(p, k).sum(1)
 
     def scatter_add(self, target, index, values):
         return target.index_add(0, index, values)
@@ -75,13 +81,13 @@ class TorchKernels:
         else:
             dst.view(-1).index_copy_(0, index, values)
 
-    def bulk_(self, W, G, f, beta, rho, lr: float) -> None:
-        """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place: compiled, or block by
-        block with a block holding a non-finite result recomputed by the core's rules."""
+    def bulk_(self, W, G, f, beta, rho, lr: float, tame: bool) -> None:
+        """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place. Compiled (traced
+        inside the compiled write stage): one loop, :func:`.fast.recip_rows` for a tame layer
+        and :func:`.fast.exact_rows` otherwise. Eager: block by block, a block holding a
+        non-finite result recomputed by the core's rules."""
         if self.compiled:
-            if self._compiled_bulk is None:
-                self._compiled_bulk = torch.compile(_exact_bulk_)
-            self._compiled_bulk(W, G, f, beta, rho, lr)
+            W.copy_((recip_rows if tame else exact_rows)(xp, W, G, f, beta, rho, lr))
             return
         n, p, k = W.shape
         rows = self._rows(W)

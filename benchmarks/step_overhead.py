@@ -170,13 +170,17 @@ def array_rows(name, xp, reps):
     return Row(xp.__name__, name, m, "w -= lr*g", t["sgd"], ratios)
 
 
-def e2e_row(name, device, reps, batch=128):
+def e2e_row(name, device, reps, compile_, batch=128):
     build, arg = MODELS[name]
     torch.manual_seed(0)
-    models = {k: build(arg).to(device) for k in ("sgd", "gsgd")}
-    models["gsgd"].load_state_dict(models["sgd"].state_dict())
+    kinds = ("sgd", "gsgd", "gsgdc") if compile_ else ("sgd", "gsgd")
+    models = {k: build(arg).to(device) for k in kinds}
+    for k in kinds[1:]:
+        models[k].load_state_dict(models["sgd"].state_dict())
     opts = {"sgd": torch.optim.SGD(models["sgd"].parameters(), lr=LR, foreach=True),
             "gsgd": GSGD(models["gsgd"], lr=LR)}
+    if compile_:
+        opts["gsgdc"] = GSGD(models["gsgdc"], lr=LR, compile=True)
     x = torch.randn(batch, 3, 16, 16, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
 
@@ -190,8 +194,11 @@ def e2e_row(name, device, reps, batch=128):
 
     t = interleaved({k: train_step(k) for k in models}, reps)
     m = sum(p.numel() for p in models["sgd"].parameters())
+    ratios = {"G-SGD": (t["gsgd"], t["gsgd"] / t["sgd"])}
+    if compile_:
+        ratios["G-SGD compiled"] = (t["gsgdc"], t["gsgdc"] / t["sgd"])
     return Row(f"torch {device.type}", f"{name} train step, batch {batch}", m, "SGD(foreach)",
-               t["sgd"], {"G-SGD": (t["gsgd"], t["gsgd"] / t["sgd"])})
+               t["sgd"], ratios)
 
 
 def table(rows) -> str:
@@ -263,7 +270,7 @@ def main(argv=None) -> int:
         if kind == "torch":
             rows.append(torch_rows(name, device, reps(size), not args.no_compile))
         elif kind == "e2e":
-            rows.append(e2e_row(name, device, reps(size) // 2 + 3))
+            rows.append(e2e_row(name, device, reps(size) // 2 + 3, not args.no_compile))
         else:
             rows.append(array_rows(name, kind, reps(size)))
     text = f"Machine: {machine(device)}. Medians of interleaved steps, float32.\n\n{table(rows)}"

@@ -288,3 +288,62 @@ def test_compiled_torch_bulk_runs_and_equals_the_core():
     opt.step()
     assert_close(model[2].weight.detach().numpy(), eW[1], 1e-12)
     assert_close(model[0].bias.detach().numpy(), eb[0], 1e-12)
+
+
+_EXTREME = st.sampled_from([0.0, 1e-300, 1e-150, 1e-30, 1e-3, 1.0, 1e3, 1e30, 1e150, 1e300])
+
+
+@settings(max_examples=60)
+@given(seed=seeds, f=_EXTREME, beta=_EXTREME, rho=_EXTREME, g=_EXTREME,
+       lr=st.sampled_from([1e-3, 0.1, 10.0, 1e30]),
+       dtype=st.sampled_from([np.float64, np.float32]))
+def test_reciprocal_bulk_equals_the_core_rules_on_tame_vectors(seed, f, beta, rho, g, lr,
+                                                               dtype):
+    """``recip_rows`` (no division per entry) equals ``exact_rows`` wherever ``_tame``
+    admits the node vectors; the magnitudes drawn also make ``_tame`` refuse them."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(all="ignore"):
+        cast = lambda a: np.asarray(a, dtype=np.float64).astype(dtype)  # noqa: E731
+        W, G = cast(rng.standard_normal((4, 3, 2))), cast(g * rng.standard_normal((4, 3, 2)))
+        F = cast(f * rng.uniform(0.5, 2, 4) * (rng.random(4) < 0.8))
+        B = cast(beta * rng.uniform(0.5, 2, 3) * (rng.random(3) < 0.8))
+        R = cast((rho or 1.0) * rng.uniform(0.5, 2, 3))
+        if not all(np.all(np.isfinite(a)) for a in (W, G, F, B, R)) or np.any(R == 0):
+            return
+        tame = bool(fast._tame(np, F, True) & fast._tame(np, B, True) & fast._tame(np, R, False))
+        exact = fast.exact_rows(np, W, G, F, B, R, lr)
+        recip = fast.recip_rows(np, W, G, F, B, R, lr)
+    assert np.all(np.isfinite(exact)) and np.all(np.isfinite(recip))
+    if tame:
+        np.testing.assert_allclose(recip, exact, rtol=8 * np.finfo(dtype).eps, atol=0)
+
+
+def test_tame_refuses_vectors_whose_products_underflow():
+    """What ``_tame`` guards against: with ``F`` tiny, ``1/F`` overflows where ``F*B`` does
+    not, and the reciprocal rule would keep a weight that the core moves."""
+    W, G = np.ones((1, 1, 1)), np.ones((1, 1, 1))
+    F, B, R = np.array([1e-310]), np.array([1e300]), np.ones(1)
+    assert not bool(fast._tame(np, F, True))
+    with np.errstate(all="ignore"):
+        exact = fast.exact_rows(np, W, G, F, B, R, 1e-3)
+        recip = fast.recip_rows(np, W, G, F, B, R, 1e-3)
+    assert exact[0, 0, 0] != 1.0 and recip[0, 0, 0] == 1.0
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-100, 1e100])
+def test_compiled_torch_step_on_extreme_magnitudes_equals_the_core(scale):
+    """Weights scaled so that the skeleton products leave the tame range (those layers take
+    the core's per-entry rules inside the compiled stage): the step still equals the core."""
+    torch = pytest.importorskip("torch")
+    import gsgd_backends.torch as bt
+
+    pb = Problem(CHAIN, 8)
+    W = [w * scale for w in pb.W]
+    G, Gb = pb.grads()
+    T = lambda xs: [None if x is None else torch.tensor(x) for x in xs]  # noqa: E731
+    A, Ab = T(W), T(pb.b)
+    assert fast.fast_step_(bt.COMPILED, CHAIN, A, Ab, T(G), T(Gb), 0.1)
+    eW, eb = gc.gsgd_step(CHAIN, W, pb.b, G, Gb, 0.1)
+    for a, e in zip(A + Ab, eW + eb):
+        if e is not None:
+            assert_close(a.numpy(), e, 1e-12)
