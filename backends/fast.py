@@ -4,15 +4,17 @@ Only ``O(n_l)`` edges of layer ``l`` are special (tau and free edges), so the st
 bulk of each layer with one formula and the special edges as short vectors, gathered once
 (they lie one per row, each access a cache miss) and written back once:
 
-- **Backward sweep** (``l = L..2``)::
+- **Column sums** ``colsum_{0,2}(W_l * grad_l)``, ``l = 2..L`` (the one pass over the
+  weights before the update; layer 1's is never needed, ``T_0`` is unused).
+- **Vector stage** (:func:`_vectors`): the special edges gathered, the backward sweep
+  (``l = L..2``, :func:`_sums`)::
 
       T_{l-1} = colsum_{0,2}(W_l * grad_l) - P_l[free edges] + scatter(T_l[free tau edges])
 
-  ``T_l[b]`` is the sum of ``U = v * dL/dv`` over the basis paths whose tau chain passes
-  ``b``; layer 1's column sum is never needed (``T_0`` is unused).
-- **Vector stage** (:func:`_vectors`): chain products ``B``, ``F``, the tau edges' path
-  ratios ``R`` and ``rho`` (exactly :func:`gsgd_core.sweeps.allocate3`'s rules), new biases,
-  and the flags read back in the step's one host synchronisation.
+  (``T_l[b]`` is the sum of ``U = v * dL/dv`` over the basis paths whose tau chain passes
+  ``b``), chain products ``B``, ``F``, the tau edges' path ratios ``R`` and ``rho`` (exactly
+  :func:`gsgd_core.sweeps.allocate3`'s rules), new biases, and the flags read back in the
+  step's one host synchronisation.
 - **Bulk stage**: every layer in place, then its special edges and bias written back::
 
       W' = (W - lr * grad / (F_l[b] B_{l-1}[a])**2) / rho_{l-1}[a]
@@ -104,28 +106,32 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr) ->
 
 
 def _step(kernels, chain, weights, biases, grads, bias_grads, lr) -> bool:
-    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
-    xp, L = p.xp, chain.L
+    p = _prepared(chain, weights, biases, grads, bias_grads)
+    xp, L = kernels.xp, chain.L
     if p.dtype != p.store:
         return False
     W = [kernels.view3(w, chain.layer_shape(l)) for l, w in enumerate(weights, start=1)]
     if any(w is None for w in W):
         return False
-    G = [xp.reshape(g, chain.layer_shape(l)) for l, g in enumerate(grads, start=1)]
+    G = [kernels.view3(g, chain.layer_shape(l), writable=False)
+         for l, g in enumerate(grads, start=1)]
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
-    plan = _plan(chain, xp, p.device)
-    ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
-    gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
-    T = _backward(kernels, xp, plan, W, G, ws, gs, p.dtype, p.device)
-    lr = float(lr)
-    vectors = kernels.stage(_vectors)(xp, chain, p.meta, plan, ws, gs, T, G[0], b, Gb, lr,
-                                      p.device, kernels.recip)
+    plan = _plan(chain, p.xp, p.device)
+    # Layer 1's gradients are checked through their sum (ATen's sum outruns inductor's).
+    C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
+    lr = kernels.scalar(float(lr), p.dtype, p.device)
+    vectors = kernels.stage(_vectors, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
+                                             p.device)
     flags = vectors[-1].tolist()  # the step's one host synchronisation
     if not flags[0]:
         return False
-    B, F, rho, special, bias, _ = vectors
-    kernels.stage(_bulk_)(kernels, W, G, B, F, rho, lr, tuple(flags[1:]))
+    B, F, rho, recips, special, bias, _ = vectors
+    tame = tuple(flags[1:]) or (False,) * L
+    # The bulk sees each layer as (n, p*k): a compiled loop then runs over contiguous columns
+    # and writes its input itself (mutating a view of an input, inductor stages a copy).
+    rows = [[xp.reshape(a, (a.shape[0], -1)) for a in A] for A in (W, G)]
+    kernels.stage(_bulk_, chain)(kernels, *rows, B, F, rho, recips, lr, tame)
     for l in range(L):
         kernels.put_(W[l], plan[l].spec, special[l])
         if b[l] is not None:
@@ -133,14 +139,32 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr) -> bool:
     return True
 
 
-def _backward(kernels, xp, plan, W, G, ws, gs, dtype, device):
-    """``T_1..T_{L-1}`` as ``T[l]`` (``T[L] = 0``)."""
-    L = len(W)
-    T = [None] * L + [xp.zeros(W[L - 1].shape[0], dtype=dtype, device=device)]
+def _prepared(chain: Chain, weights, biases, grads, bias_grads):
+    """:func:`gsgd_core.arrays.prepare`, memoised on the arrays' signature (type, shape,
+    dtype and device of each): a training loop passes the same signature every step, and
+    validating it anew costs as much as updating a small layer."""
+    lists = (weights, biases, grads, bias_grads)
+    if not all(v is None or isinstance(v, (list, tuple)) for v in lists):
+        return prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
+    sig = tuple(None if v is None else tuple(
+        None if a is None else (type(a), tuple(a.shape), a.dtype, getattr(a, "device", None))
+        for a in v) for v in lists)
+    hit = chain._cache.get("fast-prepared")
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
+    chain._cache["fast-prepared"] = (sig, p)
+    return p
+
+
+def _sums(kernels, plan, ws, gs, C):
+    """``T_1..T_{L-1}`` as ``T[l]`` from the column sums
+    ``C[l-2] = colsum(W_l * grad_l)``, ``l = 2..L`` (the backward sweep above)."""
+    xp, L = kernels.xp, len(plan)
+    T = [None] * (L + 1)
     for l in range(L, 1, -1):
         s = plan[l - 1]
-        P_free = xp.take(ws[l - 1], s.free) * xp.take(gs[l - 1], s.free)
-        below = kernels.colsum(W[l - 1], G[l - 1]) - P_free
+        below = C[l - 2] - xp.take(ws[l - 1], s.free) * xp.take(gs[l - 1], s.free)
         if l < L:
             below = kernels.scatter_add(below, s.carry_src, xp.take(T[l], s.carry_nodes))
         T[l - 1] = below
@@ -159,27 +183,40 @@ def _products(xp, chain, meta, plan, ws, dtype, device):
     return B, F
 
 
-def _vectors(xp, chain, meta, plan, ws, gs, T, G1, b, Gb, lr, device, recip: bool):
+def _vectors(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device):
     """Everything of the step that lives on node vectors, as one function (compiled whole by
-    :data:`gsgd_backends.torch.COMPILED`): chain products, new special edges, ``rho``, new
-    biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias gradient
+    :data:`gsgd_backends.torch.COMPILED`): the special edges gathered, the backward sums
+    ``T``, chain products ``B``, ``F``, new special edges, ``rho``, new biases, and the flags
+    ``[ok, tame_1..tame_L]``. ``C`` holds the sum of layer 1's gradients, then the column
+    sums ``colsum(W_l * grad_l)``, ``l = 2..L``. ``ok``: every backward sum, bias gradient
     and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use :func:`recip_rows`
-    (tested only for kernels that use it, ``recip``)."""
-    B, F = _products(xp, chain, meta, plan, ws, T[-1].dtype, device)
+    (tested only for kernels that use it, ``kernels.recip``)."""
+    xp = kernels.xp
+    ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
+    gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
+    T = _sums(kernels, plan, ws, gs, C[1:])
+    B, F = _products(xp, chain, meta, plan, ws, ws[0].dtype, device)
     special, rho = _special(xp, chain, meta, plan, ws, gs, T, B, F, lr, device)
     bias = [None if bl is None else _bias(xp, bl, g, f, lr) for bl, g, f in zip(b, Gb, F[1:])]
-    # T_1..T_{L-1} sum every weight gradient above layer 1; layer 1's are checked by one sum.
-    ok = all_finite(xp, T[1:-1] + Gb) & xp.isfinite(xp.sum(G1))
-    tame = [_tame(xp, F[l], True) & _tame(xp, B[l - 1], True) & _tame(xp, rho[l - 1], False)
-            for l in range(1, chain.L + 1)] if recip else [ok] * chain.L
-    return B, F, rho, special, bias, xp.stack([ok] + tame)
+    # T_1..T_{L-1} sum every weight gradient above layer 1.
+    ok = all_finite(xp, T[1:chain.L] + Gb) & xp.isfinite(C[0])
+    tame, recips = [], None
+    if kernels.recip:
+        tame = [_tame(xp, F[l], True) & _tame(xp, B[l - 1], True) & _tame(xp, rho[l - 1], False)
+                for l in range(1, chain.L + 1)]
+        recips = [reciprocals(xp, F[l], B[l - 1], rho[l - 1], chain.layer_shape(l)[2])
+                  for l in range(1, chain.L + 1)]
+    return B, F, rho, recips, special, bias, xp.stack([ok] + tame)
 
 
-def _bulk_(kernels, W, G, B, F, rho, lr, tame) -> None:
-    """Every layer's bulk update (one compiled stage: the special edges are written after it,
-    outside, since a scatter inside would make the compiler stage the layer in a copy)."""
-    for l in range(1, len(W) + 1):
-        kernels.bulk_(W[l - 1], G[l - 1], F[l], B[l - 1], rho[l - 1], lr, tame[l - 1])
+def _bulk_(kernels, W, G, B, F, rho, recips, lr, tame) -> None:
+    """Every layer's bulk update, ``W`` and ``G`` as ``(n, p*k)`` (one compiled stage: the
+    special edges are written after it, outside, since a scatter inside would make the
+    compiler stage the layer in a copy); a tame layer gets its node vectors' reciprocals
+    for :func:`recip_rows`."""
+    for l in range(len(W), 0, -1):  # the column sums ended on the top layers' first rows
+        kernels.bulk_(W[l - 1], G[l - 1], F[l], B[l - 1], rho[l - 1], lr,
+                      recips[l - 1] if tame[l - 1] else None)
 
 
 def _bias(xp, b, Gb, F, lr):
@@ -202,7 +239,7 @@ def _tame(xp, v, zero_ok: bool):
 def _special(xp, chain, meta, plan, ws, gs, T, B, F, lr, device):
     """New values of each layer's special edges (new tau edges, free edges unchanged) and
     ``rho_0..rho_{L-1}``."""
-    dtype = T[-1].dtype
+    dtype = ws[0].dtype
     eps = float(xp.finfo(dtype).eps)
     rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
     special = []
@@ -239,13 +276,26 @@ def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
     return xp.where(xp.isfinite(new), new, W)
 
 
-def recip_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
-    """:func:`exact_rows` with reciprocals of the node vectors in place of divisions per
-    entry (``c = 1/(F B)``: ``D = G c``, ``W' = (W - lr D c) / rho``), for a layer whose
-    vectors are tame (:func:`_tame`): no product of them under- or overflows, so the two
-    agree to rounding (at the overflow edge of ``D``, to a unit in the last place)."""
-    c = outer3(safe_div(xp, 1.0, F), safe_div(xp, 1.0, B_prev))
+def reciprocals(xp, F, B_prev, rho, k: int) -> tuple:
+    """``(1/F, 1/B_prev, 1/rho)``, ``0`` for a zero ``F`` or ``B_prev`` (the core's
+    ``safe_div``: a frozen path), the last two repeated ``k`` times (one entry per column of
+    the layer seen as ``(n, p*k)``): the node vectors that :func:`recip_rows` takes."""
+    def per_column(v):
+        return xp.reshape(xp.broadcast_to(v[:, None], (v.shape[0], k)), (-1,))
+
+    return safe_div(xp, 1.0, F), per_column(safe_div(xp, 1.0, B_prev)), per_column(1.0 / rho)
+
+
+def recip_rows(xp, W, G, recips, lr) -> Any:
+    """:func:`exact_rows` with the node vectors' :func:`reciprocals` ``(u, v, r)`` in place
+    of divisions per entry (``c = u v = 1/(F B)``: ``D = G c``, ``W' = (W - lr D c) r``),
+    for a layer whose vectors are tame (:func:`_tame`): no product of them under- or
+    overflows, so the two agree to rounding (at the overflow edge of ``D``, to a unit in the
+    last place). ``W`` and ``G`` come as ``(n, p*k)`` and the reciprocals precomputed, so
+    that a compiled loop runs over contiguous columns without a division per entry."""
+    u, v, r = recips
+    c = u[:, None] * v[None, :]
     D = G * c
     D = xp.where(xp.isfinite(D), D, 0.0)
-    new = (W - lr * (D * c)) * (1.0 / rho)[None, :, None]
+    new = (W - lr * (D * c)) * r[None, :]
     return xp.where(xp.isfinite(new), new, W)

@@ -8,9 +8,9 @@ is checked for non-finite values before it is written.
 
 from __future__ import annotations
 
+import importlib
 import math
 
-import array_api_compat
 import numpy as np
 
 from .fast import exact_rows, recip_square
@@ -28,18 +28,25 @@ class ArrayKernels:
 
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
+        self.xp = importlib.import_module(f"array_api_compat.{mod.__name__}")
         self._buffers: dict = {}
 
     def context(self):
         """Overflows inside the step are detected and handled, not warnings."""
         return np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore")
 
-    def stage(self, fn):
+    def stage(self, fn, chain):
         """Steps run eagerly: ``fn`` itself."""
         return fn
 
-    def view3(self, w, shape):
-        """A writable ``(n, p, k)`` view of ``w`` sharing its memory, or ``None``."""
+    def scalar(self, value: float, dtype, device) -> float:
+        return value
+
+    def view3(self, w, shape, writable: bool = True):
+        """A ``(n, p, k)`` view of ``w`` sharing its memory, or ``None`` if ``w`` cannot be
+        written in place (not contiguous or read-only); read-only use reshapes any array."""
+        if not writable:
+            return self.mod.reshape(w, shape)
         flags = w.flags
         if not flags.c_contiguous or not getattr(flags, "writeable", True):
             return None
@@ -67,11 +74,12 @@ class ArrayKernels:
             buf = self._buffers[dtype] = self.mod.empty(size, dtype=dtype)
         return buf
 
-    def bulk_(self, W, G, f, beta, rho, lr: float, tame: bool) -> None:
+    def bulk_(self, W, G, f, beta, rho, lr: float, recips=None) -> None:
         """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, block by block; a
-        block with a non-finite result is recomputed by :func:`.fast.exact_rows` (which makes
-        ``tame`` moot here)."""
-        xp, mod = array_api_compat.array_namespace(W), self.mod
+        block with a non-finite result is recomputed by :func:`.fast.exact_rows` (these
+        kernels never get ``recips``: ``recip = False``). ``W``, ``G`` come as ``(n, p*k)``."""
+        xp, mod = self.xp, self.mod
+        W, G = W.reshape(W.shape[0], beta.shape[0], -1), G.reshape(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
         rows = n if self.chunk is None else max(1, min(n, self.chunk // (p * k)))
         buf = self._buffer(W.dtype, rows * p * (k + 1))

@@ -7,15 +7,18 @@ written. On a GPU each layer is one block.
 
 ``COMPILED``: the column sum stays eager (inductor's reductions over rows stride across
 them); the vector stage and the bulk stage of :mod:`.fast` are each compiled whole by
-``torch.compile``, specialised to the chain's shapes, so a step is two compiled calls and a
-few eager ops. The bulk is one loop per layer: :func:`.fast.recip_rows` (no division per
-entry) where the layer's node vectors are tame, :func:`.fast.exact_rows` elsewhere. The first
-step of a new chain compiles for some seconds.
+``torch.compile``, per chain and specialised to its shapes, so a step is two compiled calls
+and a few eager ops. The bulk is one loop per layer: :func:`.fast.recip_rows` (no division
+per entry) where the layer's node vectors are tame, :func:`.fast.exact_rows` elsewhere. The
+learning rate enters as a tensor, so a schedule never recompiles. The first step of a new
+chain compiles for some seconds.
 """
 
 from __future__ import annotations
 
-import array_api_compat.torch as xp
+import types
+
+import array_api_compat.torch as compat
 import torch
 
 from .fast import exact_rows, recip_rows, recip_square
@@ -24,28 +27,55 @@ from .fast import exact_rows, recip_rows, recip_square
 CHUNK = 1 << 19
 
 
+class _Namespace:
+    """``array_api_compat.torch`` with ``take`` as a bare ``index_select``: the fast step's
+    indices are never negative, and compat's ``take`` spends three more ops per call making
+    negative ones positive (the eager step makes dozens of such calls)."""
+
+    def __getattr__(self, name: str):
+        return getattr(compat, name)
+
+    @staticmethod
+    def take(x, indices, /, *, axis: int = 0):
+        return torch.index_select(x, axis, indices)
+
+
 class TorchKernels:
     def __init__(self, chunk: int, compiled: bool = False) -> None:
         self.chunk, self.compiled = chunk, compiled
         self.recip = compiled  # the compiled bulk runs recip_rows on tame layers
+        self.xp = compat if compiled else _Namespace()
         self._buffers: dict = {}
-        self._stages: dict = {}
 
     def context(self):
         """Parameters are written in place, outside autograd."""
         return torch.no_grad()
 
-    def stage(self, fn):
-        """``fn`` itself, or compiled whole (specialised to the chain's shapes) if compiled."""
+    def stage(self, fn, chain):
+        """``fn`` itself, or, if compiled, ``fn`` compiled whole for ``chain`` (specialised
+        to its shapes). Each chain compiles its own copy of ``fn``: dynamo keeps its cache,
+        and its limit of recompilations, per code object, so one shared ``fn`` would stop
+        compiling after a handful of models."""
         if not self.compiled:
             return fn
-        if fn not in self._stages:
-            self._stages[fn] = torch.compile(fn, dynamic=False)
-        return self._stages[fn]
+        key = ("torch-stage", fn.__name__)
+        if key not in chain._cache:
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                      fn.__defaults__, fn.__closure__)
+            chain._cache[key] = torch.compile(copy, dynamic=False)
+        return chain._cache[key]
 
-    def view3(self, w, shape):
-        """A ``(n, p, k)`` view of ``w`` sharing its storage, or ``None`` if not contiguous."""
-        return w.detach().view(shape) if w.is_contiguous() else None
+    def scalar(self, value: float, dtype, device):
+        """``value`` as the stages take it: compiled stages get a 0-d tensor, since dynamo
+        would compile anew for every distinct Python float (a learning-rate schedule)."""
+        return torch.full((), value, dtype=dtype, device=device) if self.compiled else value
+
+    def view3(self, w, shape, writable: bool = True):
+        """A ``(n, p, k)`` view of ``w`` sharing its storage, or ``None`` if not contiguous
+        (a read-only array that is not contiguous is reshaped into a copy)."""
+        if not w.is_contiguous():
+            return None if writable else w.detach().reshape(shape)
+        return w.detach().view(shape)
 
     def _rows(self, W) -> int:
         n, p, k = W.shape
@@ -65,9 +95,11 @@ class TorchKernels:
         n, p, k = W.shape
         rows = self._rows(W)
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
-        acc = torch.mul(W2[:rows], G2[:rows])
-        for i in range(rows, n, rows):
-            j = min(n, i + rows)
+        # Last rows first, so that the bulk update starts on rows still in cache.
+        acc = torch.mul(W2[n - rows:], G2[n - rows:],
+                        out=self._buffer(W, rows * p * k)[:rows * p * k].view(rows, p * k))
+        for j in range(n - rows, 0, -rows):
+            i = max(0, j - rows)
             acc[:j - i].addcmul_(W2[i:j], G2[i:j])
         return acc.sum(0).view(p, k).sum(1)
 
@@ -81,19 +113,24 @@ class TorchKernels:
         else:
             dst.view(-1).index_copy_(0, index, values)
 
-    def bulk_(self, W, G, f, beta, rho, lr: float, tame: bool) -> None:
-        """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place. Compiled (traced
-        inside the compiled write stage): one loop, :func:`.fast.recip_rows` for a tame layer
-        and :func:`.fast.exact_rows` otherwise. Eager: block by block, a block holding a
+    def bulk_(self, W, G, f, beta, rho, lr, recips=None) -> None:
+        """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, ``W`` and ``G`` as
+        ``(n, p*k)``. Compiled (traced inside the compiled bulk stage): one loop,
+        :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
+        :func:`.fast.exact_rows` otherwise. Eager: block by block, a block holding a
         non-finite result recomputed by the core's rules."""
+        if self.compiled and recips is not None:
+            W.copy_(recip_rows(compat, W, G, recips, lr))
+            return
+        W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
         if self.compiled:
-            W.copy_((recip_rows if tame else exact_rows)(xp, W, G, f, beta, rho, lr))
+            W.copy_(exact_rows(compat, W, G, f, beta, rho, lr))
             return
         n, p, k = W.shape
         rows = self._rows(W)
         buf = self._buffer(W, rows * p * (k + 1))
-        u = recip_square(xp, f)
-        v3, rho3 = recip_square(xp, beta).view(1, p, 1), rho.view(1, p, 1)
+        u = recip_square(compat, f)
+        v3, rho3 = recip_square(compat, beta).view(1, p, 1), rho.view(1, p, 1)
         for i in range(0, n, rows):
             j = min(n, i + rows)
             c = buf[:(j - i) * p].view(j - i, p, 1)
@@ -105,7 +142,7 @@ class TorchKernels:
             if bool(torch.isfinite(block.sum())):
                 W[i:j].copy_(block)
             else:
-                W[i:j].copy_(exact_rows(xp, W[i:j], G[i:j], f[i:j], beta, rho, lr))
+                W[i:j].copy_(exact_rows(compat, W[i:j], G[i:j], f[i:j], beta, rho, lr))
 
 
 KERNELS = TorchKernels(CHUNK)

@@ -290,6 +290,51 @@ def test_compiled_torch_bulk_runs_and_equals_the_core():
     assert_close(model[0].bias.detach().numpy(), eb[0], 1e-12)
 
 
+def test_compiled_step_follows_a_learning_rate_schedule_without_recompiling():
+    """The learning rate reaches the compiled stages as a tensor: dynamo would compile anew
+    for every distinct Python float (each step of a schedule), and stop after a few."""
+    torch = pytest.importorskip("torch")
+    import torch._dynamo.utils as dynamo_utils
+
+    from gsgd_adapters.torch import GSGD
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(),
+                                torch.nn.Linear(5, 3)).double()
+    opt = GSGD(model, lr=0.1, compile=True)
+    chain = gc.Chain.mlp([6, 5, 3])
+    x = torch.randn(8, 6, dtype=torch.float64)
+    for step, lr in enumerate([0.1, 0.05, 0.02, 0.013]):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        W = [model[i].weight.detach().numpy().copy() for i in (0, 2)]
+        b = [model[i].bias.detach().numpy().copy() for i in (0, 2)]
+        G = [model[i].weight.grad.numpy() for i in (0, 2)]
+        Gb = [model[i].bias.grad.numpy() for i in (0, 2)]
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        if step == 0:
+            graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        eW, eb = gc.gsgd_step(chain, W, b, G, Gb, lr)
+        assert_close(model[2].weight.detach().numpy(), eW[1], 1e-12)
+        assert_close(model[0].bias.detach().numpy(), eb[0], 1e-12)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_validation_is_not_skipped_after_a_valid_step(fxp):
+    """The fast step remembers the last validated signature; a call whose arrays differ from
+    it (a wrong shape, another dtype) is validated again."""
+    pb = Problem(CHAIN, 9)
+    G, Gb = pb.grads()
+    ran, *_ = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    assert ran
+    bad = list(Gb)
+    bad[0] = np.ones(CHAIN.sizes[1] + 1)
+    with pytest.raises(ValueError, match="layer 1"):
+        _fast(fxp, CHAIN, pb.W, pb.b, G, bad, 0.1)
+    ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    _assert_same(fxp, W + b, sum(_core(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1), []), "after")
+
+
 _EXTREME = st.sampled_from([0.0, 1e-300, 1e-150, 1e-30, 1e-3, 1.0, 1e3, 1e30, 1e150, 1e300])
 
 
@@ -312,7 +357,8 @@ def test_reciprocal_bulk_equals_the_core_rules_on_tame_vectors(seed, f, beta, rh
             return
         tame = bool(fast._tame(np, F, True) & fast._tame(np, B, True) & fast._tame(np, R, False))
         exact = fast.exact_rows(np, W, G, F, B, R, lr)
-        recip = fast.recip_rows(np, W, G, F, B, R, lr)
+        recip = fast.recip_rows(np, W.reshape(4, 6), G.reshape(4, 6),
+                                fast.reciprocals(np, F, B, R, 2), lr).reshape(W.shape)
     assert np.all(np.isfinite(exact)) and np.all(np.isfinite(recip))
     if tame:
         np.testing.assert_allclose(recip, exact, rtol=8 * np.finfo(dtype).eps, atol=0)
@@ -326,7 +372,7 @@ def test_tame_refuses_vectors_whose_products_underflow():
     assert not bool(fast._tame(np, F, True))
     with np.errstate(all="ignore"):
         exact = fast.exact_rows(np, W, G, F, B, R, 1e-3)
-        recip = fast.recip_rows(np, W, G, F, B, R, 1e-3)
+        recip = fast.recip_rows(np, W[0], G[0], fast.reciprocals(np, F, B, R, 1), 1e-3)[None]
     assert exact[0, 0, 0] != 1.0 and recip[0, 0, 0] == 1.0
 
 
