@@ -93,66 +93,98 @@ def recip_square(xp, f):
     return xp.where(f == 0, 0.0, 1.0 / xp.where(f == 0, 1.0, f * f))
 
 
-def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr) -> bool:
-    """One plain G-SGD step in place through ``kernels``; ``False`` if the core must take it.
+class Hyper(NamedTuple):
+    """Weight decay and momentum of a step (:func:`gsgd_core.gsgd_update`), as the stages
+    take them: ``None`` where switched off; ``first`` is the state's first step (0-d)."""
 
-    Returns ``False`` before writing anything when the weights cannot be updated in place
-    (not contiguous, half precision) or when a gradient or a backward sum is not finite (the
-    core then skips the step or freezes the paths concerned, DESIGN §6). Otherwise the
-    weights and biases hold the core's :func:`gsgd_core.gsgd_step` result (to rounding).
+    weight_decay: Any
+    momentum: Any
+    dampening: Any
+    nesterov: bool
+    first: Any
+
+
+def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, state=None, *,
+               momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+               weight_decay: float = 0.0) -> bool:
+    """One G-SGD step in place through ``kernels``; ``False`` if the core must take it.
+
+    ``state`` (a :class:`gsgd_core.GSGDState`, needed with momentum) has its buffers
+    updated in place; its step count is the caller's. Returns ``False`` before writing
+    anything when the weights or buffers cannot be updated in place (not contiguous, half
+    precision) or when a gradient or a backward sum is not finite (the core then skips the
+    step or freezes the paths concerned, DESIGN §6). Otherwise the weights, biases and
+    buffers hold :func:`gsgd_core.gsgd_update`'s result (to rounding).
     """
     with kernels.context():
-        return _step(kernels, chain, weights, biases, grads, bias_grads, lr)
+        return _step(kernels, chain, weights, biases, grads, bias_grads, lr, state,
+                     (float(weight_decay), float(momentum), float(dampening), bool(nesterov)))
 
 
-def _step(kernels, chain, weights, biases, grads, bias_grads, lr) -> bool:
-    p = _prepared(chain, weights, biases, grads, bias_grads)
+def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) -> bool:
+    wd, mu, damp, nesterov = hyper
+    M = state.momentum if state is not None and mu else None
+    p = _prepared(chain, weights, biases, grads, bias_grads, state if M else None)
     xp, L = kernels.xp, chain.L
     if p.dtype != p.store:
         return False
-    W = [kernels.view3(w, chain.layer_shape(l)) for l, w in enumerate(weights, start=1)]
-    if any(w is None for w in W):
+    shapes = [chain.layer_shape(l) for l in range(1, L + 1)]
+    W = [kernels.view3(w, s) for w, s in zip(weights, shapes)]
+    M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, shapes)]
+    if any(w is None for w in W + (M or [])):
         return False
-    G = [kernels.view3(g, chain.layer_shape(l), writable=False)
-         for l, g in enumerate(grads, start=1)]
+    G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, shapes)]
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
+    Mb = list(state.bias_momentum) if M is not None else [None] * L
     plan = _plan(chain, p.xp, p.device)
     # Layer 1's gradients are checked through their sum (ATen's sum outruns inductor's).
     C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
-    lr = kernels.scalar(float(lr), p.dtype, p.device)
-    vectors = kernels.stage(_vectors, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
-                                             p.device)
-    flags = vectors[-1].tolist()  # the step's one host synchronisation
+
+    def scalar(value):
+        return kernels.scalar(value, p.dtype, p.device)
+
+    h = None if not (wd or mu) else Hyper(
+        scalar(wd) if wd else None, scalar(mu) if mu else None, scalar(damp), nesterov,
+        state.step == 0 if mu else None)
+    lr = scalar(float(lr))
+    v = kernels.stage(_vectors, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
+                                       p.device, M, Mb, h)
+    flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
         return False
-    B, F, rho, recips, special, bias, _ = vectors
     tame = tuple(flags[1:]) or (False,) * L
     # The bulk sees each layer as (n, p*k): a compiled loop then runs over contiguous columns
     # and writes its input itself (mutating a view of an input, inductor stages a copy).
-    rows = [[xp.reshape(a, (a.shape[0], -1)) for a in A] for A in (W, G)]
-    kernels.stage(_bulk_, chain)(kernels, *rows, B, F, rho, recips, lr, tame)
+    rows = [None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
+            for A in (W, G, M)]
+    kernels.stage(_bulk_, chain)(kernels, *rows, v, lr, tame, h)
     for l in range(L):
-        kernels.put_(W[l], plan[l].spec, special[l])
-        if b[l] is not None:
-            kernels.put_(b[l], None, bias[l])
+        kernels.put_(W[l], plan[l].spec, v.special[l])
+        if M is not None:
+            kernels.put_(M[l], plan[l].spec, v.special_m[l])
+        for dst, new in ((b[l], v.bias[l]), (Mb[l], v.bias_m[l])):
+            if dst is not None:
+                kernels.put_(dst, None, new)
     return True
 
 
-def _prepared(chain: Chain, weights, biases, grads, bias_grads):
-    """:func:`gsgd_core.arrays.prepare`, memoised on the arrays' signature (type, shape,
-    dtype and device of each): a training loop passes the same signature every step, and
-    validating it anew costs as much as updating a small layer."""
-    lists = (weights, biases, grads, bias_grads)
+def _prepared(chain: Chain, weights, biases, grads, bias_grads, state):
+    """:func:`gsgd_core.arrays.prepare` (with ``state``'s buffers), memoised on the arrays'
+    signature (type, shape, dtype and device of each): a training loop passes the same
+    signature every step, and validating it anew costs as much as updating a small layer."""
+    extra = () if state is None else (("momentum", state.momentum),
+                                      ("bias_momentum", state.bias_momentum))
+    lists = (weights, biases, grads, bias_grads) + tuple(v for _, v in extra)
     if not all(v is None or isinstance(v, (list, tuple)) for v in lists):
-        return prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
+        return prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
     sig = tuple(None if v is None else tuple(
         None if a is None else (type(a), tuple(a.shape), a.dtype, getattr(a, "device", None))
         for a in v) for v in lists)
     hit = chain._cache.get("fast-prepared")
     if hit is not None and hit[0] == sig:
         return hit[1]
-    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
+    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
     chain._cache["fast-prepared"] = (sig, p)
     return p
 
@@ -183,47 +215,111 @@ def _products(xp, chain, meta, plan, ws, dtype, device):
     return B, F
 
 
-def _vectors(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device):
+class _Vectors(NamedTuple):
+    """What the vector stage hands on: node vectors for the bulk, the special edges' and the
+    biases' new values (weights and momentum buffers), and the flags."""
+
+    B: list
+    F: list
+    rho: list
+    recips: Any       # per layer (1/F, 1/B, 1/rho) for recip_rows, or None
+    columns: Any      # per layer (B, rho) repeated per column, for momentum_rows, or None
+    special: list
+    special_m: Any
+    bias: list
+    bias_m: list
+    flags: Any        # [ok, tame_1..tame_L]
+
+
+def _vectors(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, h):
     """Everything of the step that lives on node vectors, as one function (compiled whole by
     :data:`gsgd_backends.torch.COMPILED`): the special edges gathered, the backward sums
-    ``T``, chain products ``B``, ``F``, new special edges, ``rho``, new biases, and the flags
-    ``[ok, tame_1..tame_L]``. ``C`` holds the sum of layer 1's gradients, then the column
-    sums ``colsum(W_l * grad_l)``, ``l = 2..L``. ``ok``: every backward sum, bias gradient
-    and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use :func:`recip_rows`
-    (tested only for kernels that use it, ``kernels.recip``)."""
-    xp = kernels.xp
+    ``T``, chain products ``B``, ``F``, new special edges and momentum buffers there,
+    ``rho``, new biases, and the flags ``[ok, tame_1..tame_L]``. ``C`` holds the sum of
+    layer 1's gradients, then the column sums ``colsum(W_l * grad_l)``, ``l = 2..L``.
+    ``ok``: every backward sum, bias gradient and layer-1 gradient is finite; ``tame_l``:
+    layer ``l`` may use :func:`recip_rows` (tested only for kernels that use it,
+    ``kernels.recip``, on plain steps)."""
+    xp, L = kernels.xp, chain.L
     ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
     gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
+    ms = None if M is None else [xp.take(_flat(xp, m), s.spec) for m, s in zip(M, plan)]
     T = _sums(kernels, plan, ws, gs, C[1:])
     B, F = _products(xp, chain, meta, plan, ws, ws[0].dtype, device)
-    special, rho = _special(xp, chain, meta, plan, ws, gs, T, B, F, lr, device)
-    bias = [None if bl is None else _bias(xp, bl, g, f, lr) for bl, g, f in zip(b, Gb, F[1:])]
+    special, special_m, rho = _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h,
+                                       device)
+    bias, bias_m = zip(*[(None, None) if bl is None else _bias(xp, bl, g, f, m, lr, h)
+                         for bl, g, f, m in zip(b, Gb, F[1:], Mb)])
     # T_1..T_{L-1} sum every weight gradient above layer 1.
-    ok = all_finite(xp, T[1:chain.L] + Gb) & xp.isfinite(C[0])
-    tame, recips = [], None
-    if kernels.recip:
+    ok = all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])
+    tame, recips, columns = [], None, None
+    if h is not None:
+        columns = [tuple(_per_column(xp, v, chain.layer_shape(l)[2])
+                         for v in (B[l - 1], rho[l - 1])) for l in range(1, L + 1)]
+    elif kernels.recip:
         tame = [_tame(xp, F[l], True) & _tame(xp, B[l - 1], True) & _tame(xp, rho[l - 1], False)
-                for l in range(1, chain.L + 1)]
+                for l in range(1, L + 1)]
         recips = [reciprocals(xp, F[l], B[l - 1], rho[l - 1], chain.layer_shape(l)[2])
-                  for l in range(1, chain.L + 1)]
-    return B, F, rho, recips, special, bias, xp.stack([ok] + tame)
+                  for l in range(1, L + 1)]
+    return _Vectors(B, F, rho, recips, columns, special, special_m, list(bias), list(bias_m),
+                    xp.stack([ok] + tame))
 
 
-def _bulk_(kernels, W, G, B, F, rho, recips, lr, tame) -> None:
-    """Every layer's bulk update, ``W`` and ``G`` as ``(n, p*k)`` (one compiled stage: the
-    special edges are written after it, outside, since a scatter inside would make the
-    compiler stage the layer in a copy); a tame layer gets its node vectors' reciprocals
-    for :func:`recip_rows`."""
+def _bulk_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
+    """Every layer's bulk update, ``W``, ``G`` (and ``M``) as ``(n, p*k)`` (one compiled
+    stage: the special edges are written after it, outside, since a scatter inside would
+    make the compiler stage the layer in a copy). A plain step of a tame layer gets its node
+    vectors' reciprocals for :func:`recip_rows`; weight decay or momentum take
+    :func:`momentum_rows`."""
     for l in range(len(W), 0, -1):  # the column sums ended on the top layers' first rows
-        kernels.bulk_(W[l - 1], G[l - 1], F[l], B[l - 1], rho[l - 1], lr,
-                      recips[l - 1] if tame[l - 1] else None)
+        if h is not None:
+            _momentum_bulk_(kernels, W[l - 1], G[l - 1], None if M is None else M[l - 1],
+                            v.F[l], *v.columns[l - 1], lr, h)
+        else:
+            kernels.bulk_(W[l - 1], G[l - 1], v.F[l], v.B[l - 1], v.rho[l - 1], lr,
+                          v.recips[l - 1] if tame[l - 1] else None)
 
 
-def _bias(xp, b, Gb, F, lr):
-    """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow)."""
+def _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> None:
+    """:func:`momentum_rows` over blocks of rows (``kernels.block_rows``), written in place."""
+    n = W.shape[0]
+    rows = kernels.block_rows(W)
+    for i in range(0, n, rows):
+        # A whole layer stays unsliced: a compiler writes a view of an input through a copy.
+        sl = slice(None) if rows >= n else slice(i, min(n, i + rows))
+        blocks = [None if a is None else a[sl] for a in (W, G, M)]
+        w, m = momentum_rows(kernels.xp, *blocks, F[sl], B_cols, rho_cols, lr, h)
+        kernels.put_(blocks[0], None, w)
+        if M is not None:
+            kernels.put_(blocks[2], None, m)
+
+
+def _momentum(xp, D, M, V, h):
+    """The core's weight decay and path-space momentum (:func:`gsgd_core.gsgd_update`):
+    ``D += weight_decay * V``; ``M' = D`` on the first step, else
+    ``momentum * M + (1 - dampening) * D``; the direction is ``M'``, or ``D + momentum * M'``
+    with Nesterov. Returns the direction and ``M'`` (``None`` without momentum)."""
+    if h is None:
+        return D, None
+    if h.weight_decay is not None:
+        D = D + h.weight_decay * V
+    if h.momentum is None:
+        return D, None
+    M_new = xp.where(h.first, D, h.momentum * M + (1.0 - h.dampening) * D)
+    return (D + h.momentum * M_new if h.nesterov else M_new), M_new
+
+
+def _kept(xp, new, old):
+    """``new`` where finite, else ``old`` (the core's guard); ``None`` stays."""
+    return None if new is None else xp.where(xp.isfinite(new), new, old)
+
+
+def _bias(xp, b, Gb, F, Mb, lr, h):
+    """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow),
+    weight decay and momentum applied to ``Db`` (``Vb = b F``); returns ``b'`` and ``Mb'``."""
     Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
-    new = b - lr * safe_div(xp, Db, F)
-    return xp.where(xp.isfinite(new), new, b)
+    direction, Mb_new = _momentum(xp, Db, Mb, b * F, h)
+    return _kept(xp, b - lr * safe_div(xp, direction, F), b), _kept(xp, Mb_new, Mb)
 
 
 def _tame(xp, v, zero_ok: bool):
@@ -236,33 +332,47 @@ def _tame(xp, v, zero_ok: bool):
     return xp.all((inside | (a == 0)) if zero_ok else inside)
 
 
-def _special(xp, chain, meta, plan, ws, gs, T, B, F, lr, device):
-    """New values of each layer's special edges (new tau edges, free edges unchanged) and
-    ``rho_0..rho_{L-1}``."""
+def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
+    """New values of each layer's special edges (new tau edges, free edges unchanged), of
+    the momentum buffers there (``None`` without momentum), and ``rho_0..rho_{L-1}``."""
     dtype = ws[0].dtype
     eps = float(xp.finfo(dtype).eps)
     rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
-    special = []
-    for l in range(1, chain.L):
-        s = plan[l - 1]
-        tau_new, rho_next = _tau_edges(xp, meta[l - 1], xp.take(ws[l - 1], s.tau),
-                                       xp.take(gs[l - 1], s.tau), T[l], B[l - 1], F[l],
-                                       rho[-1], lr, eps)
-        special.append(xp.where(s.moved, xp.take(tau_new, s.node), ws[l - 1]))
+    special, special_m = [], None if ms is None else []
+    for l in range(1, chain.L + 1):
+        s, w = plan[l - 1], ws[l - 1]
+        m_free = None
+        if ms is not None:  # free edges carry no path: D = 0 there (icr3)
+            zero = xp.zeros_like(ms[l - 1])
+            m_free = _kept(xp, _momentum(xp, zero, ms[l - 1], zero, h)[1], ms[l - 1])
+        if l == chain.L:
+            special.append(w)
+            if ms is not None:
+                special_m.append(m_free)
+            break
+        tau_new, m_tau, rho_next = _tau_edges(
+            xp, meta[l - 1], xp.take(w, s.tau), xp.take(gs[l - 1], s.tau),
+            None if ms is None else xp.take(ms[l - 1], s.tau), T[l], B[l - 1], F[l],
+            rho[-1], lr, eps, h)
+        special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
+        if ms is not None:
+            special_m.append(xp.where(s.moved, xp.take(m_tau, s.node), m_free))
         rho.append(rho_next)
-    return special + [ws[-1]], rho
+    return special, special_m, rho
 
 
-def _tau_edges(xp, m, w, g, T, B_prev, F, rho, lr, eps):
-    """New tau-edge weights and ``rho_l``, by the rules of :func:`gsgd_core.sweeps.allocate3`:
-    ``D = (P - T_l)/V``, ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``."""
+def _tau_edges(xp, m, w, g, M, T, B_prev, F, rho, lr, eps, h):
+    """New tau-edge weights and momentum buffers and ``rho_l``, by the rules of
+    :func:`gsgd_core.sweeps.allocate3`: ``D = (P - T_l)/V`` (then :func:`_momentum`),
+    ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``."""
     rho_src = xp.take(rho, m.tau_src)
     V = (F * xp.take(B_prev, m.tau_src)) * w
     D = frozen_if_overflow(xp, safe_div(xp, w * g - T, V), g)
-    R = 1.0 - lr * safe_div(xp, D, V)
+    direction, M_new = _momentum(xp, D, M, V, h)
+    R = 1.0 - lr * safe_div(xp, direction, V)
     R = xp.where(R == 0, eps, R)
-    new = w * (R / rho_src)
-    return xp.where(xp.isfinite(new), new, w), xp.where(m.tau_free, rho_src, R)
+    return (_kept(xp, w * (R / rho_src), w), _kept(xp, M_new, M),
+            xp.where(m.tau_free, rho_src, R))
 
 
 def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
@@ -276,14 +386,29 @@ def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
     return xp.where(xp.isfinite(new), new, W)
 
 
+def _per_column(xp, v, k: int):
+    """A node vector of layer ``l-1`` repeated ``k`` times: one entry per column of the
+    layer seen as ``(n, p*k)``."""
+    return xp.reshape(xp.broadcast_to(v[:, None], (v.shape[0], k)), (-1,))
+
+
 def reciprocals(xp, F, B_prev, rho, k: int) -> tuple:
     """``(1/F, 1/B_prev, 1/rho)``, ``0`` for a zero ``F`` or ``B_prev`` (the core's
-    ``safe_div``: a frozen path), the last two repeated ``k`` times (one entry per column of
-    the layer seen as ``(n, p*k)``): the node vectors that :func:`recip_rows` takes."""
-    def per_column(v):
-        return xp.reshape(xp.broadcast_to(v[:, None], (v.shape[0], k)), (-1,))
+    ``safe_div``: a frozen path), the last two per column (:func:`_per_column`): the node
+    vectors that :func:`recip_rows` takes."""
+    return (safe_div(xp, 1.0, F), _per_column(xp, safe_div(xp, 1.0, B_prev), k),
+            _per_column(xp, 1.0 / rho, k))
 
-    return safe_div(xp, 1.0, F), per_column(safe_div(xp, 1.0, B_prev)), per_column(1.0 / rho)
+
+def momentum_rows(xp, W, G, M, F, B_cols, rho_cols, lr, h) -> tuple:
+    """:func:`exact_rows` with weight decay and momentum (:func:`_momentum`, ``V = F B W``),
+    for ``W``, ``G``, ``M`` as ``(n, p*k)`` with ``B`` and ``rho`` per column: returns
+    ``W'`` and ``M'`` (``None`` without momentum), each entry not finite keeping its value."""
+    fb = F[:, None] * B_cols[None, :]
+    D = frozen_if_overflow(xp, safe_div(xp, G, fb), G)
+    direction, M_new = _momentum(xp, D, M, fb * W, h)
+    new = (W - lr * safe_div(xp, direction, fb)) / rho_cols[None, :]
+    return _kept(xp, new, W), _kept(xp, M_new, M)
 
 
 def recip_rows(xp, W, G, recips, lr) -> Any:

@@ -1,9 +1,8 @@
 """In-place versions of the core's operations (trailing underscore), for mutable arrays.
 
-The plain G-SGD step (no momentum, no weight decay) of NumPy, PyTorch and CuPy arrays takes
-the fast path of :mod:`.fast`; everything else computes the new values with the functional
-core and writes them back. Either way: same arguments, same results to float64 rounding,
-arrays updated in place.
+The G-SGD step of NumPy, PyTorch and CuPy arrays takes the fast path of :mod:`.fast`;
+everything else computes the new values with the functional core and writes them back.
+Either way: same arguments, same results to float64 rounding, arrays updated in place.
 """
 
 from __future__ import annotations
@@ -37,15 +36,17 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
                  *, kernels=None, **hyper) -> None:
     """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``.
 
-    A plain step (``momentum == weight_decay == 0``) of NumPy, PyTorch or CuPy arrays runs
-    :func:`gsgd_backends.fast.fast_step_`, which hands the step back to the core when it
-    holds a non-finite value or cannot be done in place. ``kernels`` picks other kernels for
-    the library (``gsgd_backends.torch.COMPILED``); by default :func:`kernels_for` chooses.
+    A step of NumPy, PyTorch or CuPy arrays with hyperparameters given as Python numbers
+    runs :func:`gsgd_backends.fast.fast_step_` (momentum buffers updated in place too),
+    which hands the step back to the core when it holds a non-finite value or cannot be done
+    in place. ``kernels`` picks other kernels for the library
+    (``gsgd_backends.torch.COMPILED``); by default :func:`kernels_for` chooses.
     """
     if kernels is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
-    if kernels is not None and _plain(hyper) and fast_step_(
-            kernels, chain, weights, biases, grads, bias_grads, hyper["lr"]):
+    h = _fast_hypers(hyper, state)
+    if kernels is not None and h is not None and fast_step_(
+            kernels, chain, weights, biases, grads, bias_grads, state=state, **h):
         if state is not None:
             assign(state.step, state.step + 1)
         return
@@ -57,14 +58,15 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
         _write_state(state, new_state)
 
 
-def _plain(hyper: dict) -> bool:
-    """A valid step without momentum, Nesterov or weight decay (the fast path's case)."""
+def _fast_hypers(hyper: dict, state) -> dict | None:
+    """The hyperparameters of a valid step that the fast path takes (Python numbers, and a
+    state wherever momentum needs one), or ``None``: the core then raises or computes."""
     h = dict(dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0), **hyper)
     if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
-        return False  # the core raises its TypeError
+        return None  # the core raises its TypeError
     check_update_hypers(**h)
-    return all(isinstance(h[k], numbers.Real) and h[k] == 0 for k in ("momentum",
-                                                                     "weight_decay"))
+    numbers_only = all(isinstance(h[k], numbers.Real) for k in h)
+    return h if numbers_only and (h["momentum"] == 0 or state is not None) else None
 
 
 def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr, *, kernels=None) -> None:

@@ -68,6 +68,11 @@ class ArrayKernels:
         else:
             dst.reshape(-1)[index] = values
 
+    def block_rows(self, W) -> int:
+        """Rows per block of ``W`` (all of them without a chunk size)."""
+        n = W.shape[0]
+        return n if self.chunk is None else max(1, min(n, self.chunk // math.prod(W.shape[1:])))
+
     def _buffer(self, dtype, size: int):
         buf = self._buffers.get(dtype)
         if buf is None or buf.size < size:
@@ -81,7 +86,7 @@ class ArrayKernels:
         xp, mod = self.xp, self.mod
         W, G = W.reshape(W.shape[0], beta.shape[0], -1), G.reshape(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
-        rows = n if self.chunk is None else max(1, min(n, self.chunk // (p * k)))
+        rows = self.block_rows(W)
         buf = self._buffer(W.dtype, rows * p * (k + 1))
         u = recip_square(xp, f)
         v3, rho3 = mod.reshape(recip_square(xp, beta), (1, p, 1)), mod.reshape(rho, (1, p, 1))

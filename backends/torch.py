@@ -16,6 +16,7 @@ chain compiles for some seconds.
 
 from __future__ import annotations
 
+import math
 import types
 
 import array_api_compat.torch as compat
@@ -78,8 +79,15 @@ class TorchKernels:
         return w.detach().view(shape)
 
     def _rows(self, W) -> int:
-        n, p, k = W.shape
-        return n if W.device.type != "cpu" else max(1, min(n, self.chunk // (p * k)))
+        """Rows per cache-sized block of ``W`` (all of them on a GPU)."""
+        n = W.shape[0]
+        if W.device.type != "cpu":
+            return n
+        return max(1, min(n, self.chunk // math.prod(W.shape[1:])))
+
+    def block_rows(self, W) -> int:
+        """Rows per block of a bulk update: all of them when compiled (one fused loop)."""
+        return W.shape[0] if self.compiled else self._rows(W)
 
     def _buffer(self, like, size: int):
         key = (like.dtype, like.device)

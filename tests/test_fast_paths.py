@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_backends.fast as fast
 import gsgd_core as gc
-from gsgd_backends._dispatch import FAST
+from gsgd_backends._dispatch import FAST, assign
 from _helpers import Problem, assert_close
 from _namespaces import available_namespaces
 from _strategies import chains, random_params, seeds
@@ -92,24 +92,78 @@ def test_fast_step_keeps_free_weights_bit_for_bit_and_writes_in_place(fxp):
         assert not np.array_equal(w0, w1)
 
 
-def test_dispatch_takes_the_fast_path_for_a_plain_step_only(fxp, monkeypatch):
+def test_dispatch_takes_the_fast_path_for_hyperparameters_given_as_numbers(fxp, monkeypatch):
     import gsgd_backends.inplace as inplace
     calls = []
     real = inplace.fast_step_
-    monkeypatch.setattr(inplace, "fast_step_", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(inplace, "fast_step_", lambda *a, **k: calls.append(1) or real(*a, **k))
     pb = Problem(CHAIN, 1)
     G, Gb = pb.grads()
     A, Ab, AG, AGb = fxp.aslist(pb.W), fxp.aslist(pb.b), fxp.aslist(G), fxp.aslist(Gb)
     gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1)
-    assert calls == [1]
     state = gc.gsgd_init(CHAIN, A, Ab)
     gb.gsgd_update_(CHAIN, state, A, Ab, AG, AGb, lr=0.1, momentum=0.9)
     gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1, weight_decay=1e-3)
-    assert calls == [1]
+    assert calls == [1, 1, 1]
+    gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=fxp.asarray(0.1))  # an array: the core's
+    assert calls == [1, 1, 1]
     with pytest.raises(ValueError, match="lr"):
         gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=-1.0)
     with pytest.raises(ValueError, match="nesterov"):
         gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="state"):
+        gb.gsgd_update_(CHAIN, None, A, Ab, AG, AGb, lr=0.1, momentum=0.9)
+
+
+_HYPERS = st.sampled_from([
+    dict(momentum=0.9), dict(momentum=0.9, nesterov=True), dict(weight_decay=0.05),
+    dict(momentum=0.5, dampening=0.3, weight_decay=1e-2),
+    dict(momentum=0.9, nesterov=True, weight_decay=1e-3)])
+
+
+def _momentum_steps(ns, chain, seed, hyper, steps, fast_kernels=None, chunk=None):
+    """``steps`` updates of one problem through the fast path (asserted to run) and through
+    the core; returns both results as host (weights, biases, buffers, bias buffers)."""
+    pb = Problem(chain, seed)
+    A, Ab = ns.aslist(pb.W), ns.aslist(pb.b)
+    state = gc.gsgd_init(chain, A, Ab)
+    W, b, core = pb.W, pb.b, gc.gsgd_init(chain, pb.W, pb.b)
+    kernels = fast_kernels or gb.kernels_for(A[0])
+    for _ in range(steps):
+        G, Gb = pb.grads(W, b)
+        with _chunk(kernels, chunk):
+            assert fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), 0.1,
+                                   state, **hyper)
+        assign(state.step, state.step + 1)
+        W, b, core = gc.gsgd_update(chain, core, W, b, G, Gb, lr=0.1, **hyper)
+    got = [ns.tolist(x) for x in (A, Ab, state.momentum, state.bias_momentum)]
+    return got, [W, b, list(core.momentum), list(core.bias_momentum)]
+
+
+@settings(max_examples=30)
+@given(chain=chains(), seed=seeds, hyper=_HYPERS, chunk=st.sampled_from([None, 1, 7]))
+def test_momentum_and_weight_decay_steps_equal_the_core(fxp, chain, seed, hyper, chunk):
+    """Three steps (the first sets the buffers): weights, biases and momentum buffers, the
+    special edges' and the biases' included, are the core's."""
+    got, expected = _momentum_steps(fxp, chain, seed, hyper, 3, chunk=chunk)
+    for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
+        _assert_same(fxp, g, e, what)
+
+
+def test_momentum_step_with_a_non_finite_gradient_leaves_the_state_alone(fxp):
+    pb = Problem(CHAIN, 5)
+    G, Gb = pb.grads()
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    state = gc.gsgd_init(CHAIN, A, Ab)
+    gb.gsgd_update_(CHAIN, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb), lr=0.1, momentum=0.9)
+    before = [fxp.tolist(x) for x in (A, state.momentum)]
+    G[1] = G[1].copy()
+    G[1].reshape(-1)[0] = np.nan
+    gb.gsgd_update_(CHAIN, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb), lr=0.1, momentum=0.9)
+    after = [fxp.tolist(x) for x in (A, state.momentum)]
+    assert int(fxp.to_numpy(state.step)) == 1
+    for x, y in zip(sum(before, []), sum(after, [])):
+        assert np.array_equal(x, y)
 
 
 def test_array_api_strict_takes_the_generic_path():
@@ -333,6 +387,19 @@ def test_validation_is_not_skipped_after_a_valid_step(fxp):
         _fast(fxp, CHAIN, pb.W, pb.b, G, bad, 0.1)
     ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
     _assert_same(fxp, W + b, sum(_core(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1), []), "after")
+
+
+def test_compiled_momentum_step_equals_the_core():
+    """Weight decay and Nesterov momentum inside the compiled stages, through three steps."""
+    pytest.importorskip("torch")
+    import gsgd_backends.torch as bt
+    from _namespaces import available_namespaces as names
+
+    ns = next(n for n in names() if n.name == "torch" and n.is_f64)
+    hyper = dict(momentum=0.9, nesterov=True, weight_decay=1e-2)
+    got, expected = _momentum_steps(ns, CHAIN, 11, hyper, 3, fast_kernels=bt.COMPILED)
+    for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
+        _assert_same(ns, g, e, what)
 
 
 _EXTREME = st.sampled_from([0.0, 1e-300, 1e-150, 1e-30, 1e-3, 1.0, 1e3, 1e30, 1e150, 1e300])
