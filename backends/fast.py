@@ -39,8 +39,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gsgd_core import Chain
-from gsgd_core.arrays import all_finite, outer3, prepare, safe_div
-from gsgd_core.sweeps import frozen_if_overflow
+from gsgd_core.arrays import all_finite, prepare, safe_div
+from gsgd_core.gsgd import StepRule, direction
+from gsgd_core.sweeps import frozen_if_overflow, products_of_edges
 
 
 class _Layer(NamedTuple):
@@ -93,17 +94,6 @@ def recip_square(xp, f):
     return xp.where(f == 0, 0.0, 1.0 / xp.where(f == 0, 1.0, f * f))
 
 
-class Hyper(NamedTuple):
-    """Weight decay and momentum of a step (:func:`gsgd_core.gsgd_update`), as the stages
-    take them: ``None`` where switched off; ``first`` is the state's first step (0-d)."""
-
-    weight_decay: Any
-    momentum: Any
-    dampening: Any
-    nesterov: bool
-    first: Any
-
-
 def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, state=None, *,
                momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                weight_decay: float = 0.0) -> bool:
@@ -144,7 +134,7 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
     def scalar(value):
         return kernels.scalar(value, p.dtype, p.device)
 
-    h = None if not (wd or mu) else Hyper(
+    h = None if not (wd or mu) else StepRule(
         scalar(wd) if wd else None, scalar(mu) if mu else None, scalar(damp), nesterov,
         state.step == 0 if mu else None)
     lr = scalar(float(lr))
@@ -203,18 +193,6 @@ def _sums(kernels, plan, ws, gs, C):
     return T
 
 
-def _products(xp, chain, meta, plan, ws, dtype, device):
-    """:func:`gsgd_core.sweeps.chain_products` from the gathered special edges."""
-    L = chain.L
-    B = [xp.ones(chain.sizes[0], dtype=dtype, device=device)] + [None] * L
-    for l in range(1, L):
-        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * xp.take(ws[l - 1], plan[l - 1].tau)
-    F = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
-    for l in range(L - 1, 0, -1):
-        F[l] = xp.take(ws[l], plan[l].free) * xp.take(F[l + 1], meta[l].sigma)
-    return B, F
-
-
 class _Vectors(NamedTuple):
     """What the vector stage hands on: node vectors for the bulk, the special edges' and the
     biases' new values (weights and momentum buffers), and the flags."""
@@ -223,7 +201,7 @@ class _Vectors(NamedTuple):
     F: list
     rho: list
     recips: Any       # per layer (1/F, 1/B, 1/rho) for recip_rows, or None
-    columns: Any      # per layer (B, rho) repeated per column, for momentum_rows, or None
+    columns: Any      # per layer (B, rho) repeated per column, for rows_by_rules, or None
     special: list
     special_m: Any
     bias: list
@@ -245,7 +223,9 @@ def _vectors(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, h):
     gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
     ms = None if M is None else [xp.take(_flat(xp, m), s.spec) for m, s in zip(M, plan)]
     T = _sums(kernels, plan, ws, gs, C[1:])
-    B, F = _products(xp, chain, meta, plan, ws, ws[0].dtype, device)
+    B, F = products_of_edges(
+        xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
+        [xp.take(ws[l], plan[l].free) for l in range(1, L)], ws[0].dtype, device)
     special, special_m, rho = _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h,
                                        device)
     bias, bias_m = zip(*[(None, None) if bl is None else _bias(xp, bl, g, f, m, lr, h)
@@ -270,7 +250,7 @@ def _bulk_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
     stage: the special edges are written after it, outside, since a scatter inside would
     make the compiler stage the layer in a copy). A plain step of a tame layer gets its node
     vectors' reciprocals for :func:`recip_rows`; weight decay or momentum take
-    :func:`momentum_rows`."""
+    :func:`rows_by_rules`."""
     for l in range(len(W), 0, -1):  # the column sums ended on the top layers' first rows
         if h is not None:
             _momentum_bulk_(kernels, W[l - 1], G[l - 1], None if M is None else M[l - 1],
@@ -281,32 +261,17 @@ def _bulk_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
 
 
 def _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> None:
-    """:func:`momentum_rows` over blocks of rows (``kernels.block_rows``), written in place."""
+    """:func:`rows_by_rules` over blocks of rows (``kernels.block_rows``), written in place."""
     n = W.shape[0]
     rows = kernels.block_rows(W)
     for i in range(0, n, rows):
         # A whole layer stays unsliced: a compiler writes a view of an input through a copy.
         sl = slice(None) if rows >= n else slice(i, min(n, i + rows))
         blocks = [None if a is None else a[sl] for a in (W, G, M)]
-        w, m = momentum_rows(kernels.xp, *blocks, F[sl], B_cols, rho_cols, lr, h)
+        w, m = rows_by_rules(kernels.xp, *blocks, F[sl], B_cols, rho_cols, lr, h)
         kernels.put_(blocks[0], None, w)
         if M is not None:
             kernels.put_(blocks[2], None, m)
-
-
-def _momentum(xp, D, M, V, h):
-    """The core's weight decay and path-space momentum (:func:`gsgd_core.gsgd_update`):
-    ``D += weight_decay * V``; ``M' = D`` on the first step, else
-    ``momentum * M + (1 - dampening) * D``; the direction is ``M'``, or ``D + momentum * M'``
-    with Nesterov. Returns the direction and ``M'`` (``None`` without momentum)."""
-    if h is None:
-        return D, None
-    if h.weight_decay is not None:
-        D = D + h.weight_decay * V
-    if h.momentum is None:
-        return D, None
-    M_new = xp.where(h.first, D, h.momentum * M + (1.0 - h.dampening) * D)
-    return (D + h.momentum * M_new if h.nesterov else M_new), M_new
 
 
 def _kept(xp, new, old):
@@ -318,8 +283,8 @@ def _bias(xp, b, Gb, F, Mb, lr, h):
     """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow),
     weight decay and momentum applied to ``Db`` (``Vb = b F``); returns ``b'`` and ``Mb'``."""
     Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
-    direction, Mb_new = _momentum(xp, Db, Mb, b * F, h)
-    return _kept(xp, b - lr * safe_div(xp, direction, F), b), _kept(xp, Mb_new, Mb)
+    step_dir, Mb_new = direction(xp, Db, Mb, b * F, h)
+    return _kept(xp, b - lr * safe_div(xp, step_dir, F), b), _kept(xp, Mb_new, Mb)
 
 
 def _tame(xp, v, zero_ok: bool):
@@ -344,7 +309,7 @@ def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
         m_free = None
         if ms is not None:  # free edges carry no path: D = 0 there (icr3)
             zero = xp.zeros_like(ms[l - 1])
-            m_free = _kept(xp, _momentum(xp, zero, ms[l - 1], zero, h)[1], ms[l - 1])
+            m_free = _kept(xp, direction(xp, zero, ms[l - 1], zero, h)[1], ms[l - 1])
         if l == chain.L:
             special.append(w)
             if ms is not None:
@@ -363,27 +328,26 @@ def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
 
 def _tau_edges(xp, m, w, g, M, T, B_prev, F, rho, lr, eps, h):
     """New tau-edge weights and momentum buffers and ``rho_l``, by the rules of
-    :func:`gsgd_core.sweeps.allocate3`: ``D = (P - T_l)/V`` (then :func:`_momentum`),
+    :func:`gsgd_core.sweeps.allocate3`: ``D = (P - T_l)/V`` (then :func:`gsgd_core.gsgd.direction`),
     ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``."""
     rho_src = xp.take(rho, m.tau_src)
     V = (F * xp.take(B_prev, m.tau_src)) * w
     D = frozen_if_overflow(xp, safe_div(xp, w * g - T, V), g)
-    direction, M_new = _momentum(xp, D, M, V, h)
-    R = 1.0 - lr * safe_div(xp, direction, V)
+    step_dir, M_new = direction(xp, D, M, V, h)
+    R = 1.0 - lr * safe_div(xp, step_dir, V)
     R = xp.where(R == 0, eps, R)
     return (_kept(xp, w * (R / rho_src), w), _kept(xp, M_new, M),
             xp.where(m.tau_free, rho_src, R))
 
 
 def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
-    """The bulk update by the core's per-entry rules (for a block holding an overflow, or
-    whole layers where a compiler fuses it into one loop):
-    ``D = G/(F B)`` (0 if that overflows: frozen path), ``W' = (W - lr*D/(F B))/rho``, and an
-    entry whose ``W'`` is not finite keeps its value."""
-    fb = outer3(F, B_prev)
-    D = frozen_if_overflow(xp, safe_div(xp, G, fb), G)
-    new = (W - lr * safe_div(xp, D, fb)) / rho[None, :, None]
-    return xp.where(xp.isfinite(new), new, W)
+    """The plain bulk update of a ``(n, p, k)`` block by the core's per-entry rules
+    (:func:`rows_by_rules`), for a block holding an overflow or a layer whose node vectors
+    are not tame."""
+    n, p, k = W.shape
+    new, _ = rows_by_rules(xp, xp.reshape(W, (n, p * k)), xp.reshape(G, (n, p * k)), None, F,
+                           _per_column(xp, B_prev, k), _per_column(xp, rho, k), lr, None)
+    return xp.reshape(new, (n, p, k))
 
 
 def _per_column(xp, v, k: int):
@@ -400,14 +364,16 @@ def reciprocals(xp, F, B_prev, rho, k: int) -> tuple:
             _per_column(xp, 1.0 / rho, k))
 
 
-def momentum_rows(xp, W, G, M, F, B_cols, rho_cols, lr, h) -> tuple:
-    """:func:`exact_rows` with weight decay and momentum (:func:`_momentum`, ``V = F B W``),
-    for ``W``, ``G``, ``M`` as ``(n, p*k)`` with ``B`` and ``rho`` per column: returns
-    ``W'`` and ``M'`` (``None`` without momentum), each entry not finite keeping its value."""
+def rows_by_rules(xp, W, G, M, F, B_cols, rho_cols, lr, rule) -> tuple:
+    """The bulk update by the core's per-entry rules, ``W``, ``G``, ``M`` as ``(n, p*k)``
+    with ``B`` and ``rho`` per column: ``D = G/(F B)`` (0 if that overflows: frozen path),
+    weight decay and momentum (:func:`gsgd_core.gsgd.direction`, ``V = F B W``),
+    ``W' = (W - lr*direction/(F B))/rho``. Returns ``W'`` and ``M'`` (``None`` without
+    momentum); an entry that is not finite keeps its value."""
     fb = F[:, None] * B_cols[None, :]
     D = frozen_if_overflow(xp, safe_div(xp, G, fb), G)
-    direction, M_new = _momentum(xp, D, M, fb * W, h)
-    new = (W - lr * safe_div(xp, direction, fb)) / rho_cols[None, :]
+    step_dir, M_new = direction(xp, D, M, fb * W, rule)
+    new = (W - lr * safe_div(xp, step_dir, fb)) / rho_cols[None, :]
     return _kept(xp, new, W), _kept(xp, M_new, M)
 
 

@@ -127,13 +127,13 @@ class TorchKernels:
         :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
         :func:`.fast.exact_rows` otherwise. Eager: block by block, a block holding a
         non-finite result recomputed by the core's rules."""
-        if self.compiled and recips is not None:
-            W.copy_(recip_rows(compat, W, G, recips, lr))
+        if self.compiled:  # written into W itself: through a view, inductor stages a copy
+            W.copy_(recip_rows(compat, W, G, recips, lr) if recips is not None else
+                    exact_rows(compat, W.view(W.shape[0], beta.shape[0], -1),
+                               G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
+                               lr).view(W.shape))
             return
         W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
-        if self.compiled:
-            W.copy_(exact_rows(compat, W, G, f, beta, rho, lr))
-            return
         n, p, k = W.shape
         rows = self._rows(W)
         buf = self._buffer(W, rows * p * (k + 1))

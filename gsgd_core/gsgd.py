@@ -145,17 +145,24 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     extra = () if state is None else (("momentum", state.momentum),
                                       ("bias_momentum", state.bias_momentum))
     p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads, extra)
-    xp = p.xp
-    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
+    xp, L = p.xp, chain.L
+    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, L)
     ok = all_finite(xp, G + Gb)
     D, Db, V, Vb = icr3(xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
-    if not _is_zero(weight_decay):
-        wd = scalar(p, weight_decay)
-        D = [d + wd * v for d, v in zip(D, V)]
-        Db = [None if d is None else d + wd * v for d, v in zip(Db, Vb)]
+    rule = None
+    if use_momentum or not _is_zero(weight_decay):
+        rule = StepRule(None if _is_zero(weight_decay) else scalar(p, weight_decay),
+                        scalar(p, momentum) if use_momentum else None, scalar(p, dampening),
+                        nesterov, state.step == 0 if use_momentum else None)
+    M_old = view3(p, chain, state.momentum) if use_momentum else [None] * L
+    Mb_old = vecs(p, state.bias_momentum, L) if use_momentum else [None] * L
+    D, M = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(D, M_old, V)])
+    Db, Mb = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(Db, Mb_old, Vb)])
     new_state = state
     if use_momentum:
-        D, Db, new_state = _momentum(p, chain, state, D, Db, ok, momentum, dampening, nesterov)
+        new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
+                              tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
+                              xp.where(ok, state.step + 1, state.step))
     elif state is not None:
         new_state = state._replace(step=xp.where(ok, state.step + 1, state.step))
     W_new, b_new = allocate3(xp, chain, p.meta, W, b, D, Db, V, B, F, scalar(p, lr),
@@ -164,24 +171,31 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     return restore(p, W_new), unvecs(p, b_new), new_state
 
 
-def _momentum(p, chain, state, D, Db, ok, momentum, dampening, nesterov):
-    """Path-space momentum buffers (torch.optim.SGD conventions); returns the step direction
-    and the new state (unchanged where the step is skipped)."""
-    xp = p.xp
-    mu, damp = scalar(p, momentum), scalar(p, dampening)
-    first = state.step == 0
-    M_old = view3(p, chain, state.momentum)
-    Mb_old = vecs(p, state.bias_momentum, chain.L)
+class StepRule(NamedTuple):
+    """Weight decay and momentum of one update as the arithmetic takes them: ``None`` where
+    switched off; ``first`` (0-d) says the state is at its first step."""
 
-    def buffer(m, d):
-        return None if d is None else xp.where(first, d, mu * m + (1.0 - damp) * d)
+    weight_decay: Any
+    momentum: Any
+    dampening: Any
+    nesterov: bool
+    first: Any
 
-    M = [buffer(m, d) for m, d in zip(M_old, D)]
-    Mb = [buffer(m, d) for m, d in zip(Mb_old, Db)]
-    new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
-                          tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
-                          xp.where(ok, state.step + 1, state.step))
-    if nesterov:
-        return ([d + mu * m for d, m in zip(D, M)],
-                [None if d is None else d + mu * m for d, m in zip(Db, Mb)], new_state)
-    return M, Mb, new_state
+
+def direction(xp, D, M, V, rule: StepRule | None):
+    """Weight decay and path-space momentum on one array of path gradients ``D`` (path
+    values ``V``, buffer ``M``), torch.optim.SGD's conventions::
+
+        D <- D + weight_decay * V
+        M' = D on the first step, else momentum * M + (1 - dampening) * D
+        direction = D + momentum * M' (Nesterov) or M'
+
+    Returns the direction and ``M'`` (``None`` without momentum, and for ``D = None``)."""
+    if rule is None or D is None:
+        return D, None
+    if rule.weight_decay is not None:
+        D = D + rule.weight_decay * V
+    if rule.momentum is None:
+        return D, None
+    M_new = xp.where(rule.first, D, rule.momentum * M + (1.0 - rule.dampening) * D)
+    return (D + rule.momentum * M_new if rule.nesterov else M_new), M_new

@@ -24,14 +24,23 @@ def chain_products(xp, chain, meta, W, dtype, device):
     ``F[0]`` are ``None``.
     """
     L = chain.L
+    tau_w = [xp.take(_flat(xp, W[l - 1]), meta[l - 1].tau_idx) for l in range(1, L)]
+    # layer l+1 holds the free edges of the nodes of layer l
+    free_w = [xp.take(_flat(xp, W[l]), meta[l].free_idx) for l in range(1, L)]
+    return products_of_edges(xp, chain, meta, tau_w, free_w, dtype, device)
+
+
+def products_of_edges(xp, chain, meta, tau_w, free_w, dtype, device):
+    """:func:`chain_products` from the skeleton edges' values alone: ``tau_w[l-1]`` holds
+    the tau edges into layer ``l``'s nodes, ``free_w[l-1]`` the free edges out of them
+    (``l = 1..L-1``), wherever the caller gathered them from."""
+    L = chain.L
     B = [xp.ones(chain.sizes[0], dtype=dtype, device=device)] + [None] * L
     for l in range(1, L):
-        m = meta[l - 1]
-        B[l] = xp.take(B[l - 1], m.tau_src) * xp.take(_flat(xp, W[l - 1]), m.tau_idx)
+        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * tau_w[l - 1]
     F = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
     for l in range(L - 1, 0, -1):
-        m = meta[l]  # layer l+1 holds the free edges of the nodes of layer l
-        F[l] = xp.take(_flat(xp, W[l]), m.free_idx) * xp.take(F[l + 1], m.sigma)
+        F[l] = free_w[l - 1] * xp.take(F[l + 1], meta[l].sigma)
     return B, F
 
 
