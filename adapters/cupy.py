@@ -2,7 +2,7 @@
 
 ``opt = GSGD(chain, weights, biases, lr=0.1)`` holds the chain, the caller's arrays and the
 momentum state; ``opt.step(grads, bias_grads)`` updates the arrays in place through
-:mod:`gsgd_backends` (the fused fast path for a plain step). CuPy itself is never imported
+:mod:`gsgd_backends` (its fused fast path). CuPy itself is never imported
 here: the arrays say which library they belong to.
 """
 

@@ -1,9 +1,10 @@
 """gsgd_backends: the in-place layer over :mod:`gsgd_core` (DESIGN §7).
 
 Same operations as the core with a trailing underscore, updating the caller's arrays in
-place. The plain G-SGD step of NumPy, PyTorch and CuPy arrays has a fast path
-(:mod:`gsgd_backends.fast` with the library's kernels, found by :func:`kernels_for`); every
-other operation and namespace takes the generic path, the functional core plus a write-back.
+place. The G-SGD step of NumPy, PyTorch and CuPy arrays (momentum and weight decay
+included) has a fast path (:mod:`gsgd_backends.fast` with the library's kernels, found by
+:func:`kernels_for`); every other operation and namespace takes the generic path, the
+functional core plus a write-back.
 JAX arrays are immutable and get a clear error pointing to the functional core.
 """
 

@@ -105,7 +105,7 @@ def test_trajectory_equals_the_core(make, hyper):
         Gb = [m.bias.grad for m in chain.modules]
         W, b, state = gc.gsgd_update(chain.chain, state, W, b, G, Gb, **hyper)
         _load(chain.modules, W, b)
-    # The plain step takes the fused fast path: the core's trajectory to float64 rounding.
+    # The step takes the fused fast path: the core's trajectory to float64 rounding.
     for p, q in zip(model.parameters(), twin.parameters()):
         assert p.dtype == torch.float64
         assert_close(p.detach().numpy(), q.detach().numpy(), 1e-10)
