@@ -25,6 +25,8 @@ class ArrayKernels:
 
     #: The bulk checks its blocks itself: no tame test of the node vectors (:mod:`.fast`).
     recip = False
+    #: Blocks are updated by in-place ufuncs (``out=``) on scratch buffers.
+    inplace = True
 
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
@@ -73,10 +75,11 @@ class ArrayKernels:
         n = W.shape[0]
         return n if self.chunk is None else max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
-    def _buffer(self, dtype, size: int):
-        buf = self._buffers.get(dtype)
+    def scratch(self, like, size: int):
+        """A reused flat buffer of at least ``size`` elements of ``like``'s dtype."""
+        buf = self._buffers.get(like.dtype)
         if buf is None or buf.size < size:
-            buf = self._buffers[dtype] = self.mod.empty(size, dtype=dtype)
+            buf = self._buffers[like.dtype] = self.mod.empty(size, dtype=like.dtype)
         return buf
 
     def bulk_(self, W, G, f, beta, rho, lr: float, recips=None) -> None:
@@ -87,7 +90,7 @@ class ArrayKernels:
         W, G = W.reshape(W.shape[0], beta.shape[0], -1), G.reshape(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
         rows = self.block_rows(W)
-        buf = self._buffer(W.dtype, rows * p * (k + 1))
+        buf = self.scratch(W, rows * p * (k + 1))
         u = recip_square(xp, f)
         v3, rho3 = mod.reshape(recip_square(xp, beta), (1, p, 1)), mod.reshape(rho, (1, p, 1))
         for i in range(0, n, rows):

@@ -42,9 +42,12 @@ class _Namespace:
 
 
 class TorchKernels:
+    mod = torch
+
     def __init__(self, chunk: int, compiled: bool = False) -> None:
         self.chunk, self.compiled = chunk, compiled
         self.recip = compiled  # the compiled bulk runs recip_rows on tame layers
+        self.inplace = not compiled  # a traced bulk is functional: inductor fuses it
         self.xp = compat if compiled else _Namespace()
         self._buffers: dict = {}
 
@@ -89,7 +92,8 @@ class TorchKernels:
         """Rows per block of a bulk update: all of them when compiled (one fused loop)."""
         return W.shape[0] if self.compiled else self._rows(W)
 
-    def _buffer(self, like, size: int):
+    def scratch(self, like, size: int):
+        """A reused flat buffer of at least ``size`` elements of ``like``'s dtype and device."""
         key = (like.dtype, like.device)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < size:
@@ -105,7 +109,7 @@ class TorchKernels:
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
         # Last rows first, so that the bulk update starts on rows still in cache.
         acc = torch.mul(W2[n - rows:], G2[n - rows:],
-                        out=self._buffer(W, rows * p * k)[:rows * p * k].view(rows, p * k))
+                        out=self.scratch(W, rows * p * k)[:rows * p * k].view(rows, p * k))
         for j in range(n - rows, 0, -rows):
             i = max(0, j - rows)
             acc[:j - i].addcmul_(W2[i:j], G2[i:j])
@@ -136,7 +140,7 @@ class TorchKernels:
         W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
         rows = self._rows(W)
-        buf = self._buffer(W, rows * p * (k + 1))
+        buf = self.scratch(W, rows * p * (k + 1))
         u = recip_square(compat, f)
         v3, rho3 = recip_square(compat, beta).view(1, p, 1), rho.view(1, p, 1)
         for i in range(0, n, rows):

@@ -460,3 +460,54 @@ def test_compiled_torch_step_on_extreme_magnitudes_equals_the_core(scale):
     for a, e in zip(A + Ab, eW + eb):
         if e is not None:
             assert_close(a.numpy(), e, 1e-12)
+
+
+def test_compiled_reciprocal_bulk_keeps_its_finite_checks():
+    """The compiled ``recip_rows`` tests finiteness as ``x - x == 0``; a compiler that folded
+    ``x - x`` to 0 would write infinities. Row 0's ``D`` overflows (frozen: ``W * r``), row
+    1's new weights overflow (kept), row 2 is ordinary: each as the core's rules say."""
+    torch = pytest.importorskip("torch")
+    import array_api_compat.torch as compat
+
+    W = np.array([[1.0, -2.0], [1e308, -1e308], [0.5, 0.25]])
+    G = np.array([[1e300, -1e300], [1.0, 1.0], [1.0, -1.0]])
+    F, B, R = np.array([1e-10, 1.0, 2.0]), np.array([1e-10, 1.0]), np.array([0.5, 0.25])
+    with np.errstate(all="ignore"):
+        exact = fast.exact_rows(np, W[:, :, None], G[:, :, None], F, B, R, 0.1)[:, :, 0]
+    assert np.array_equal(exact[:2], [[2.0, -8.0], [1e308, -1e308]])
+    recips = [torch.tensor(v) for v in fast.reciprocals(np, F, B, R, 1)]
+    compiled = torch.compile(fast.recip_rows, dynamic=False)
+    got = compiled(compat, torch.tensor(W), torch.tensor(G), recips,
+                   torch.tensor(0.1, dtype=torch.float64)).numpy()
+    np.testing.assert_allclose(got, exact, rtol=1e-15, atol=0)
+
+
+@settings(max_examples=40)
+@given(seed=seeds, hyper=_HYPERS, first=st.booleans(), zero_f=st.booleans())
+def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, first, zero_f):
+    """The eager kernels' in-place block (four scratch buffers) gives exactly
+    ``rows_by_rules``'s numbers; with a zero ``F`` (a frozen path, ``G/0``) it writes
+    nothing and hands the block to the rules."""
+    from gsgd_core.gsgd import StepRule
+
+    rng = np.random.default_rng(seed)
+    W, G, M = (rng.standard_normal((5, 6)) for _ in range(3))
+    F, B, R = rng.uniform(0.5, 2, 5), rng.uniform(0.5, 2, 6), rng.uniform(0.5, 2, 6)
+    F[2] = 0.0 if zero_f else F[2]
+    mu = hyper.get("momentum", 0.0)
+    rule = StepRule(hyper.get("weight_decay") or None, mu or None,
+                    hyper.get("dampening", 0.0), hyper.get("nesterov", False),
+                    fxp.xp.asarray(first, device=fxp.device))  # as state.step == 0 gives it
+    kernels = gb.kernels_for(fxp.asarray(W))
+    Wx, Gx, Mx = (fxp.asarray(a) for a in (W, G, M))
+    Mx = Mx if mu else None
+    Fx, Bx, Rx = (fxp.asarray(a) for a in (F, B, R))
+    expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)
+    before = [fxp.to_numpy(a).copy() for a in (Wx, Mx) if a is not None]
+    with kernels.context():
+        wrote = fast._momentum_block_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)
+    assert wrote == (not zero_f)
+    after = [fxp.to_numpy(a) for a in (Wx, Mx) if a is not None]
+    targets = [fxp.to_numpy(e) for e in expected if e is not None] if wrote else before
+    for a, e in zip(after, targets):
+        np.testing.assert_array_equal(a, e)
