@@ -16,6 +16,7 @@ Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs f
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import statistics
@@ -224,32 +225,47 @@ def table(rows) -> str:
 
 
 def plot(rows, path) -> None:
+    """Ratio against size: one colour per library and variant, MLPs solid, CNNs dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     series: dict = {}
     for r in rows:
         if "train step" in r.model:
             continue
         for variant, ratio in r.ratios().items():
-            key = f"{r.library} {r.model.split()[0]}: {variant}"
+            key = (f"{r.library}: {variant}", r.model.split()[0])
             series.setdefault(key, []).append((r.weights, ratio))
-    for key, pts in sorted(series.items()):
+    colours = dict(zip(sorted({k for k, _ in series}), plt.get_cmap("tab10").colors))
+    for (key, kind), pts in sorted(series.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colours[key],
+                ls="-" if kind == "MLP" else "--", marker="o" if kind == "MLP" else "s",
+                ms=4, label=f"{key} ({kind})")
     ax.axhline(2.5, color="grey", ls="--", lw=1, label="target 2.5x")
     ax.axhline(1.67, color="grey", ls=":", lw=1, label="memory floor 1.67x")
     ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="step time / SGD step time",
            title="G-SGD optimizer-step overhead")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine(device) -> str:
-    cpu = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    cpu = f"{_cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name()} / {cpu}"
     return cpu
@@ -282,7 +298,7 @@ def main(argv=None) -> int:
         if kind == "torch":
             rows.append(torch_rows(name, device, reps(size), not args.no_compile))
         elif kind == "e2e":
-            rows.append(e2e_row(name, device, reps(size) // 2 + 3, not args.no_compile))
+            rows.append(e2e_row(name, device, reps(size) + 3, not args.no_compile))
         else:
             rows.append(array_rows(name, kind, reps(size)))
     text = f"Machine: {machine(device)}. Medians of interleaved steps, float32.\n\n{table(rows)}"

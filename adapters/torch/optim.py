@@ -180,10 +180,10 @@ class GSGD(_ScaleInvariantOptimizer):
         BN-followed layer uses ``grad * ||W[j]||`` (row norms). It is approximate: the
         trajectory does not commute exactly with rescaling.
     compile : bool
-        Plain steps (no momentum or weight decay) run their node-vector work and every
-        layer's weight update as two ``torch.compile`` graphs specialised to the model's
-        shapes: about half the eager step's time. The first step compiles for some seconds.
-        Off by default: the eager fast path needs no compiler.
+        Steps run their node-vector work and every layer's update (momentum and weight
+        decay included) as two ``torch.compile`` graphs specialised to the model's shapes:
+        0.4x to 0.55x the eager step's time at 10M weights on a 2-core CPU. The first step
+        compiles for some seconds. Off by default: the eager fast path needs no compiler.
     check_finite : bool
         Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
         synchronisation per parameter). Off by default; ``torch.amp.GradScaler`` already
