@@ -6,7 +6,7 @@ bulk of each layer with one formula and the special edges as short vectors, gath
 
 - **Column sums** ``colsum_{0,2}(W_l * grad_l)``, ``l = 2..L`` (the one pass over the
   weights before the update; layer 1's is never needed, ``T_0`` is unused).
-- **Vector stage** (:func:`_vectors`): the special edges gathered, the backward sweep
+- **Vector stage** (:func:`vector_stage`): the special edges gathered, the backward sweep
   (``l = L..2``, :func:`_sums`)::
 
       T_{l-1} = colsum_{0,2}(W_l * grad_l) - P_l[free edges] + scatter(T_l[free tau edges])
@@ -138,7 +138,7 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
         scalar(wd) if wd else None, scalar(mu) if mu else None, scalar(damp), nesterov,
         state.step == 0 if mu else None)
     lr = scalar(float(lr))
-    v = kernels.stage(_vectors, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
+    v = kernels.stage(vector_stage, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
                                        p.device, M, Mb, h)
     flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
@@ -148,7 +148,7 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
     # and writes its input itself (mutating a view of an input, inductor stages a copy).
     rows = [None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
             for A in (W, G, M)]
-    kernels.stage(_bulk_, chain)(kernels, *rows, v, lr, tame, h)
+    kernels.stage(bulk_stage_, chain)(kernels, *rows, v, lr, tame, h)
     for l in range(L):
         kernels.put_(W[l], plan[l].spec, v.special[l])
         if M is not None:
@@ -209,7 +209,7 @@ class _Vectors(NamedTuple):
     flags: Any        # [ok, tame_1..tame_L]
 
 
-def _vectors(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, h):
+def vector_stage(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, h):
     """Everything of the step that lives on node vectors, as one function (compiled whole by
     :data:`gsgd_backends.torch.COMPILED`): the special edges gathered, the backward sums
     ``T``, chain products ``B``, ``F``, new special edges and momentum buffers there,
@@ -245,7 +245,7 @@ def _vectors(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, h):
                     xp.stack([ok] + tame))
 
 
-def _bulk_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
+def bulk_stage_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
     """Every layer's bulk update, ``W``, ``G`` (and ``M``) as ``(n, p*k)`` (one compiled
     stage: the special edges are written after it, outside, since a scatter inside would
     make the compiler stage the layer in a copy). A plain step of a tame layer gets its node
@@ -264,6 +264,13 @@ def _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> None:
     """:func:`rows_by_rules` over blocks of rows (``kernels.block_rows``), written in place:
     traced whole by a compiler, else by :func:`_momentum_block_`, which falls back to the
     functional rules for a block it cannot take."""
+    host = kernels.host(W)
+    if host is not None:  # other kernels, on views of the same memory (``kernels.host``)
+        kernels, view = host
+        W, G, M, F, B_cols, rho_cols = (None if a is None else view(a)
+                                        for a in (W, G, M, F, B_cols, rho_cols))
+        with kernels.context():
+            return _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h)
     n = W.shape[0]
     rows = kernels.block_rows(W)
     for i in range(0, n, rows):

@@ -54,6 +54,10 @@ class ArrayKernels:
             return None
         return w.reshape(shape)
 
+    def host(self, W):
+        """Other kernels for layer ``W``: none (see :meth:`.torch.TorchKernels.host`)."""
+        return None
+
     def colsum(self, W, G):
         """``sum(W * G, axis=(0, 2))``."""
         return self.mod.einsum("bak,bak->a", W, G)

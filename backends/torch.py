@@ -3,7 +3,9 @@
 ``KERNELS`` (eager): on the CPU both heavy passes run over blocks of rows that stay in cache:
 the column sum as ``addcmul_`` of each block into one block of partial sums, the bulk update
 as a few in-place ops per block, each block checked for non-finite values before it is
-written. On a GPU each layer is one block.
+written. The vector stage and small layers (:data:`SMALL`) run NumPy's kernels on
+zero-copy views of the tensors, where an operation costs a fraction of ATen's dispatch.
+On a GPU each layer is one block, and everything stays with torch.
 
 ``COMPILED``: the column sum stays eager (inductor's reductions over rows stride across
 them); the vector stage and the bulk stage of :mod:`.fast` are each compiled whole by
@@ -16,16 +18,26 @@ chain compiles for some seconds.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
+import array_api_compat.numpy as np_compat
 import array_api_compat.torch as compat
+import numpy as np
 import torch
 
-from .fast import exact_rows, recip_rows, recip_square
+from gsgd_core.arrays import layer_meta
+
+from . import numpy as numpy_kernels
+from .fast import _plan, exact_rows, recip_rows, recip_square, vector_stage
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
+#: Eager CPU layers up to this size take NumPy's kernels on zero-copy views: ATen's few
+#: microseconds per operation outweigh its second thread below about 150k weights (measured
+#: on a 2-core VM: a 4k-weight layer's update 2.7x faster, 74k 1.7x, 400k 0.7x).
+SMALL = 1 << 17
 
 
 class _Namespace:
@@ -48,6 +60,8 @@ class TorchKernels:
         self.chunk, self.compiled = chunk, compiled
         self.recip = compiled  # the compiled bulk runs recip_rows on tame layers
         self.inplace = not compiled  # a traced bulk is functional: inductor fuses it
+        # CPU layers up to this size, and the vector stage unless it is 0, go to NumPy.
+        self.small = 0 if compiled else SMALL
         self.xp = compat if compiled else _Namespace()
         self._buffers: dict = {}
 
@@ -61,7 +75,8 @@ class TorchKernels:
         and its limit of recompilations, per code object, so one shared ``fn`` would stop
         compiling after a handful of models."""
         if not self.compiled:
-            return fn
+            hosted = fn is vector_stage and self.small > 0
+            return functools.partial(_vectors_on_numpy, fn) if hosted else fn
         key = ("torch-stage", fn.__name__)
         if key not in chain._cache:
             copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
@@ -88,6 +103,15 @@ class TorchKernels:
             return n
         return max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
+    def _small(self, W) -> bool:
+        """An eager step's CPU layer small enough for NumPy's kernels (:data:`SMALL`)."""
+        return W.device.type == "cpu" and W.numel() <= self.small
+
+    def host(self, W):
+        """For a small layer (:data:`SMALL`), NumPy's kernels and the map of a tensor to a
+        NumPy view of its memory; else ``None``."""
+        return (numpy_kernels.KERNELS, lambda t: t.numpy()) if self._small(W) else None
+
     def block_rows(self, W) -> int:
         """Rows per block of a bulk update: all of them when compiled (one fused loop)."""
         return W.shape[0] if self.compiled else self._rows(W)
@@ -103,7 +127,10 @@ class TorchKernels:
     def colsum(self, W, G):
         """``sum(W * G, dim=(0, 2))``: blocks of rows accumulated by ``addcmul_`` into one
         cache-resident block of partial sums (row-major streaming; ATen's and inductor's
-        reductions over dim 0 stride across rows and run at half the read bandwidth)."""
+        reductions over dim 0 stride across rows and run at half the read bandwidth); a
+        small CPU layer by NumPy's ``einsum`` (:data:`SMALL`)."""
+        if self._small(W):
+            return torch.from_numpy(numpy_kernels.KERNELS.colsum(W.numpy(), G.numpy()))
         n, p, k = W.shape
         rows = self._rows(W)
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
@@ -130,12 +157,17 @@ class TorchKernels:
         ``(n, p*k)``. Compiled (traced inside the compiled bulk stage): one loop,
         :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
         :func:`.fast.exact_rows` otherwise. Eager: block by block, a block holding a
-        non-finite result recomputed by the core's rules."""
+        non-finite result recomputed by the core's rules; a small CPU layer by NumPy's
+        kernels (:data:`SMALL`)."""
         if self.compiled:  # written into W itself: through a view, inductor stages a copy
             W.copy_(recip_rows(compat, W, G, recips, lr) if recips is not None else
                     exact_rows(compat, W.view(W.shape[0], beta.shape[0], -1),
                                G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
                                lr).view(W.shape))
+            return
+        if self._small(W):
+            with numpy_kernels.KERNELS.context():
+                numpy_kernels.KERNELS.bulk_(*(a.numpy() for a in (W, G, f, beta, rho)), lr)
             return
         W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
@@ -155,6 +187,39 @@ class TorchKernels:
                 W[i:j].copy_(block)
             else:
                 W[i:j].copy_(exact_rows(compat, W[i:j], G[i:j], f[i:j], beta, rho, lr))
+
+
+def _vectors_on_numpy(fn, kernels, chain, meta, plan, *args):
+    """The eager vector stage of CPU tensors run by NumPy on zero-copy views of them: its
+    few hundred operations on node-sized vectors cost about 1 µs each there and 5-8 µs
+    each through ATen, most of a small model's step. The results come back as tensors
+    sharing NumPy's memory; a CUDA step stays with torch."""
+    W, G, C, b, Gb, lr, device, M, Mb, h = args
+    if device.type != "cpu":
+        return fn(kernels, chain, meta, plan, *args)
+    host = functools.partial(_map, lambda t: t.detach().numpy())
+    if h is not None and h.first is not None:
+        h = h._replace(first=bool(h.first))
+    nk = numpy_kernels.KERNELS
+    with nk.context():
+        v = fn(nk, chain, layer_meta(chain, np_compat, "cpu"), _plan(chain, np_compat, "cpu"),
+               host(W), host(G), host(C), host(b), host(Gb), lr, "cpu", host(M), host(Mb), h)
+    return type(v)(*_map(_from_numpy, list(v)))
+
+
+def _from_numpy(a) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory (a copy if torch cannot: read-only or strided)."""
+    a = np.asarray(a)
+    return torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
+
+
+def _map(f, x):
+    """``f`` on every array in nested lists and tuples (``None`` stays)."""
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(f, y) for y in x)
+    return f(x)
 
 
 KERNELS = TorchKernels(CHUNK)

@@ -37,13 +37,19 @@ def _tol(ns):
 
 @contextlib.contextmanager
 def _chunk(kernels, chunk):
-    """Blocks of ``chunk`` elements, so that small layers cross block boundaries too."""
-    old = kernels.chunk
+    """Blocks of ``chunk`` elements, so that small layers cross block boundaries too. With a
+    chunk, torch's eager kernels keep every layer (no small layer goes to NumPy's kernels):
+    both of their paths are tested."""
+    old, small = kernels.chunk, getattr(kernels, "small", None)
     kernels.chunk = old if chunk is None or old is None else chunk
+    if chunk is not None and small is not None:
+        kernels.small = 0
     try:
         yield
     finally:
         kernels.chunk = old
+        if small is not None:
+            kernels.small = small
 
 
 def _fast(ns, chain, W, b, G, Gb, lr, chunk=None):
