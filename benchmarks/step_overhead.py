@@ -282,7 +282,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = QUICK if args.quick else tuple(MODELS)
-    reps = (lambda m: 5) if args.quick else (lambda m: 20 if m > 2e6 else 60)
+    reps = (lambda m: 5) if args.quick else (lambda m: 40 if m > 2e6 else 100)
     xps = [np]
     try:
         import cupy
