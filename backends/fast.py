@@ -139,7 +139,7 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
         state.step == 0 if mu else None)
     lr = scalar(float(lr))
     v = kernels.stage(vector_stage, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
-                                       p.device, M, Mb, h)
+                                           p.device, M, Mb, h)
     flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
         return False

@@ -103,14 +103,13 @@ class TorchKernels:
             return n
         return max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
-    def _small(self, W) -> bool:
-        """An eager step's CPU layer small enough for NumPy's kernels (:data:`SMALL`)."""
-        return W.device.type == "cpu" and W.numel() <= self.small
-
     def host(self, W):
-        """For a small layer (:data:`SMALL`), NumPy's kernels and the map of a tensor to a
-        NumPy view of its memory; else ``None``."""
-        return (numpy_kernels.KERNELS, lambda t: t.numpy()) if self._small(W) else None
+        """For a small CPU layer (up to ``self.small`` weights, :data:`SMALL` when eager),
+        NumPy's kernels and the map of a tensor to a NumPy view of its memory; else
+        ``None``."""
+        if W.device.type != "cpu" or W.numel() > self.small:
+            return None
+        return numpy_kernels.KERNELS, torch.Tensor.numpy
 
     def block_rows(self, W) -> int:
         """Rows per block of a bulk update: all of them when compiled (one fused loop)."""
@@ -129,8 +128,10 @@ class TorchKernels:
         cache-resident block of partial sums (row-major streaming; ATen's and inductor's
         reductions over dim 0 stride across rows and run at half the read bandwidth); a
         small CPU layer by NumPy's ``einsum`` (:data:`SMALL`)."""
-        if self._small(W):
-            return torch.from_numpy(numpy_kernels.KERNELS.colsum(W.numpy(), G.numpy()))
+        host = self.host(W)
+        if host is not None:
+            kernels, view = host
+            return torch.from_numpy(kernels.colsum(view(W), view(G)))
         n, p, k = W.shape
         rows = self._rows(W)
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
@@ -165,9 +166,11 @@ class TorchKernels:
                                G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
                                lr).view(W.shape))
             return
-        if self._small(W):
-            with numpy_kernels.KERNELS.context():
-                numpy_kernels.KERNELS.bulk_(*(a.numpy() for a in (W, G, f, beta, rho)), lr)
+        host = self.host(W)
+        if host is not None:
+            kernels, view = host
+            with kernels.context():
+                kernels.bulk_(*map(view, (W, G, f, beta, rho)), lr)
             return
         W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
