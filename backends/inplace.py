@@ -11,6 +11,9 @@ import numbers
 
 import gsgd_core
 from gsgd_core import Chain, GSGDState
+from array_api_compat import array_namespace
+
+from gsgd_core.arrays import all_finite
 from gsgd_core.gsgd import check_update_hypers
 
 from ._dispatch import assign, kernels_for
@@ -33,29 +36,43 @@ def _write_state(state: GSGDState, new: GSGDState) -> None:
 
 
 def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, bias_grads,
-                 *, kernels=None, **hyper) -> None:
+                 *, kernels=None, **hyper) -> bool:
     """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``.
 
     A step of NumPy, PyTorch or CuPy arrays with hyperparameters given as Python numbers
     runs :func:`gsgd_backends.fast.fast_step_` (momentum buffers updated in place too),
-    which hands the step back to the core when it holds a non-finite value or cannot be done
-    in place. ``kernels`` picks other kernels for the library
-    (``gsgd_backends.torch.COMPILED``); by default :func:`kernels_for` chooses.
+    which hands the step back when it holds a non-finite value or cannot be done in place.
+    A step whose gradients hold a NaN or Inf is then skipped here, as the core would skip
+    it, without the core's full computation; any other step goes to the core. ``kernels``
+    picks other kernels for the library (``gsgd_backends.torch.COMPILED``); by default
+    :func:`kernels_for` chooses.
+
+    Returns ``False`` when the step was skipped for a non-finite gradient (nothing written),
+    ``True`` otherwise.
     """
     if kernels is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
     h = _fast_hypers(hyper, state)
-    if kernels is not None and h is not None and fast_step_(
-            kernels, chain, weights, biases, grads, bias_grads, state=state, **h):
-        if state is not None:
-            assign(state.step, state.step + 1)
-        return
+    if kernels is not None and h is not None:
+        if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state, **h):
+            if state is not None:
+                assign(state.step, state.step + 1)
+            return True
+        if not _finite(grads, bias_grads):
+            return False
     W, b, new_state = gsgd_core.gsgd_update(chain, state, weights, biases, grads, bias_grads,
                                             **hyper)
     _write(weights, W)
     _write(biases or [], b)
     if state is not None:
         _write_state(state, new_state)
+    return _finite(grads, bias_grads)
+
+
+def _finite(grads, bias_grads) -> bool:
+    """Whether every gradient is finite (one host synchronisation)."""
+    arrays = [g for g in list(grads) + list(bias_grads or []) if g is not None]
+    return bool(all_finite(array_namespace(*arrays), arrays))
 
 
 def _fast_hypers(hyper: dict, state) -> dict | None:
@@ -88,9 +105,10 @@ def canonicalize_(chain: Chain, weights, biases=None) -> None:
     _write(biases or [], b)
 
 
-def skeleton_init_(chain: Chain, weights) -> None:
-    """:func:`gsgd_core.skeleton_init` applied in place (skeleton edges set to ``+1``)."""
-    W, _ = gsgd_core.skeleton_init(chain, weights)
+def skeleton_init_(chain: Chain, weights, *, keep_signs: bool = False) -> None:
+    """:func:`gsgd_core.skeleton_init` applied in place (skeleton edges set to ``+r_l``,
+    or ``±r_l`` with their signs kept)."""
+    W, _ = gsgd_core.skeleton_init(chain, weights, keep_signs=keep_signs)
     _write(weights, W)
 
 

@@ -14,7 +14,7 @@ array namespace and device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Sequence
 
@@ -54,6 +54,17 @@ class Chain:
     skeleton_slots : sequence of int, optional
         The slot ``s_l`` of layer ``l`` shared by its tau and free edges, ``l = 1..L``.
         Default ``k_l // 2`` (the kernel centre).
+    skeleton_scale : sequence of float, optional
+        ``[r_1, ..., r_L]``, the reference magnitude of the skeleton edges lying in layer
+        ``l`` (its tau edges and the free edges in it). The chain products are taken in
+        these units, ``B_l[j] = B_{l-1}[tau(j)] * W_l[j, tau(j), s_l] / r_l`` and likewise
+        ``F``, so a path value is measured against the path made of reference-sized skeleton
+        edges: ``V_p / s_p`` with ``s_p = prod_{k != l} r_k`` for a weight path of layer
+        ``l`` and ``prod_{k > l} r_k`` for a bias path. For G-SGD this is a fixed per-path
+        learning-rate scale ``s_p**2`` (DESIGN §11): still exactly invariant, and at a
+        skeleton whose edges have magnitude ``r_l`` the step on every non-skeleton weight is
+        SGD's. Default all ``1`` (the paper's units). :meth:`he_skeleton_scale` gives He
+        init's standard deviations.
 
     Notes
     -----
@@ -68,6 +79,7 @@ class Chain:
     tau: tuple[tuple[int, ...], ...] = None  # type: ignore[assignment]
     sigma: tuple[tuple[int, ...], ...] = None  # type: ignore[assignment]
     skeleton_slots: tuple[int, ...] = None  # type: ignore[assignment]
+    skeleton_scale: tuple[float, ...] = None  # type: ignore[assignment]
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -98,9 +110,27 @@ class Chain:
                 raise ValueError(f"layer {l}: skeleton slot {s} outside 0..{k - 1}")
         tau = self._node_maps(self.tau, "tau", sizes, lambda l, j: j % sizes[l - 1], -1)
         sigma = self._node_maps(self.sigma, "sigma", sizes, lambda l, j: j % sizes[l + 1], +1)
+        scale = self._scale(self.skeleton_scale, L)
         for name, value in (("sizes", sizes), ("slots", slots), ("bias", bias), ("tau", tau),
-                            ("sigma", sigma), ("skeleton_slots", sk)):
+                            ("sigma", sigma), ("skeleton_slots", sk), ("skeleton_scale", scale)):
             object.__setattr__(self, name, value)
+
+    @staticmethod
+    def _scale(given, L: int) -> tuple[float, ...]:
+        if given is None:
+            return (1.0,) * L
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise ValueError(f"skeleton_scale must be a sequence of {L} floats, got {given!r}")
+        out = []
+        for l, r in enumerate(given, start=1):
+            if isinstance(r, bool) or not isinstance(r, (int, float, np.integer, np.floating)):
+                raise ValueError(f"skeleton_scale[{l - 1}] must be a number, got {r!r}")
+            if not (math.isfinite(r) and r > 0):
+                raise ValueError(f"layer {l}: skeleton scale must be finite and > 0, got {r!r}")
+            out.append(float(r))
+        if len(out) != L:
+            raise ValueError(f"skeleton_scale has {len(out)} entries for {L} layers")
+        return tuple(out)
 
     @staticmethod
     def _node_maps(given, name, sizes, default, step):
@@ -120,6 +150,14 @@ class Chain:
                 raise ValueError(
                     f"{name} of hidden layer {l}: values {bad[:5]} outside 0..{target - 1}")
         return given
+
+    def __copy__(self) -> "Chain":
+        return self
+
+    def __deepcopy__(self, memo) -> "Chain":
+        # Immutable: a copy of a model or an optimizer shares its chains (and their caches
+        # of derived metadata, which may hold compiled functions that cannot be copied).
+        return self
 
     # ----------------------------------------------------------------- constructors
     @classmethod
@@ -161,6 +199,17 @@ class Chain:
             sizes.append(shape[0])
             slots.append(k)
         return cls(tuple(sizes), tuple(slots), bias=bias, **skeleton)
+
+    def he_skeleton_scale(self, gain: float = math.sqrt(2.0)) -> tuple[float, ...]:
+        """He initialisation's standard deviations, ``r_l = gain / sqrt(n_{l-1} k_l)``
+        (fan-in of layer ``l``): a :attr:`skeleton_scale` that keeps the forward signal of a
+        deep plain network at He init's scale (DESIGN §11)."""
+        return tuple(gain / math.sqrt(self.sizes[l - 1] * self.slots[l - 1])
+                     for l in range(1, self.L + 1))
+
+    def with_skeleton_scale(self, scale: Sequence[float] | None) -> "Chain":
+        """The same chain and skeleton with another :attr:`skeleton_scale`."""
+        return replace(self, skeleton_scale=scale)
 
     # ----------------------------------------------------------------- counts
     @property
@@ -239,5 +288,7 @@ class Chain:
     def __str__(self) -> str:
         body = " -> ".join(str(n) for n in self.sizes)
         extra = "" if all(k == 1 for k in self.slots) else f", slots={list(self.slots)}"
+        if any(r != 1.0 for r in self.skeleton_scale):
+            extra += ", skeleton_scale=[" + ", ".join(f"{r:.3g}" for r in self.skeleton_scale) + "]"
         return (f"Chain({body}{extra}; m={self.m}, H={self.H}, "
                 f"G-space dim={self.g_space_dim}, H/m={self.invariant_ratio:.3g})")

@@ -13,7 +13,7 @@ import numpy as np
 
 from .arrays import _is_array, outer3, prepare, restore, safe_div, unvecs, vecs, view3
 from .chain import Chain
-from .sweeps import chain_products
+from .sweeps import chain_products, in_units
 
 __all__ = ["rescale", "random_rescaling", "canonicalize", "skeleton_init",
            "weights_from_path_values"]
@@ -78,7 +78,8 @@ def random_rescaling(chain: Chain, rng: np.random.Generator, spread: float = 1.0
 
 
 def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
-    """The canonical point of the orbit: every free skeleton weight becomes ``±1``.
+    """The canonical point of the orbit: every free skeleton weight becomes ``±1``
+    (``±r_l`` in a chain with a :attr:`~gsgd_core.Chain.skeleton_scale`).
 
     Uses ``c_l[j] = |W_{l+1}[sigma(j), j, s]| * c_{l+1}[sigma(j)] = |F_l[j]|`` (top down),
     the unique group element with that property. Idempotent, and equal for ``w`` and every
@@ -93,22 +94,29 @@ def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
     c += [xp.where(F[l] == 0, 1.0, xp.abs(F[l])) for l in range(1, chain.L)]
     c += [F[chain.L]]
     W_new, b_new = _apply_scales(xp, W, vecs(p, biases, chain.L), c)
-    # Exactly +-1 in every namespace, whatever order the compiler evaluates W * c / c' in.
-    W_new = [xp.where(m.free_mask, xp.sign(w), wn) for m, w, wn in zip(p.meta, W, W_new)]
+    # Exactly +-r in every namespace, whatever order the compiler evaluates W * c / c' in.
+    W_new = [xp.where(m.free_mask, xp.sign(w) * r, wn)
+             for m, w, wn, r in zip(p.meta, W, W_new, chain.skeleton_scale)]
     return restore(p, W_new), unvecs(p, b_new)
 
 
-def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None):
-    """Set every skeleton edge (tau and free edges) to ``+1`` (paper §11.2).
+def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None, *,
+                  keep_signs: bool = False):
+    """Set every skeleton edge (tau and free edges) of layer ``l`` to ``+r_l`` (paper §11.2).
 
-    Afterwards ``B = F = 1``, so path values equal the weights and learning rates mean for
-    G-SGD what they mean for SGD. It changes the network function; biases are returned as
-    given (they may be left out).
+    ``r`` is the chain's :attr:`~gsgd_core.Chain.skeleton_scale`: ``1`` in the paper's units.
+    Afterwards ``|B| = |F| = 1`` in the chain's units, so the first G-SGD step moves every
+    non-skeleton weight by SGD's step and learning rates mean what they mean for SGD. With
+    ``keep_signs`` each skeleton edge keeps the sign it has (``+`` where it is ``0``), so a
+    random init stays zero-mean (the He recipe, DESIGN §11). It changes the network function;
+    biases are returned as given (they may be left out).
     """
     p = prepare(chain, weights, biases, biases_optional=True)
     xp = p.xp
-    W_new = [xp.where(m.free_mask | m.tau_mask, 1.0, w)
-             for m, w in zip(p.meta, view3(p, chain, weights))]
+    W_new = []
+    for m, w, r in zip(p.meta, view3(p, chain, weights), chain.skeleton_scale):
+        value = xp.where(w < 0, -r, xp.full_like(w, r)) if keep_signs else r
+        W_new.append(xp.where(m.free_mask | m.tau_mask, value, w))
     return restore(p, W_new), (None if biases is None else list(biases))
 
 
@@ -116,7 +124,7 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
     """Weights with basis-path values ``V``, ``Vb``, keeping the free weights of ``weights``.
 
     Only the free entries of ``weights`` are read. A forward sweep sets every non-free edge to
-    ``W = V / (F_l[b] B_{l-1}[a])`` and ``b = Vb / F_l``, with ``B`` taken from the new
+    ``W = V / (F_l[b] B_{l-1}[a])`` (products in the chain's units) and ``b = Vb / F_l``, with ``B`` taken from the new
     weights. Inverts :func:`path_values` for weights whose skeleton products are non-zero
     (Theorem 3.6); where a product is zero the edge is set to ``0``.
     """
@@ -132,7 +140,8 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
         Wl = xp.where(m.free_mask, W[l - 1], safe_div(xp, V3[l - 1], outer3(F[l], B)))
         W_new.append(Wl)
         if l < chain.L:
-            B = xp.take(B, m.tau_src) * xp.take(xp.reshape(Wl, (-1,)), m.tau_idx)
+            tau_w = xp.take(xp.reshape(Wl, (-1,)), m.tau_idx)
+            B = xp.take(B, m.tau_src) * in_units(tau_w, chain.skeleton_scale[l - 1])
     b_new = [None if v is None else safe_div(xp, v, F[l + 1])
              for l, v in enumerate(vecs(p, Vb, chain.L))]
     return restore(p, W_new), unvecs(p, b_new)

@@ -49,13 +49,16 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
                momentum=0.0, max_norm: float = 1e4):
     """One PSI-SGDM step (seed 004, Algorithm 1; eq. 10–11), per row ``i`` of each weight::
 
-        u_i <- momentum * u_i - lr * ||w_i||^2 * g_i
-        w_i <- w_i + u_i
+        u_i <- momentum * u_i + ||w_i||^2 * g_i
+        w_i <- w_i - lr * u_i
 
     then rows with ``||w_i|| > max_norm`` are divided by their norm, and their ``u_i`` with
     them (seed 004 §6: the function is unchanged, and the pair stays a rescaled copy of the
     un-normalised one). ``momentum = 0`` is PSI-SGD. Rows are indexed by the first axis
-    (output units), as ``torch.nn.Linear``/``Conv`` store them.
+    (output units), as ``torch.nn.Linear``/``Conv`` store them. The buffer holds no
+    learning rate (``torch.optim.SGD``'s convention): at a constant ``lr`` this is
+    Algorithm 1's ``u <- momentum*u - lr*||w||^2 g; w <- w + u`` with ``u`` scaled by
+    ``-lr``, and a change of ``lr`` acts at once.
 
     Returns ``(weights, state)``; the iterates commute with per-row rescaling of ``(W, u)``
     (seed 004 Theorem 1) as long as no row is renormalised.
@@ -77,8 +80,8 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
         rows = (w.shape[0], -1)
         w2, g2, u2 = (xp.astype(xp.reshape(a, rows), compute) for a in (w, g, u))
         sq = xp.sum(w2 * w2, axis=1, keepdims=True)
-        u_new = momentum * u2 - lr * (sq * g2)
-        w_new = w2 + u_new
+        u_new = momentum * u2 + sq * g2
+        w_new = w2 - lr * u_new
         norm = xp.sqrt(xp.sum(w_new * w_new, axis=1, keepdims=True))
         scale = xp.where(norm > max_norm, norm, 1.0)
         w_new, u_new = w_new / scale, u_new / scale

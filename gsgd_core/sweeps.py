@@ -18,9 +18,10 @@ def _flat(xp, a):
 def chain_products(xp, chain, meta, W, dtype, device):
     """Tau and sigma chain products ``B_0..B_{L-1}`` and ``F_1..F_L`` (DESIGN §2).
 
-    ``B_l[j] = B_{l-1}[tau_l(j)] * W_l[j, tau_l(j), s_l]`` (input -> j along tau edges),
-    ``F_l[j] = W_{l+1}[sigma_l(j), j, s_{l+1}] * F_{l+1}[sigma_l(j)]`` (j -> output along
-    free edges). Returned as lists indexed by node layer (``B[l]``, ``F[l]``); ``B[L]`` and
+    ``B_l[j] = B_{l-1}[tau_l(j)] * W_l[j, tau_l(j), s_l] / r_l`` (input -> j along tau edges),
+    ``F_l[j] = W_{l+1}[sigma_l(j), j, s_{l+1}] / r_{l+1} * F_{l+1}[sigma_l(j)]`` (j -> output
+    along free edges), with ``r`` the chain's :attr:`~gsgd_core.Chain.skeleton_scale`
+    (``1`` by default). Returned as lists indexed by node layer (``B[l]``, ``F[l]``); ``B[L]`` and
     ``F[0]`` are ``None``.
     """
     L = chain.L
@@ -34,14 +35,21 @@ def products_of_edges(xp, chain, meta, tau_w, free_w, dtype, device):
     """:func:`chain_products` from the skeleton edges' values alone: ``tau_w[l-1]`` holds
     the tau edges into layer ``l``'s nodes, ``free_w[l-1]`` the free edges out of them
     (``l = 1..L-1``), wherever the caller gathered them from."""
-    L = chain.L
+    L, r = chain.L, chain.skeleton_scale
     B = [xp.ones(chain.sizes[0], dtype=dtype, device=device)] + [None] * L
     for l in range(1, L):
-        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * tau_w[l - 1]
+        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * in_units(tau_w[l - 1], r[l - 1])
     F = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
     for l in range(L - 1, 0, -1):
-        F[l] = free_w[l - 1] * xp.take(F[l + 1], meta[l].sigma)
+        F[l] = in_units(free_w[l - 1], r[l]) * xp.take(F[l + 1], meta[l].sigma)
     return B, F
+
+
+def in_units(w, r: float):
+    """Skeleton edges ``w`` of a layer in units of its reference magnitude ``r``
+    (:attr:`Chain.skeleton_scale`); untouched, bit for bit, in the paper's units (``r = 1``).
+    Dividing each factor, rather than the finished product, keeps deep products in range."""
+    return w if r == 1.0 else w / r
 
 
 def path_values3(xp, meta, W, b, B, F):

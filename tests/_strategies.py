@@ -10,8 +10,10 @@ from gsgd_core.reference import n_paths
 
 @st.composite
 def chains(draw, max_depth=6, max_width=6, max_slots=9, custom=None, max_paths=None,
-           max_edges=4000):
-    """Chains of depth 2..max_depth, widths 1..max_width (unequal), slots 1..max_slots."""
+           max_edges=4000, scaled=None):
+    """Chains of depth 2..max_depth, widths 1..max_width (unequal), slots 1..max_slots;
+    custom skeletons and, unless ``max_paths`` asks for dense references (which work in
+    the paper's units), skeleton scales (He's or drawn per layer)."""
     L = draw(st.integers(2, max_depth))
     sizes = tuple(draw(st.lists(st.integers(1, max_width), min_size=L + 1, max_size=L + 1)))
     slot = st.one_of(st.just(1), st.integers(1, max_slots))
@@ -33,6 +35,11 @@ def chains(draw, max_depth=6, max_width=6, max_slots=9, custom=None, max_paths=N
     if max_paths is not None and n_paths(chain) > max_paths:
         # Dense references: shrink to a chain whose paths can be enumerated.
         chain = Chain(sizes[:3], (1, 1), bias=bias[:2])
+    if scaled if scaled is not None else (max_paths is None and draw(st.booleans())):
+        scale = draw(st.one_of(
+            st.just(chain.he_skeleton_scale()),
+            st.lists(st.sampled_from([0.25, 0.5, 2.0, 3.0]), min_size=L, max_size=L)))
+        chain = chain.with_skeleton_scale(scale)
     return chain
 
 

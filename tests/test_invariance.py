@@ -50,9 +50,10 @@ def test_canonical_form_is_idempotent_and_constant_on_orbits(hxp, chain, seed, s
     pb = Problem(chain, seed)
     W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
     Wc, bc = gc.canonicalize(chain, W, b)
-    for l, w in enumerate(hxp.tolist(Wc), start=1):  # every free weight is exactly +-1
+    for l, w in enumerate(hxp.tolist(Wc), start=1):  # every free weight is exactly +-r_l
         free = w.reshape(chain.layer_shape(l))[chain.free_mask(l)]
-        assert np.array_equal(np.abs(free), np.ones_like(free))
+        r = np.asarray(chain.skeleton_scale[l - 1], dtype=free.dtype)
+        assert np.array_equal(np.abs(free), np.full_like(free, r))
     Wcc, bcc = gc.canonicalize(chain, Wc, bc)
     for a, c in zip(hxp.tolist(Wcc) + hxp.tolist(bcc), hxp.tolist(Wc) + hxp.tolist(bc)):
         assert (a is None and c is None) or np.array_equal(a, c), "not idempotent"
@@ -114,18 +115,42 @@ def test_sgd_trajectories_of_rescaled_twins_differ():
     assert np.max(np.abs(outs[0] - outs[1])) > 1e-3
 
 
-@given(chain=chains(custom=True), seed=seeds)
-def test_skeleton_init_sets_every_skeleton_edge_to_one(chain, seed):
+@given(chain=chains(custom=True), seed=seeds, keep_signs=st.booleans())
+def test_skeleton_init_sets_every_skeleton_edge_to_one(chain, seed, keep_signs):
+    """Skeleton edges of layer l become +r_l (the chain's skeleton scale; 1 in the paper's
+    units), or keep their signs; then |B| = |F| = 1 and path values are the weights."""
     pb = Problem(chain, seed)
-    W, b = gc.skeleton_init(chain, pb.W, pb.b)
+    W, b = gc.skeleton_init(chain, pb.W, pb.b, keep_signs=keep_signs)
     assert b is not None and all(x is y for x, y in zip(b, pb.b))
-    W_nobias, none = gc.skeleton_init(chain, pb.W)  # biases may be left out
+    W_nobias, none = gc.skeleton_init(chain, pb.W, keep_signs=keep_signs)  # biases optional
     assert none is None
     for l, (w, w2, w0) in enumerate(zip(W, W_nobias, pb.W), start=1):
         skel = chain.free_mask(l) | chain.tau_mask(l)
-        assert np.all(w[skel] == 1.0) and np.array_equal(w[~skel], w0[~skel])
+        r = chain.skeleton_scale[l - 1]
+        want = np.where(w0 < 0, -r, r) if keep_signs else np.full_like(w0, r)
+        assert np.array_equal(w[skel], want[skel]) and np.array_equal(w[~skel], w0[~skel])
         assert np.array_equal(w, w2)
-    V, Vb = gc.path_values(chain, W, b)  # B = F = 1: path values are the weights
+    V, Vb = gc.path_values(chain, W, b)
     for l, (v, w) in enumerate(zip(V, W), start=1):
         nonfree = ~chain.free_mask(l)
-        assert np.array_equal(v[nonfree], w[nonfree])
+        assert np.array_equal(np.abs(v[nonfree]), np.abs(w[nonfree]))
+        if not keep_signs:
+            assert np.array_equal(v[nonfree], w[nonfree])
+
+
+@settings(max_examples=25)
+@given(chain=chains(scaled=True), seed=seeds, lr=st.sampled_from([0.01, 0.3]))
+def test_first_step_from_a_scaled_skeleton_is_sgds_where_no_tau_ratio_intervenes(chain, seed,
+                                                                                 lr):
+    """DESIGN §11: from skeleton edges of magnitude r_l, G-SGD moves layer 1's non-skeleton
+    weights and every bias by exactly SGD's step -lr*g; above layer 1 a weight also takes
+    the tau ratio of its column's source (allocation), W' = (W - lr*g) / rho."""
+    pb = Problem(chain, seed)
+    W, b = gc.skeleton_init(chain, pb.W, pb.b, keep_signs=True)
+    G, Gb = pb.grads(W, b)
+    Wn, bn = gc.gsgd_step(chain, W, b, G, Gb, lr=lr)
+    skel = chain.free_mask(1) | chain.tau_mask(1)
+    assert_close(Wn[0][~skel], (W[0] - lr * G[0])[~skel], 1e-12, "layer 1")
+    for l, (x, y, g) in enumerate(zip(bn, b, Gb), start=1):
+        if y is not None:
+            assert_close(x, y - lr * g, 1e-12, f"bias {l}")

@@ -92,9 +92,10 @@ def test_trajectory_equals_the_core(make, hyper):
     x, y = data(model)
     opt = GSGD(model, **hyper)
     chain = discover(twin).chains[0]
+    core_chain = chain.chain.with_skeleton_scale(chain.chain.he_skeleton_scale())
     W = [m.weight.detach().clone() for m in chain.modules]
     b = [m.bias.detach().clone() for m in chain.modules]
-    state = gc.gsgd_init(chain.chain, W, b)
+    state = gc.gsgd_init(core_chain, W, b)
     for _ in range(5):
         opt.zero_grad()
         loss_of(model, x, y).backward()
@@ -103,7 +104,7 @@ def test_trajectory_equals_the_core(make, hyper):
         loss_of(twin, x, y).backward()
         G = [m.weight.grad for m in chain.modules]
         Gb = [m.bias.grad for m in chain.modules]
-        W, b, state = gc.gsgd_update(chain.chain, state, W, b, G, Gb, **hyper)
+        W, b, state = gc.gsgd_update(core_chain, state, W, b, G, Gb, **hyper)
         _load(chain.modules, W, b)
     # The step takes the fused fast path: the core's trajectory to float64 rounding.
     for p, q in zip(model.parameters(), twin.parameters()):
@@ -192,7 +193,7 @@ def test_lr_schedule_reaches_the_core():
     model = mlp()
     twin = copy.deepcopy(model)
     x, y = data(model)
-    opt = GSGD(model, lr=0.1)
+    opt = GSGD(model, lr=0.1, skeleton="paper")
     sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
     chain = discover(twin).chains[0]
     for lr in (0.1, 0.05, 0.025):
@@ -224,23 +225,51 @@ def test_maximize_equals_minimising_the_negative():
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-14)
 
 
-def test_missing_grads_all_skip_partial_count_as_zero():
+def test_a_layer_without_grad_is_never_written_and_the_rest_steps_as_runs():
+    """Issue: a layer frozen after construction (grad None) must not move. The chain
+    0 -> 2 -> 4 without layer 2 falls into single-layer runs, which take SGD's rule."""
     model = mlp()
     x, y = data(model)
-    opt = GSGD(model, lr=0.1)
+    opt = GSGD(model, lr=0.1, momentum=0.9)
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()  # no gradients at all: nothing moves
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     loss_of(model, x, y).backward()
     model[2].weight.grad = None
-    twin = copy.deepcopy(model)  # deepcopy leaves .grad behind: copy them by hand
-    for p, q in zip(model.parameters(), twin.parameters()):
-        q.grad = None if p.grad is None else p.grad.clone()
-    twin[2].weight.grad = torch.zeros_like(twin[2].weight)
-    opt.step()
-    GSGD(twin, lr=0.1).step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(p, q)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with pytest.warns(UserWarning, match=r"2 had no gradient.*never written"):
+        opt.step()
+    assert torch.equal(model[2].weight, before[2])
+    for name, p in model.named_parameters():  # first momentum step of SGD: p - lr*g
+        if name != "2.weight":
+            q = dict(zip([n for n, _ in model.named_parameters()], before))[name]
+            assert_close(p.detach().numpy(), (q - 0.1 * grads[name]).numpy(), 1e-12)
+
+
+def test_two_of_three_layers_with_grads_step_as_a_chain():
+    """Layers 2 and 4 keep their gradients: they are stepped as the chain 2 -> 4 (G-SGD of
+    that sub-chain, equal to the core's step on it); layer 0 is never written."""
+    model = mlp()
+    twin = copy.deepcopy(model)
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1, skeleton="paper")
+    loss_of(model, x, y).backward()
+    model[0].weight.grad = None
+    before = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match="no gradient"):
+        opt.step()
+    assert torch.equal(model[0].weight, before)
+    loss_of(twin, x, y).backward()
+    sub = gc.Chain.from_shapes([tuple(twin[2].weight.shape), tuple(twin[4].weight.shape)])
+    W, b = gc.gsgd_step(sub, [twin[2].weight.detach(), twin[4].weight.detach()],
+                        [twin[2].bias.detach(), twin[4].bias.detach()],
+                        [twin[2].weight.grad, twin[4].weight.grad],
+                        [twin[2].bias.grad, twin[4].bias.grad], 0.1)
+    for got, want in zip([model[2].weight, model[4].weight, model[2].bias, model[4].bias],
+                         W + b):
+        assert_close(got.detach().numpy(), want.numpy(), 1e-10)
+    assert_close(model[0].bias.detach().numpy(),
+                 (twin[0].bias - 0.1 * twin[0].bias.grad).detach().numpy(), 1e-12)
 
 
 def test_grad_scaler_skips_non_finite_steps_and_unscales_others():
@@ -391,8 +420,9 @@ class Untraceable(nn.Module):
 
 
 @pytest.mark.parametrize("model, kwargs, message", [
-    (Twice(), {}, r"module 'a' is used more than once.*chains=\[\["),
-    (Untraceable(), {}, r"torch.fx cannot trace Untraceable.*chains=\[\["),
+    (Twice(), dict(strict=True), r"a: the module is called 2 times"),
+    (Untraceable(), dict(strict=True), r"torch.fx cannot trace Untraceable.*chains=\[\["),
+    (mlp(), dict(lr=torch.tensor([0.1, 0.2])), "lr as a tensor must have one element"),
     (mlp(), dict(lr=-0.1), "lr must be a finite number >= 0"),
     (mlp(), dict(momentum=-1.0), "momentum must be a finite number >= 0"),
     (mlp(), dict(nesterov=True), "nesterov needs momentum > 0"),
@@ -404,14 +434,48 @@ def test_construction_errors(model, kwargs, message):
         GSGD(model, **kwargs)
 
 
-def test_frozen_layer_in_a_chain_is_an_error_and_untraceable_models_take_chains():
-    model = mlp()
-    model[2].weight.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"2.weight has requires_grad=False"):
-        GSGD(model, lr=0.1)
+def test_reuse_and_untraceable_models_do_not_raise_by_default():
+    opt = GSGD(Twice(), lr=0.1)
+    assert opt.describe().chains == [] and "called 2 times" in opt.describe().reasons["a.weight"]
+    with pytest.warns(UserWarning, match="cannot trace"):
+        opt = GSGD(Untraceable(), lr=0.1)
+    assert opt.describe().chains == [] and len(opt.describe().fallback) == 4
     m = Untraceable()
     opt = GSGD(m, lr=0.1, chains=[[m.a, m.b]])
     assert opt.describe().chains[0][0] == ["a", "b"]
+
+
+def test_frozen_layers_split_chains_and_are_never_written():
+    """Issue: a frozen backbone (requires_grad=False) with a trainable head trains."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(),
+                          nn.Linear(5, 3)).double()
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.1, momentum=0.9)
+    d = opt.describe()
+    assert [c[0] for c in d.chains] == [["4", "6", "8"]]
+    assert "frozen" in d.reasons["2.weight"]
+    frozen = [p.detach().clone() for p in model[2].parameters()]
+    x, y = data(model)
+    train(model, opt, x, y, 3)
+    assert all(torch.equal(p, q) for p, q in zip(model[2].parameters(), frozen))
+    with pytest.raises(ValueError, match="2.weight is frozen"):
+        GSGD(model, lr=0.1, chains=[[model[0], model[2]]])
+
+
+def test_a_frozen_bias_in_a_chain_is_a_path_that_never_moves():
+    model = mlp()
+    model[2].bias.requires_grad_(False)
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.05, momentum=0.9, weight_decay=0.01)
+    assert [c[0] for c in opt.describe().chains] == [["0", "2", "4"]]
+    bias = model[2].bias.detach().clone()
+    x, y = data(model)
+    before = loss_of(model, x, y).item()
+    train(model, opt, x, y, 5)
+    assert torch.equal(model[2].bias, bias) and loss_of(model, x, y).item() < before
 
 
 def test_grouped_conv_ends_chains():
@@ -453,7 +517,7 @@ class BNChain(nn.Module):
 def test_paper_bn_variant_follows_its_formula():
     """Appendix 10.2: BN stays inside the chain and ICR reads grad * ||W[j]|| there."""
     model, twin = BNChain(), BNChain()
-    opt = GSGD(model, lr=0.05, momentum=0.9, bn="paper")
+    opt = GSGD(model, lr=0.05, momentum=0.9, bn="paper", skeleton="paper")
     d = opt.describe()
     assert [c[0] for c in d.chains] == [["l1", "l2", "l3"]] and d.normalised == []
     assert d.fallback == ["bn1.weight", "bn1.bias", "bn2.weight", "bn2.bias"]
@@ -486,8 +550,9 @@ def test_add_param_group_and_per_group_hyperparameters():
     extra = nn.Parameter(torch.ones(3))
     opt = GSGD(model, lr=0.1, momentum=0.9)
     opt.add_param_group({"params": [extra], "lr": 0.5})
-    assert opt.param_groups[-1]["kind"] == "sgd" and opt.param_groups[-1]["momentum"] == 0.9
-    opt.param_groups[0]["lr"] = 0.0  # the chain group: lr 0 leaves it where it is
+    assert opt.param_groups[-1]["momentum"] == 0.9 and len(opt.param_groups) == 2
+    assert opt.describe().parts[-1].kind == "sgd"
+    opt.param_groups[0]["lr"] = 0.0  # the model's group: lr 0 leaves it where it is
     x, y = data(model)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()

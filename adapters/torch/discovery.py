@@ -1,9 +1,28 @@
-"""Find chains in a torch model with ``torch.fx``.
+"""Find chains in a torch model with ``torch.fx``, claiming only what is proven.
 
-Linear and Conv1d/2d/3d layers joined by positively homogeneous, per-unit operations (ReLU,
-LeakyReLU, max/avg/adaptive pooling, flatten, dropout, identity) with no branching form one
-chain: a conv stack, its pooling, the flatten and the classifier head are one chain. Anything
-else ends a chain: a residual add, a branch, batch/layer/group norm, any other operation.
+A chain is a run of Linear/Conv layers through which a positive per-unit rescaling passes:
+scaling unit ``j``'s incoming weights (and bias) by ``c > 0`` and its outgoing weights by
+``1/c`` must leave the network function unchanged. Discovery follows each layer's output
+through its single user, tracking where the *unit axis* is:
+
+- after ``ConvNd`` the units are channels on axis 1, with ``N`` spatial axes after them;
+- after ``Linear`` the units are on the last axis (the input may be ``(batch, tokens, ...)``).
+
+It passes an operation only if it commutes with per-unit positive scaling in that layout:
+
+- elementwise positively homogeneous maps, by their property: ReLU (module, function,
+  method, ``clamp(min=0)``), LeakyReLU, PReLU (any slopes: ``PReLU(cx) = c PReLU(x)`` for
+  ``c > 0`` elementwise), dropout of every kind, identity;
+- max/avg/adaptive pooling only over spatial axes: an ``N``-d pool of a ``ConvNd`` output;
+- a flatten from axis 1 only of a channel-first (conv) output, into a Linear (whose input is
+  then channel-major, ``(out, C*S)``);
+- the next layer only if it reads the units where they are: a ``ConvNd`` after a ``ConvNd``,
+  a Linear after a Linear or after a flattened conv.
+
+Everything else ends a chain, with a reason recorded per layer: residual adds and other
+branches (a unit's output used twice), norms, other activations, pooling or flatten over the
+unit axis, a frozen or shared parameter, a weight also read outside its module (tied
+weights, ``F.linear(x, self.fc.weight)``), a module called twice, grouped convolutions.
 """
 
 from __future__ import annotations
@@ -17,20 +36,28 @@ import torch.nn.functional as F
 
 from gsgd_core import Chain
 
+CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.LayerNorm,
-         nn.SyncBatchNorm)
-PASS_MODULES = (nn.ReLU, nn.LeakyReLU, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d,
-                nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-                nn.AdaptiveAvgPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-                nn.AdaptiveMaxPool3d, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d,
-                nn.Identity)
-PASS_FUNCTIONS = {torch.relu, F.relu, F.leaky_relu, F.max_pool1d, F.max_pool2d, F.max_pool3d,
-                  F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
-                  F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.adaptive_max_pool1d,
-                  F.adaptive_max_pool2d, F.adaptive_max_pool3d, F.dropout, F.dropout1d,
-                  F.dropout2d, F.dropout3d, torch.nn.functional.relu_}
-PASS_METHODS = {"relu", "relu_"}
+# Normalisations that make each output unit's incoming weights scale-invariant (per row):
+# statistics taken per channel. LayerNorm and GroupNorm with fewer groups than channels mix
+# units, so they are invariant only to a common scale of several rows (not PSI's premise).
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+PER_UNIT_NORMS = BATCH_NORMS + (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+NORMS = PER_UNIT_NORMS + (nn.GroupNorm, nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+ELEMENTWISE_MODULES = (nn.ReLU, nn.LeakyReLU, nn.PReLU, nn.Dropout, nn.Dropout1d, nn.Dropout2d,
+                       nn.Dropout3d, nn.Identity)
+ELEMENTWISE_FUNCTIONS = {torch.relu, torch.relu_, F.relu, F.relu_, F.leaky_relu, F.leaky_relu_,
+                         F.prelu, F.dropout, F.dropout1d, F.dropout2d, F.dropout3d}
+ELEMENTWISE_METHODS = {"relu", "relu_"}
+POOL_MODULES = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3, nn.AvgPool1d: 1,
+                nn.AvgPool2d: 2, nn.AvgPool3d: 3, nn.AdaptiveAvgPool1d: 1,
+                nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3, nn.AdaptiveMaxPool1d: 1,
+                nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3}
+POOL_FUNCTIONS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, F.avg_pool1d: 1,
+                  F.avg_pool2d: 2, F.avg_pool3d: 3, F.adaptive_avg_pool1d: 1,
+                  F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
+                  F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3}
+GROUPED = "grouped or depthwise convolution"
 HOW_TO = ("pass the chains by hand: GSGD(model, chains=[[model.fc1, model.fc2, ...], ...]) "
           "with the layers of each chain in order")
 
@@ -57,7 +84,8 @@ class ChainLayers:
 @dataclass
 class Discovery:
     chains: list[ChainLayers]
-    normalised: list[tuple[str, nn.Module]]   # weight layers directly followed by a norm
+    normalised: list[tuple[str, nn.Module]]   # weight layers directly followed by a per-unit norm
+    reasons: dict = field(default_factory=dict)   # layer name -> why it is in no chain
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -88,16 +116,28 @@ def chain_of(modules, names=None) -> Chain:
         raise ValueError(f"layers {names} do not form a chain: {exc}") from None
 
 
-def _flatten_ok(node: fx.Node, mod) -> bool:
+# ---------------------------------------------------------------------- layouts
+# A layout says where the units of a tensor are: ("conv", N) channel axis 1 and N spatial
+# axes after it; ("linear",) the last axis (leading axes unknown); ("flat",) a conv output
+# flattened from axis 1, channel-major.
+
+def _layout_of_layer(mod: nn.Module) -> tuple:
+    return ("conv", CONVS[type(mod)]) if type(mod) in CONVS else ("linear",)
+
+
+def _arg(node: fx.Node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _is_flatten(node: fx.Node, mod) -> bool:
+    """A flatten of every axis from 1 on (``nn.Flatten()``, ``torch.flatten(x, 1)``,
+    ``x.flatten(1)``, ``x.view(x.size(0), -1)``, ``x.reshape(n, -1)``)."""
     if isinstance(mod, nn.Flatten):
         return mod.start_dim == 1 and mod.end_dim == -1
     if node.op == "call_function" and node.target is torch.flatten:
-        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
-        end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
-        return start == 1 and end == -1
+        return _arg(node, 1, "start_dim", 0) == 1 and _arg(node, 2, "end_dim", -1) == -1
     if node.op == "call_method" and node.target == "flatten":
-        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
-        return start == 1 and len(node.args) <= 2
+        return _arg(node, 1, "start_dim", 0) == 1 and _arg(node, 2, "end_dim", -1) == -1
     if node.op == "call_method" and node.target in ("view", "reshape"):
         shape = node.args[1:]
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -106,56 +146,139 @@ def _flatten_ok(node: fx.Node, mod) -> bool:
     return False
 
 
-def _step_kind(node: fx.Node, modules) -> str | None:
-    """'pass' for a per-unit homogeneous op, 'flatten', or None (ends a chain)."""
-    mod = modules.get(node.target) if node.op == "call_module" else None
-    if _flatten_ok(node, mod):
-        return "flatten"
-    if mod is not None:
-        return "pass" if isinstance(mod, PASS_MODULES) else None
-    if node.op == "call_function" and node.target in PASS_FUNCTIONS:
-        return "pass"
-    if node.op == "call_method" and node.target in PASS_METHODS:
-        return "pass"
-    return None
+def _is_relu_clamp(node: fx.Node) -> bool:
+    """``x.clamp(min=0)`` / ``torch.clamp(x, min=0)`` / ``clamp_min(x, 0)``: ReLU."""
+    if node.target in (torch.clamp, "clamp", torch.clamp_min, "clamp_min"):
+        low = _arg(node, 1, "min", None)
+        high = _arg(node, 2, "max", None) if node.target in (torch.clamp, "clamp") else None
+        return low == 0 and high is None
+    return False
 
 
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+def _through(node: fx.Node, mod, layout: tuple) -> tuple[tuple | None, str]:
+    """The layout after a non-weight op ``node`` on a tensor of ``layout``, or ``None`` and
+    why the op does not commute with per-unit positive scaling there."""
+    what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__",
+                                                              str(node.target))
+    if isinstance(mod, ELEMENTWISE_MODULES) or (node.op == "call_function" and node.target in
+                                                ELEMENTWISE_FUNCTIONS) or (
+            node.op == "call_method" and node.target in ELEMENTWISE_METHODS) or (
+            node.op in ("call_function", "call_method") and _is_relu_clamp(node)):
+        return layout, ""
+    dims = POOL_MODULES.get(type(mod)) if mod is not None else (
+        POOL_FUNCTIONS.get(node.target) if node.op == "call_function" else None)
+    if dims is not None:
+        if layout == ("conv", dims):
+            return layout, ""
+        return None, (f"{what} pools over the unit axis of a {_describe(layout)} output "
+                      "(it mixes units)")
+    if _is_flatten(node, mod):
+        if layout[0] == "conv":
+            return ("flat",), ""
+        return None, (f"the flatten of a {_describe(layout)} output may not be channel-major "
+                      "(a Linear applied per token, then flattened, is token-major)")
+    return None, f"its output goes to {what}, which is not positively homogeneous per unit"
 
 
-def _next_layer(node: fx.Node, modules, through_bn: bool):
-    """The weight layer that ``node``'s output reaches through pass-through ops alone, the
-    norm directly after ``node`` (if any), and whether a batch norm was passed through."""
-    spatial = isinstance(modules[node.target], nn.modules.conv._ConvNd)
+def _describe(layout: tuple) -> str:
+    return {"conv": f"Conv{layout[-1]}d", "linear": "Linear", "flat": "flattened"}[layout[0]]
+
+
+def _reads(layout: tuple, mod: nn.Module) -> bool:
+    """Whether weight layer ``mod`` takes the units of ``layout`` as its input units."""
+    if type(mod) in CONVS:
+        return layout == ("conv", CONVS[type(mod)])
+    return layout[0] in ("linear", "flat")
+
+
+# ---------------------------------------------------------------------- the graph walk
+def _per_unit(norm: nn.Module) -> bool:
+    """Whether ``norm`` normalises each unit (channel) on its own statistics."""
+    return isinstance(norm, PER_UNIT_NORMS) or (
+        isinstance(norm, nn.GroupNorm) and norm.num_groups == norm.num_channels)
+
+
+def _metadata_only(node: fx.Node) -> bool:
+    """``x.size(0)``, ``x.shape``, ``x.dim()``: reads no values of ``x``."""
+    return (node.op == "call_method" and node.target in ("size", "dim")) or (
+        node.op == "call_function" and node.target is getattr)
+
+
+def _eligible(gm: fx.GraphModule, modules: dict, trainable: set | None) -> tuple[set, dict]:
+    """Weight-layer nodes that may be in a chain, and why each other layer may not.
+    Grouped convolutions are left out of chains but are marked so that PSI may take them."""
+    calls: dict[str, list] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(modules[n.target], WEIGHT_LAYERS):
+            calls.setdefault(n.target, []).append(n)
+    owners: dict[int, list[str]] = {}
+    for name, m in modules.items():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    read_outside = {n.target.rsplit(".", 1)[0] for n in gm.graph.nodes if n.op == "get_attr"}
+    ok, why = set(), {}
+    for name, nodes in calls.items():
+        mod = modules[name]
+        params = [p for p in (mod.weight, mod.bias) if p is not None]
+        if len(nodes) > 1:
+            why[name] = f"the module is called {len(nodes)} times in forward()"
+        elif isinstance(mod, nn.modules.conv._ConvNd) and mod.groups != 1:
+            why[name] = GROUPED + f" (groups={mod.groups})"
+        elif any(len(owners[id(p)]) > 1 for p in params):
+            shared = sorted({o for p in params for o in owners[id(p)]} - {name})
+            why[name] = f"a parameter is shared with {', '.join(shared)} (tied weights)"
+        elif name in read_outside:
+            why[name] = "its parameters are also read outside the module (e.g. F.linear)"
+        elif trainable is not None and id(mod.weight) not in trainable:
+            why[name] = "frozen (requires_grad=False, or in no param group)"
+        else:
+            ok.add(nodes[0])
+    return ok, why
+
+
+def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool):
+    """Walk from weight layer ``node`` through its single-user ops. Returns the next chain
+    layer (or ``None``), the norm directly after ``node`` (if any), whether a batch norm was
+    passed through, and why the walk stopped (when it found no next layer)."""
+    layout = _layout_of_layer(modules[node.target])
     cur, norm = node, None
     while True:
-        users = list(cur.users)
-        if len(users) != 1 or (users[0].args[:1] != (cur,)):
-            return None, norm, False
+        users = [u for u in cur.users if not _metadata_only(u)]
+        if len(users) != 1:
+            return None, norm, False, ("its output is used by several operations (a branch or "
+                                       "a residual add)" if users else "its output is unused")
         user = users[0]
+        if user.args[:1] != (cur,):
+            return None, norm, False, f"its output is not the first input of {user.target}"
         mod = modules.get(user.target) if user.op == "call_module" else None
         if isinstance(mod, WEIGHT_LAYERS):
-            conv = isinstance(mod, nn.modules.conv._ConvNd)
-            return (user if conv == spatial else None), norm, norm is not None
+            if user not in eligible:
+                return None, norm, False, f"the next layer {user.target} cannot be in a chain"
+            if not _reads(layout, mod):
+                return None, norm, False, (f"the next layer {user.target} does not read the "
+                                           f"units of a {_describe(layout)} output")
+            return user, norm, norm is not None, ""
         if isinstance(mod, NORMS) and cur is node:
             norm = mod
             if not (through_bn and isinstance(mod, BATCH_NORMS)):
-                return None, norm, False
+                return None, norm, False, f"followed by {type(mod).__name__}"
             cur = user
             continue
-        kind = _step_kind(user, modules)
-        if kind is None:
-            return None, norm, False
-        if kind == "flatten":
-            spatial = False
+        layout, why = _through(user, mod, layout)
+        if layout is None:
+            return None, norm, False, why
         cur = user
 
 
-def discover(model: nn.Module, through_bn: bool = False) -> Discovery:
-    """Trace ``model`` and return its chains and its norm-followed weight layers.
+def discover(model: nn.Module, through_bn: bool = False, *,
+             trainable: set | None = None) -> Discovery:
+    """Trace ``model`` and return its chains, its per-unit-normalised weight layers, and why
+    each other Linear/Conv layer is in no chain.
 
-    With ``through_bn``, batch norm directly after a layer does not end its chain (the
-    paper's approximate BN variant, Appendix 10.2); such layers are marked ``normalised``.
+    ``trainable`` (ids of parameters) marks what may move: a layer whose weight is not in it
+    ends chains. With ``through_bn``, batch norm directly after a conv does not end its chain
+    (the paper's approximate BN variant, Appendix 10.2); such layers are marked
+    ``normalised``. A model ``torch.fx`` cannot trace raises ``ValueError``.
     """
     model = unwrap(model)
     try:
@@ -164,29 +287,28 @@ def discover(model: nn.Module, through_bn: bool = False) -> Discovery:
         raise ValueError(f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: "
                          f"{exc}); {HOW_TO}") from None
     modules = dict(gm.named_modules())
-    layer_nodes = [n for n in gm.graph.nodes if n.op == "call_module"
-                   and isinstance(modules[n.target], WEIGHT_LAYERS)]
-    seen: dict[str, int] = {}
-    for n in layer_nodes:
-        seen[n.target] = seen.get(n.target, 0) + 1
-        if seen[n.target] > 1:
-            raise ValueError(f"module {n.target!r} is used more than once in forward(); a "
-                             f"shared layer cannot be placed in one chain automatically; {HOW_TO}")
-    nxt, normalised, has_prev, via_bn = {}, [], set(), set()
-    for n in layer_nodes:
-        mod = modules[n.target]
-        grouped = isinstance(mod, nn.modules.conv._ConvNd) and mod.groups != 1
-        following, norm, passed = (None, None, False) if grouped else _next_layer(
-            n, modules, through_bn)
-        if following is not None and not (isinstance(modules[following.target],
-                                                      nn.modules.conv._ConvNd)
-                                          and modules[following.target].groups != 1):
+    eligible, reasons = _eligible(gm, modules, trainable)
+    layer_nodes = [n for n in gm.graph.nodes if n in eligible]
+    nxt, normalised, has_prev, via_bn, stop = {}, [], set(), set(), {}
+    for n in gm.graph.nodes:
+        if n.op != "call_module" or not isinstance(modules[n.target], WEIGHT_LAYERS):
+            continue
+        following, norm, passed, why = _follow(n, modules, eligible, through_bn)
+        if n in eligible and following is not None:
             nxt[n] = following
             has_prev.add(following)
             if passed:
                 via_bn.add(n)
-        elif norm is not None:
-            normalised.append((n.target, mod))
+        else:
+            stop[n.target] = why
+        psi_ok = n in eligible or reasons.get(n.target, "").startswith(GROUPED)
+        if following is None and norm is not None and psi_ok:
+            if _per_unit(norm):
+                normalised.append((n.target, modules[n.target]))
+            else:
+                stop[n.target] = reasons[n.target] = (
+                    f"followed by {type(norm).__name__}, which normalises several units "
+                    "together: a row is not scale-invariant on its own (no PSI either)")
     chains = []
     for n in layer_nodes:
         if n in has_prev or n not in nxt:
@@ -196,7 +318,11 @@ def discover(model: nn.Module, through_bn: bool = False) -> Discovery:
             run.append(nxt[run[-1]])
         chains.append(ChainLayers([r.target for r in run], [modules[r.target] for r in run],
                                   [r in via_bn for r in run]))
-    return Discovery(chains, normalised)
+    in_chain = {name for c in chains for name in c.names}
+    for n in layer_nodes:
+        if n.target not in in_chain and n.target not in reasons:
+            reasons[n.target] = stop.get(n.target) or "no other layer feeds it or follows it"
+    return Discovery(chains, normalised, reasons)
 
 
 __all__ = ["ChainLayers", "Discovery", "chain_of", "discover", "unwrap"]

@@ -1,14 +1,22 @@
-"""Param groups of the chain-aware torch optimizers, and their description.
+"""How a chain-aware optimizer splits its parameters into parts, and its description.
 
-Each chain is one param group (``kind='chain'``) holding its layers' weights and biases in
-order, with plain-data metadata (so ``state_dict`` survives ``torch.load(weights_only=True)``):
-the chain's structure and a fingerprint that ``load_state_dict`` checks. Weights of layers
-followed by a normalisation form a ``'psi'`` group; everything else one ``'sgd'`` group.
+``param_groups`` stay the user's groups (one by default), exactly as ``torch.optim.SGD`` keeps
+them, so code that sets ``opt.param_groups[0]['lr']`` acts on every parameter. Beside them the
+optimizer holds a partition into *parts*, each stepped by its own rule with the
+hyperparameters of the user group it belongs to:
+
+- :class:`ChainPart`: the layers of one chain (G-SGD or Path-SGD);
+- :class:`PSIPart`: weights of layers followed by a normalisation (PSI-SGD(M));
+- :class:`SGDPart`: every other parameter of a user group (``torch.optim.SGD``'s update).
+
+A chain never spans two user groups (that is an error), and frozen parameters
+(``requires_grad=False``, or not in any group) are never part of a chain: they split it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -16,33 +24,70 @@ import torch.nn as nn
 
 from gsgd_core import Chain
 
-from .discovery import ChainLayers, chain_of, discover, unwrap
+from .discovery import ChainLayers, Discovery, discover, unwrap
+
+SKELETONS = ("he", "paper")
+
+
+def scaled(chain: Chain, skeleton: str) -> Chain:
+    """``chain`` in the units of a skeleton recipe: ``"he"`` (skeleton edges of He init's
+    standard deviation, DESIGN §11) or ``"paper"`` (edges of 1, paper §11.2)."""
+    if skeleton not in SKELETONS:
+        raise ValueError(f"skeleton must be one of {SKELETONS}, got {skeleton!r}")
+    return chain.with_skeleton_scale(chain.he_skeleton_scale() if skeleton == "he" else None)
 
 
 def chain_spec(chain: Chain) -> dict:
     return dict(sizes=list(chain.sizes), slots=list(chain.slots), bias=list(chain.bias),
                 tau=[list(t) for t in chain.tau], sigma=[list(s) for s in chain.sigma],
-                skeleton_slots=list(chain.skeleton_slots))
+                skeleton_slots=list(chain.skeleton_slots),
+                skeleton_scale=list(chain.skeleton_scale))
 
 
 def fingerprint(spec: dict) -> str:
     return hashlib.sha1(repr(sorted(spec.items())).encode()).hexdigest()[:16]
 
 
-def chain_group(layers: ChainLayers) -> dict:
-    params, layout = [], []
-    for name, m in zip(layers.names, layers.modules):
-        for p, what in ((m.weight, "weight"), (m.bias, "bias")):
-            if p is not None and not p.requires_grad:
-                raise ValueError(f"{name}.{what} has requires_grad=False, but G-SGD changes every "
-                                 "non-free weight of a chain: freeze the whole chain's layers by "
-                                 "leaving them out (pass chains=... without them) or unfreeze it")
-        layout.append([len(params), None if m.bias is None else len(params) + 1])
-        params += [m.weight] + ([] if m.bias is None else [m.bias])
-    spec = chain_spec(layers.chain)
-    return dict(params=params, kind="chain", layout=layout, layer_names=list(layers.names),
-                chain_spec=spec, fingerprint=fingerprint(spec),
-                normalised=list(layers.normalised))
+@dataclass(eq=False)
+class ChainPart:
+    """One chain: its layers' names, weights and biases (``None`` where a layer has none),
+    the core :class:`Chain`, the user group it belongs to, and which biases are frozen (a
+    frozen bias is a basis path that never moves: it is never written)."""
+
+    names: list[str]
+    chain: Chain
+    modules: list[nn.Module]
+    weights: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    group: int
+    normalised: list[bool]
+    frozen_bias: list[bool]
+    kind: str = "chain"
+    runs: dict = field(default_factory=dict)   # sub-chains for steps with missing grads
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for w, b, fb in zip(self.weights, self.biases, self.frozen_bias)
+                for p in (w, None if fb else b) if p is not None]
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(chain_spec(self.chain))
+
+
+@dataclass(eq=False)
+class PSIPart:
+    names: list[str]           # layer names
+    weights: list[torch.Tensor]
+    group: int
+    kind: str = "psi"
+
+
+@dataclass(eq=False)
+class SGDPart:
+    params: list[torch.Tensor]
+    group: int
+    kind: str = "sgd"
 
 
 def explicit_chains(model, chains) -> list[ChainLayers]:
@@ -59,51 +104,132 @@ def explicit_chains(model, chains) -> list[ChainLayers]:
 
 
 @dataclass
-class Plan:
-    """How a model's parameters split into chain, PSI and SGD groups."""
-
-    chains: list[ChainLayers]
-    normalised: list[tuple[str, nn.Module]]
-    others: list
-    names: dict = field(default_factory=dict)
+class Partition:
+    parts: list
+    names: dict                       # id(param) -> qualified name
+    reasons: dict = field(default_factory=dict)   # param name -> why it is not in a chain
 
 
-def plan(params, chains, *, find_chains: bool, find_normalised: bool,
-         through_bn: bool = False) -> Plan:
-    """Split a model (or explicit chains plus other parameters) into groups."""
-    if isinstance(params, nn.Module):
-        model = unwrap(params)
-        names = {id(p): n for n, p in model.named_parameters()}
-        found = None
-        if find_chains and chains is None:
-            found = discover(model, through_bn)
-        elif find_normalised:
-            try:  # chains given by hand: norms are found only if the model traces
-                found = discover(model)
-            except ValueError:
-                find_normalised = False
-        chain_list = (explicit_chains(model, chains) if chains is not None
-                      else found.chains if find_chains else [])
-        normalised = found.normalised if find_normalised else []
-        used = {id(p) for c in chain_list for m in c.modules for p in m.parameters()}
-        normalised = [(n, m) for n, m in normalised if id(m.weight) not in used]
-        used |= {id(m.weight) for _, m in normalised}
-        others = [p for p in model.parameters() if id(p) not in used and p.requires_grad]
-        return Plan(chain_list, normalised, others, names)
-    if chains is None and find_chains:
-        raise ValueError("pass a model (chains are found in it) or chains=[[layer, ...], ...] "
-                         "together with the other parameters")
-    return Plan(explicit_chains(None, chains or []), [], list(params))
+def partition(model: nn.Module | None, groups: list[dict], *, chains, find_chains: bool,
+              find_normalised: bool, through_bn: bool = False, skeleton: str = "paper",
+              strict: bool = False) -> Partition:
+    """Split the parameters of ``groups`` (torch param groups) into chain, PSI and SGD parts.
+
+    Chains come from ``chains`` (by hand) or, with ``find_chains``, from :func:`discover` on
+    ``model``. Only trainable parameters (``requires_grad`` and in a group) join a chain.
+    A model that cannot be traced gets no chains (a warning; ``strict`` raises), and with
+    ``strict`` a Linear/Conv layer that lands in no chain and no PSI part is an error.
+    """
+    group_of = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+    trainable = {id(p) for g in groups for p in g["params"] if p.requires_grad}
+    names = {} if model is None else {id(p): n for n, p in model.named_parameters()}
+    found = None
+    if model is not None and (find_chains and chains is None or find_normalised):
+        try:
+            found = discover(model, through_bn, trainable=trainable)
+        except ValueError as exc:
+            if strict:
+                raise
+            if chains is None and find_chains:
+                warnings.warn(f"{exc}. Every parameter takes SGD's rule.", stacklevel=4)
+                found = Discovery([], [], {})
+    if strict and found is not None:
+        psi = {n for n, _ in found.normalised} if find_normalised else set()
+        bad = {n: why for n, why in found.reasons.items() if n not in psi}
+        if bad:
+            raise ValueError("strict=True: these layers are in no chain: " + "; ".join(
+                f"{n}: {why}" for n, why in bad.items()))
+    if chains is not None:
+        layers = explicit_chains(model, chains)
+        _check_explicit(layers, trainable)
+    elif find_chains:
+        if found is None:
+            raise ValueError("pass a model (chains are found in it) or chains=[[layer, ...], "
+                             "...] together with the other parameters")
+        layers = found.chains
+    else:
+        layers = []
+    parts: list = [_chain_part(c, group_of, trainable, skeleton) for c in layers]
+    used = {id(p) for part in parts for p in part.weights + part.biases if p is not None}
+    normalised = [] if not (find_normalised and found) else [
+        (n, m) for n, m in found.normalised
+        if id(m.weight) not in used and id(m.weight) in trainable]
+    for gi in range(len(groups)):
+        mine = [(n, m) for n, m in normalised if group_of[id(m.weight)] == gi]
+        if mine:
+            parts.append(PSIPart([n for n, _ in mine], [m.weight for _, m in mine], gi))
+            used |= {id(m.weight) for _, m in mine}
+    for gi, g in enumerate(groups):
+        rest = [p for p in g["params"] if id(p) not in used]
+        if rest:
+            parts.append(SGDPart(rest, gi))
+    reasons = {} if found is None else {
+        f"{layer}.{what}": why for layer, why in found.reasons.items()
+        for what in ("weight", "bias")}
+    return Partition(parts, names, reasons)
+
+
+def _check_explicit(layers: list[ChainLayers], trainable: set) -> None:
+    for c in layers:
+        for name, m in zip(c.names, c.modules):
+            if id(m.weight) not in trainable:
+                raise ValueError(
+                    f"{name}.weight is frozen (requires_grad=False or in no param group), but "
+                    f"the chain {' -> '.join(c.names)} was given by hand: G-SGD changes every "
+                    "non-free weight of a chain; leave frozen layers out of chains=...")
+
+
+def _chain_part(c: ChainLayers, group_of: dict, trainable: set, skeleton: str) -> ChainPart:
+    biases = [m.bias for m in c.modules]
+    frozen_bias = [b is not None and id(b) not in trainable for b in biases]
+    groups = {group_of[id(m.weight)] for m in c.modules}
+    groups |= {group_of[id(b)] for b, fb in zip(biases, frozen_bias) if b is not None and not fb}
+    if len(groups) > 1:
+        where = ", ".join(f"{n}: group {group_of[id(m.weight)]}"
+                          for n, m in zip(c.names, c.modules))
+        raise ValueError(f"the chain {' -> '.join(c.names)} is split across param groups "
+                         f"({where}): G-SGD steps a chain as one, with one lr; put its layers "
+                         "(weights and biases) in one group, or pass chains=... by hand")
+    return ChainPart(list(c.names), scaled(c.chain, skeleton), list(c.modules),
+                     [m.weight for m in c.modules], biases, groups.pop(), list(c.normalised),
+                     frozen_bias)
+
+
+# ---------------------------------------------------------------------- description
+@dataclass
+class PartInfo:
+    """One part as :meth:`describe` reports it."""
+
+    kind: str                      # "chain", "psi" or "sgd"
+    names: list[str]               # layer names (chain, psi) or parameter names (sgd)
+    hyper: dict                    # lr, momentum, weight_decay of its group
+    chain: Chain | None = None
+    skeleton_initialised: bool | None = None
 
 
 @dataclass
 class Description:
-    """What a chain-aware optimizer found: ``print(opt.describe())``."""
+    """What a chain-aware optimizer found and how it steps each part:
+    ``print(opt.describe())``."""
 
-    chains: list[tuple[list[str], Chain, bool]]   # layer names, chain, skeleton initialised
-    normalised: list[str]
-    fallback: list[str]
+    parts: list[PartInfo]
     algorithm: str
+    reasons: dict = field(default_factory=dict)   # parameter name -> why it is not in a chain
+    skipped: int = 0                              # chain steps skipped (non-finite gradients)
+    skeleton: str = "paper"
+
+    @property
+    def chains(self) -> list[tuple[list[str], Chain, bool]]:
+        return [(p.names, p.chain, p.skeleton_initialised) for p in self.parts
+                if p.kind == "chain"]
+
+    @property
+    def normalised(self) -> list[str]:
+        return [f"{n}.weight" for p in self.parts if p.kind == "psi" for n in p.names]
+
+    @property
+    def fallback(self) -> list[str]:
+        return [n for p in self.parts if p.kind == "sgd" for n in p.names]
 
     @property
     def m(self) -> int:
@@ -124,25 +250,49 @@ class Description:
     def __str__(self) -> str:
         lines = [f"{self.algorithm}: {len(self.chains)} chain(s), m={self.m}, H={self.H}, "
                  f"G-space dim={self.g_space_dim}, invariant ratio H/m={self.invariant_ratio:.4g}"]
-        for names, chain, skel in self.chains:
-            init = "skeleton initialised" if skel else (
-                "skeleton NOT initialised (call skeleton_init_(model))")
-            lines.append(f"  chain {' -> '.join(names)}: {chain}; {init}")
-        if self.normalised:
-            lines.append(f"  PSI-SGD (normalised rows): {', '.join(self.normalised)}")
-        lines.append(f"  plain SGD: {', '.join(self.fallback) if self.fallback else '(none)'}")
+        for p in self.parts:
+            hyper = ", ".join(f"{k}={v:g}" for k, v in p.hyper.items())
+            if p.kind == "chain":
+                init = (f"skeleton initialised ({self.skeleton})" if p.skeleton_initialised
+                        else f"skeleton NOT initialised for skeleton={self.skeleton!r} "
+                             "(call skeleton_init_(model))")
+                lines.append(f"  chain {' -> '.join(p.names)}: {p.chain}; {init}; {hyper}")
+            elif p.kind == "psi":
+                lines.append(f"  PSI-SGD (normalised rows) {', '.join(f'{n}.weight' for n in p.names)}"
+                             f"; {hyper}")
+            else:
+                lines.append(f"  plain SGD {', '.join(p.names)}; {hyper}")
+        for name, why in self.reasons.items():
+            if any(name in p.names for p in self.parts if p.kind == "sgd"):
+                lines.append(f"    {name}: not in a chain: {why}")
+        if self.skipped:
+            lines.append(f"  steps skipped for non-finite gradients: {self.skipped}")
         return "\n".join(lines)
 
 
-def skeleton_is_initialised(group: dict, chain: Chain) -> bool:
+def skeleton_is_initialised(part: ChainPart) -> bool:
+    """Whether every skeleton edge of the part's layers has the magnitude of its layer's
+    skeleton scale (``+1`` everywhere for the paper's recipe)."""
+    chain = part.chain
+    paper = all(r == 1.0 for r in chain.skeleton_scale)
     with torch.no_grad():
-        for l, (w, _) in enumerate(group["layout"], start=1):
-            W = group["params"][w].detach().reshape(chain.layer_shape(l))
+        for l, w in enumerate(part.weights, start=1):
+            W = w.detach().reshape(chain.layer_shape(l))
             mask = torch.as_tensor(chain.free_mask(l) | chain.tau_mask(l), device=W.device)
-            if not bool(torch.all(W[mask] == 1)):
+            edges = W[mask]
+            r = torch.tensor(chain.skeleton_scale[l - 1], dtype=W.dtype)
+            if not bool(torch.all((edges if paper else edges.abs()) == r.to(W.device))):
                 return False
     return True
 
 
-__all__ = ["Description", "Plan", "chain_group", "chain_of", "chain_spec", "explicit_chains",
-           "fingerprint", "plan", "skeleton_is_initialised"]
+def sub_chain(chain: Chain, start: int, stop: int) -> Chain:
+    """Layers ``start..stop-1`` (0-based) of a chain with the default skeleton, as a chain."""
+    return Chain(chain.sizes[start:stop + 1], chain.slots[start:stop],
+                 bias=chain.bias[start:stop],
+                 skeleton_scale=chain.skeleton_scale[start:stop])
+
+
+__all__ = ["ChainPart", "Description", "PSIPart", "PartInfo", "Partition", "SGDPart",
+           "chain_spec", "explicit_chains", "fingerprint", "partition", "scaled",
+           "skeleton_is_initialised", "sub_chain", "unwrap"]

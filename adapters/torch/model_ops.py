@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
+import torch
 import torch.nn as nn
 
 from gsgd_backends import rescale_ as rescale_chain_
@@ -10,9 +13,9 @@ from gsgd_backends import skeleton_init_ as skeleton_init_chain_
 from gsgd_core import random_rescaling
 
 from .discovery import ChainLayers, discover, unwrap
-from .groups import explicit_chains
+from .groups import explicit_chains, scaled
 
-__all__ = ["skeleton_init_", "random_rescale_"]
+__all__ = ["check_invariance", "skeleton_init_", "random_rescale_"]
 
 
 def _chains(model: nn.Module, chains) -> list[ChainLayers]:
@@ -20,15 +23,23 @@ def _chains(model: nn.Module, chains) -> list[ChainLayers]:
     return discover(model).chains if chains is None else explicit_chains(model, chains)
 
 
-def skeleton_init_(model: nn.Module, chains=None) -> list[ChainLayers]:
-    """Set every skeleton weight of the model's chains to ``+1`` (paper §11.2), in place.
+def skeleton_init_(model: nn.Module, chains=None, *, skeleton: str = "he") -> list[ChainLayers]:
+    """Initialise the skeleton of every chain of the model, in place; returns the chains.
 
+    ``skeleton="he"`` (the default, DESIGN §11) gives every skeleton edge of layer ``l`` the
+    magnitude of He init's standard deviation ``sqrt(2 / fan_in_l)`` and keeps its sign, so
+    the network computes at He init's scale and G-SGD's first step moves the other weights
+    by SGD's step; it trains plain deep CNNs (VGG, AlexNet style) at SGD's learning rates.
+    ``skeleton="paper"`` sets every skeleton edge to ``+1`` (paper §11.2): fine for small
+    MLPs, ruinous where widths shrink (VGG-11's 4096 -> 10 head puts ~410 ones in each
+    output row). :class:`~gsgd_adapters.torch.GSGD` must use the same ``skeleton``.
     Call once after the usual initialisation, before training: it changes the network
-    function. Returns the chains it initialised.
+    function.
     """
     found = _chains(model, chains)
     for c in found:
-        skeleton_init_chain_(c.chain, [m.weight for m in c.modules])
+        skeleton_init_chain_(scaled(c.chain, skeleton), [m.weight for m in c.modules],
+                             keep_signs=(skeleton == "he"))
     return found
 
 
@@ -44,3 +55,50 @@ def random_rescale_(model: nn.Module, rng: np.random.Generator, spread: float = 
         rescale_chain_(c.chain, [m.weight for m in c.modules], [m.bias for m in c.modules],
                  random_rescaling(c.chain, rng, spread))
     return found
+
+
+def check_invariance(model: nn.Module, example_input, chains=None, *, spread: float = 1.0,
+                     seed: int = 0, rtol: float = 1e-9) -> dict[str, float]:
+    """Check on ``example_input`` that every chain of ``model`` really is one.
+
+    For each chain (found by :func:`discover`, or given as lists of layers), a float64 copy of
+    the model in eval mode (no dropout) has the chain's hidden units rescaled by
+    ``exp(spread * N(0, 1))`` (:func:`random_rescale_`), which must leave the output unchanged
+    (Theorem 3.3). Returns each chain's relative output change (``max |out' - out| /
+    max |out|``), and raises ``ValueError`` naming the first chain whose change exceeds
+    ``rtol``.
+    """
+    model = unwrap(model)
+    found = _chains(model, chains)
+    base = copy.deepcopy(model).double().eval()
+    inputs = example_input if isinstance(example_input, (tuple, list)) else (example_input,)
+    inputs = [x.double() if torch.is_tensor(x) and x.is_floating_point() else x
+              for x in inputs]
+    index = {id(m): n for n, m in model.named_modules()}
+    with torch.no_grad():
+        ref = _flat_outputs(base(*inputs))
+        out = {}
+        for c in found:
+            twin = copy.deepcopy(base)
+            mods = dict(twin.named_modules())
+            layers = [mods[index[id(m)]] for m in c.modules]
+            random_rescale_(twin, np.random.default_rng(seed), spread, chains=[layers])
+            got = _flat_outputs(twin(*inputs))
+            change = max(float((a - b).abs().max()) for a, b in zip(got, ref)) / max(
+                max(float(b.abs().max()) for b in ref), 1e-300)
+            name = " -> ".join(c.names)
+            out[name] = change
+            if not change <= rtol:
+                raise ValueError(
+                    f"chain {name} is not a chain of this model: a random positive rescaling "
+                    f"of its hidden units changes the output by {change:.3g} (relative, "
+                    f"float64); pass chains=... without it, and please report the layout")
+    return out
+
+
+def _flat_outputs(out) -> list:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    return [t for o in out for t in _flat_outputs(o)]

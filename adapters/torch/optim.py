@@ -3,13 +3,16 @@
 ``opt = GSGD(model, lr=0.1, momentum=0.9)`` finds the model's chains (see
 :mod:`.discovery`), updates each chain by G-SGD in path space, the weights of layers followed
 by a normalisation by PSI-SGD(M), and every other parameter by ``torch.optim.SGD``'s update
-with the same hyperparameters. Updates go through :mod:`gsgd_backends` (in place).
+with the same hyperparameters. ``param_groups`` are the user's groups (:mod:`.groups`);
+updates go through :mod:`gsgd_backends` (in place).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
@@ -18,96 +21,172 @@ from torch.optim.sgd import sgd as sgd_update
 
 import gsgd_backends.torch as gsgd_torch_kernels
 from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_
-from gsgd_core import Chain, GSGDState, PSIState
+from gsgd_core import GSGDState, PSIState
 
-from .groups import Description, chain_group, plan, skeleton_is_initialised
+from .discovery import unwrap
+from .model_ops import check_invariance
+from .groups import (ChainPart, Description, PartInfo, SGDPart, partition,
+                     skeleton_is_initialised, sub_chain)
 
-__all__ = ["GSGD", "PSISGD", "PathSGD"]
+__all__ = ["GSGD", "PSISGD", "PathSGD", "SkeletonWarning", "SkippedStepWarning"]
+
+# Attributes of the optimizer beyond torch's own, carried by copy.deepcopy and pickle.
+_OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile")
+
+
+class SkeletonWarning(UserWarning):
+    """G-SGD was built on chains whose skeleton is not initialised (see ``skeleton_init_``)."""
+
+
+class SkippedStepWarning(UserWarning):
+    """A chain's step was skipped because a gradient held NaN or Inf."""
 
 
 def _check(name: str, value, high: float | None = None) -> None:
     if isinstance(value, torch.Tensor):
-        return
+        if value.numel() != 1:
+            raise ValueError(f"{name} as a tensor must have one element (as torch.optim.SGD "
+                             f"requires), got shape {tuple(value.shape)}")
+        value = float(value)
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(
             value) or value < 0 or (high is not None and value > high):
         bound = f"in [0, {high:g}]" if high is not None else ">= 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
+def _check_group(group: dict, where: str) -> None:
+    for key in ("lr", "momentum", "weight_decay"):
+        _check(f"{where}{key}", group.get(key, 0.0))
+    _check(f"{where}dampening", group.get("dampening", 0.0), high=1.0)
+    if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"]):
+        raise ValueError(f"{where}nesterov needs momentum > 0 and dampening = 0")
+
+
+def _number(value) -> float:
+    """A group's hyperparameter as the backends take it (a one-element tensor is read)."""
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+def _user_groups(params, model):
+    """``(model, groups)``: a model stands for one group of all its parameters, as
+    ``torch.optim.SGD(model.parameters())``; otherwise params are torch's params or groups."""
+    if isinstance(params, nn.Module):
+        if model is not None:
+            raise ValueError("pass the model once: as params, or as model= with param groups")
+        model = unwrap(params)
+        return model, [dict(params=list(model.parameters()))]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be a model, an iterable of tensors or of dicts, got a "
+                        "Tensor")
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [dict(params=groups)]
+    return (None if model is None else unwrap(model)), [dict(g) for g in groups]
+
+
+def _add_chain_params(groups: list[dict], chains) -> None:
+    """Parameters of chains given by hand join the first group unless a group has them
+    (``GSGD(other_params, chains=...)``: ``params`` holds the parameters outside chains)."""
+    have = {id(p) for g in groups for p in g["params"]}
+    extra = [p for layers in chains for m in layers for p in (m.weight, m.bias)
+             if p is not None and p.requires_grad and id(p) not in have]
+    if not groups:
+        groups.append(dict(params=[]))
+    groups[0]["params"] = list(groups[0]["params"]) + extra
+
+
 class _ScaleInvariantOptimizer(Optimizer):
-    """Chain groups, PSI groups and an SGD group, each stepped by its own rule."""
+    """User param groups, stepped part by part: chains, PSI weights and the rest (SGD)."""
 
     algorithm = "?"
 
-    def __init__(self, params, defaults: dict, *, chains, find_chains: bool,
-                 find_normalised: bool, through_bn: bool = False) -> None:
-        for key in ("lr", "momentum", "weight_decay"):
-            _check(key, defaults.get(key, 0.0))
-        _check("dampening", defaults.get("dampening", 0.0), high=1.0)
-        if defaults.get("nesterov") and (defaults["momentum"] <= 0 or defaults["dampening"]):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
-        p = plan(params, chains, find_chains=find_chains, find_normalised=find_normalised,
-                 through_bn=through_bn)
-        self._names = p.names
-        groups = [chain_group(c) for c in p.chains]
-        if p.normalised:
-            groups.append(dict(params=[m.weight for _, m in p.normalised], kind="psi",
-                               layer_names=[n for n, _ in p.normalised]))
-        rest = [g if isinstance(g, dict) else dict(params=[g]) for g in p.others]
-        if rest and all("lr" not in g and len(g) == 1 for g in rest):
-            rest = [dict(params=[q for g in rest for q in g["params"]])]
-        groups += [dict(g, kind=g.get("kind", "sgd")) for g in rest]
-        if not groups:
+    def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
+                 find_normalised: bool, through_bn: bool = False,
+                 skeleton: str = "paper", strict: bool = False) -> None:
+        _check_group(defaults, "")
+        model, groups = _user_groups(params, model)
+        if chains is not None:
+            _add_chain_params(groups, chains)
+        if not groups or not any(g["params"] for g in groups):
             raise ValueError("the optimizer got no parameters")
-        self._chains: dict[str, Chain] = {}
-        super().__init__(groups, dict(defaults, kind="sgd"))
+        super().__init__(groups, defaults)
+        for i, g in enumerate(self.param_groups):
+            _check_group(g, f"param group {i}: " if len(self.param_groups) > 1 else "")
+        found = partition(model, self.param_groups, chains=chains, find_chains=find_chains,
+                          find_normalised=find_normalised and model is not None,
+                          through_bn=through_bn, skeleton=skeleton, strict=strict)
+        self._parts, self._names, self._reasons = found.parts, found.names, found.reasons
+        self._skeleton = skeleton
+        self._skipped = 0
 
     # ------------------------------------------------------------------ torch.optim API
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every group; ``closure`` re-evaluates the loss (torch convention)."""
+        """One step of every part; ``closure`` re-evaluates the loss (torch convention)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            getattr(self, f"_step_{group['kind']}")(group)
+        for part in self._parts:
+            getattr(self, f"_step_{part.kind}")(part, self.param_groups[part.group])
         return loss
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``; parameters added after construction take the SGD rule
+        (build a new optimizer to have chains found among them)."""
+        super().add_param_group(param_group)
+        if "_parts" in self.__dict__:
+            _check_group(self.param_groups[-1], f"param group {len(self.param_groups) - 1}: ")
+            self._parts.append(SGDPart(list(self.param_groups[-1]["params"]),
+                                       len(self.param_groups) - 1))
+
+    def __getstate__(self) -> dict:
+        # torch keeps only defaults, state and param_groups; the partition goes along so that
+        # copy.deepcopy and pickling give a working optimizer.
+        state = super().__getstate__()
+        state.update({k: self.__dict__[k] for k in _OWN_STATE if k in self.__dict__})
+        return state
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["gsgd_parts"] = self._layout()
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved)} param groups, this optimizer "
-                             f"{len(self.param_groups)}")
-        for i, (old, new) in enumerate(zip(saved, self.param_groups)):
-            if old.get("kind") != new["kind"] or old.get("fingerprint") != new.get("fingerprint"):
-                raise ValueError(f"param group {i}: the state dict was saved for a different "
-                                 f"structure ({old.get('kind')}, {old.get('layer_names')}) than "
-                                 f"this optimizer's ({new['kind']}, {new.get('layer_names')})")
+        state_dict = dict(state_dict)
+        saved = state_dict.pop("gsgd_parts", None)
+        if saved is not None and saved != self._layout():
+            raise ValueError(f"the state dict was saved for a different structure: its parts "
+                             f"are {saved}, this optimizer's {self._layout()}")
         super().load_state_dict(state_dict)
 
+    def _layout(self) -> list:
+        return [[p.kind, p.group] + ([p.names, p.fingerprint] if p.kind == "chain" else [])
+                for p in self._parts]
+
     def describe(self) -> Description:
-        """The chains found (m, H, G-space dimension, invariant ratio) and the fallbacks."""
-        chains, normalised, fallback = [], [], []
-        for g in self.param_groups:
-            if g["kind"] == "chain":
-                chain = self._chain(g)
-                chains.append((g["layer_names"], chain, skeleton_is_initialised(g, chain)))
-            elif g["kind"] == "psi":
-                normalised += [f"{n}.weight" for n in g["layer_names"]]
+        """The parts (chains with m, H, G-space dimension; PSI and SGD parameters), the
+        hyperparameters each uses, why parameters are not in a chain, and skipped steps."""
+        infos = []
+        for p in self._parts:
+            g = self.param_groups[p.group]
+            hyper = {k: _number(g[k]) for k in ("lr", "momentum", "weight_decay")}
+            if p.kind == "chain":
+                infos.append(PartInfo("chain", p.names, hyper, p.chain,
+                                      skeleton_is_initialised(p)))
+            elif p.kind == "psi":
+                infos.append(PartInfo("psi", p.names, hyper))
             else:
-                fallback += [self._names.get(id(p), f"<{tuple(p.shape)}>") for p in g["params"]]
-        return Description(chains, normalised, fallback, self.algorithm)
+                infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
+        return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
+                           self._skeleton)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(\n{self.describe()}\n)"
 
     # ------------------------------------------------------------------ helpers
-    def _chain(self, group: dict) -> Chain:
-        key = group["fingerprint"]
-        if key not in self._chains:
-            self._chains[key] = Chain(**group["chain_spec"])
-        return self._chains[key]
+    def _name(self, p: torch.Tensor) -> str:
+        return self._names.get(id(p), f"<{tuple(p.shape)}>")
 
     def _grad(self, p: torch.Tensor, group: dict, name: str) -> torch.Tensor:
         """``p.grad`` as the update reads it (never modified): zeros if None, negated to
@@ -117,123 +196,102 @@ class _ScaleInvariantOptimizer(Optimizer):
             raise ValueError(f"non-finite gradient in {name}")
         return -g if group.get("maximize") else g
 
-    def _chain_arrays(self, group: dict):
-        params = group["params"]
-        W = [params[w] for w, _ in group["layout"]]
-        b = [None if i is None else params[i] for _, i in group["layout"]]
-        names = group["layer_names"]
-        G = [self._grad(w, group, f"{n}.weight") for w, n in zip(W, names)]
-        Gb = [None if x is None else self._grad(x, group, f"{n}.bias") for x, n in zip(b, names)]
-        return W, b, G, Gb
-
-    def _step_psi(self, group: dict) -> None:
+    def _step_psi(self, part, group: dict) -> None:
         """PSI-SGD(M) on the weights of normalised layers (seed 004, Algorithm 1)."""
-        live = [(p, n) for p, n in zip(group["params"], group["layer_names"])
-                if p.grad is not None]
+        live = [(p, n) for p, n in zip(part.weights, part.names) if p.grad is not None]
         if not live:
             return
         W = [p for p, _ in live]
         G = [self._grad(p, group, f"{n}.weight") for p, n in live]
         U = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in W]
-        psi_update_(PSIState(tuple(U)), W, G, lr=group["lr"], momentum=group["momentum"],
-                    max_norm=group["max_norm"])
+        psi_update_(PSIState(tuple(U)), W, G, lr=_number(group["lr"]),
+                    momentum=_number(group["momentum"]), max_norm=group["max_norm"])
 
-    def _step_sgd(self, group: dict) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+    def _step_sgd(self, part, group: dict) -> None:
+        self._sgd(part.params, group, self.state)
+
+    def _sgd(self, params, group: dict, state) -> None:
+        params = [p for p in params if p.grad is not None]
         if not params:
             return
         if group.get("check_finite"):
             for p in params:
-                self._grad(p, group, self._names.get(id(p), "a parameter"))
-        bufs = [self.state[p].get("momentum_buffer") for p in params]
+                self._grad(p, group, self._name(p))
+        bufs = [state[p].get("momentum_buffer") for p in params]
         sgd_update(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
                    momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
                    nesterov=group["nesterov"], maximize=group["maximize"],
                    foreach=group.get("foreach"))
         if group["momentum"] != 0:
             for p, buf in zip(params, bufs):
-                self.state[p]["momentum_buffer"] = buf
+                state[p]["momentum_buffer"] = buf
 
-
-class GSGD(_ScaleInvariantOptimizer):
-    """G-SGD (Meng et al., ICLR 2019): SGD on the values of a basis of paths.
-
-    Parameters
-    ----------
-    params : nn.Module, or an iterable of parameters / param groups
-        A model: its chains are found with ``torch.fx`` (Linear/Conv layers joined by
-        ReLU-like, pooling, flatten, dropout or identity ops). Otherwise ``chains`` must be
-        given, and ``params`` holds the parameters outside them (plain SGD).
-    lr, momentum, dampening, weight_decay, nesterov, maximize, foreach
-        As ``torch.optim.SGD``. In chains, momentum and Nesterov act in path space and weight
-        decay is L2 on basis-path values (``D += weight_decay * V``), so every iterate
-        commutes with positive rescaling.
-    chains : list of lists of layers, optional
-        The chains by hand, each an ordered list of Linear/Conv modules.
-    bn : {"psi", "sgd", "paper"}
-        Weight layers directly followed by batch/group/layer norm end their chain (exact
-        invariance holds only without them). By default (``"psi"``) their weights are updated
-        by PSI-SGD(M) (seed 004), which is exactly invariant under the rescaling that the norm
-        allows; PSI weights take no weight decay (their scale does not affect the loss).
-        ``"sgd"`` updates them like the rest. ``"paper"`` is the G-SGD paper's approximate
-        variant (Appendix 10.2, eq. 29-30): batch norm does not end a chain, and the ICR of a
-        BN-followed layer uses ``grad * ||W[j]||`` (row norms). It is approximate: the
-        trajectory does not commute exactly with rescaling.
-    compile : bool
-        Steps run their node-vector work and every layer's update (momentum and weight
-        decay included) as two ``torch.compile`` graphs specialised to the model's shapes:
-        0.4x to 0.55x the eager step's time at 10M weights on a 2-core CPU. The first step
-        compiles for some seconds. Off by default: the eager fast path needs no compiler.
-    check_finite : bool
-        Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
-        synchronisation per parameter). Off by default; ``torch.amp.GradScaler`` already
-        skips steps whose gradients are not finite.
-
-    Notes
-    -----
-    G-SGD learns well from a skeleton-initialised start (paper §11.2): call
-    :func:`~gsgd_adapters.torch.skeleton_init_` once before training (``describe()`` says
-    whether it was).
-    """
-
-    algorithm = "G-SGD"
-
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 chains=None, bn: str = "psi", check_finite: bool = False,
-                 foreach: bool | None = None, max_norm: float = 1e4,
-                 compile: bool = False) -> None:
-        if bn not in ("psi", "sgd", "paper"):
-            raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                        check_finite=check_finite, foreach=foreach, max_norm=max_norm)
-        self._kernels = gsgd_torch_kernels.COMPILED if compile else None
-        super().__init__(params, defaults, chains=chains, find_chains=True,
-                         find_normalised=(bn == "psi" and isinstance(params, nn.Module)),
-                         through_bn=(bn == "paper"))
-
-    def _step_chain(self, group: dict) -> None:
-        if all(p.grad is None for p in group["params"]):
+    def _step_chain(self, part: ChainPart, group: dict) -> None:
+        """Step a chain; layers without a weight gradient this step are never written (their
+        biases take SGD's rule): the chain is stepped as the runs of consecutive layers that
+        have one (a run of one layer takes SGD's rule), each with momentum restarted, and a
+        warning says so once."""
+        live = [w.grad is not None for w in part.weights]
+        if not any(live):
             return
-        chain = self._chain(group)
-        W, b, G, Gb = self._chain_arrays(group)
-        G = [_row_norm_scaled(g, w) if bn else g
-             for g, w, bn in zip(G, W, group.get("normalised", [False] * len(W)))]
-        state = None
-        if group["momentum"] != 0:
-            st = [self.state[p] for p in group["params"]]
-            for s, p in zip(st, group["params"]):
-                s.setdefault("momentum_buffer", torch.zeros_like(p))
-            first = st[0]
-            first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
-            mom = [self.state[w]["momentum_buffer"] for w in W]
-            bmom = [None if x is None else self.state[x]["momentum_buffer"] for x in b]
-            state = GSGDState(tuple(mom), tuple(bmom), first["step"])
-        gsgd_update_(chain, state, W, b, G, Gb, lr=group["lr"], momentum=group["momentum"],
-                     dampening=group["dampening"], nesterov=group["nesterov"],
-                     weight_decay=group["weight_decay"], kernels=self._kernels)
+        if all(live):
+            self._update_chain(part.chain, part, range(len(live)), group, self.state)
+            return
+        key = tuple(live)
+        if key not in part.runs:
+            part.runs[key] = (_runs(live), defaultdict(dict))
+            dead = [n for n, ok in zip(part.names, live) if not ok]
+            warnings.warn(
+                f"{self.algorithm}: {', '.join(dead)} had no gradient, so the chain "
+                f"{' -> '.join(part.names)} was stepped as the runs of layers that have one; "
+                "those layers are never written, and the runs' momentum restarts",
+                stacklevel=3)
+        runs, state = part.runs[key]
+        single = [i for start, stop in runs if stop - start == 1 for i in (start,)]
+        dead_or_single = single + [i for i, ok in enumerate(live) if not ok]
+        self._sgd([p for i in dead_or_single for p in (part.weights[i], part.biases[i])
+                   if p is not None and not (p is part.biases[i] and part.frozen_bias[i])],
+                  group, state)
+        for start, stop in runs:
+            if stop - start > 1:
+                self._update_chain(sub_chain(part.chain, start, stop), part,
+                                   range(start, stop), group, state)
 
+    def _update_chain(self, chain, part: ChainPart, layers, group: dict, state) -> None:
+        """One chain update (``self._apply``, each algorithm's own) of ``part``'s layers
+        ``layers`` as ``chain``; counts and warns about skipped steps."""
+        W = [part.weights[i] for i in layers]
+        b = [part.biases[i] for i in layers]
+        names = [part.names[i] for i in layers]
+        G = [self._grad(w, group, f"{n}.weight") for w, n in zip(W, names)]
+        Gb = [None if x is None else self._grad(x, group, f"{n}.bias") for x, n in zip(b, names)]
+        # A frozen bias (or one without a gradient) is a basis path that does not move: the
+        # update writes into a copy of it, so the parameter itself is never written.
+        b = [None if x is None else x.detach().clone()
+             if part.frozen_bias[i] or x.grad is None else x for x, i in zip(b, layers)]
+        G = [_row_norm_scaled(g, w) if part.normalised[i] else g
+             for g, w, i in zip(G, W, layers)]
+        applied = self._apply(chain, W, b, G, Gb, group, state)
+        if not applied:
+            self._skipped += 1
+            if self._skipped == 1:
+                warnings.warn(
+                    f"{self.algorithm}: a gradient of the chain {' -> '.join(names)} holds "
+                    "NaN or Inf, so the step was skipped (weights and momentum unchanged); "
+                    "later skips are counted in describe() without a warning",
+                    SkippedStepWarning, stacklevel=4)
+
+
+def _runs(live: list[bool]) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each run of consecutive ``True`` entries."""
+    out, start = [], None
+    for i, ok in enumerate(live + [False]):
+        if ok and start is None:
+            start = i
+        elif not ok and start is not None:
+            out.append((start, i))
+            start = None
+    return out
 
 
 def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -242,11 +300,122 @@ def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return grad * norms.reshape((-1,) + (1,) * (grad.ndim - 1))
 
 
+class GSGD(_ScaleInvariantOptimizer):
+    """G-SGD (Meng et al., ICLR 2019): SGD on the values of a basis of paths.
+
+    Parameters
+    ----------
+    params : nn.Module, or an iterable of parameters / param groups
+        A model: its chains are found with ``torch.fx`` (:func:`~.discovery.discover`) and
+        ``param_groups`` is one group of all its parameters, as for
+        ``torch.optim.SGD(model.parameters())``. Otherwise torch's params or param groups,
+        with ``model=`` (chains found in it among those parameters) or ``chains=``.
+    lr, momentum, dampening, weight_decay, nesterov, maximize, foreach
+        As ``torch.optim.SGD``, per param group. In chains, momentum and Nesterov act in path
+        space and weight decay is L2 on basis-path values (``D += weight_decay * V``), so every
+        iterate commutes with positive rescaling. No buffer holds the learning rate, so a
+        schedule acts at once.
+    model : nn.Module, optional
+        The model, when ``params`` are param groups: chains are found in it, and a chain
+        whose layers lie in two groups is an error.
+    chains : list of lists of layers, optional
+        The chains by hand, each an ordered list of Linear/Conv modules.
+    skeleton : {"he", "paper"}
+        The units of the chains' path values (:attr:`gsgd_core.Chain.skeleton_scale`), which
+        must match :func:`~gsgd_adapters.torch.skeleton_init_`'s (same default). ``"he"``:
+        skeleton edges of He init's standard deviation; ``lr`` then means SGD's learning rate
+        on plain deep CNNs too (DESIGN §11). ``"paper"``: skeleton edges of 1 (paper §11.2),
+        fine for small MLPs and ruinous on wide plain CNNs. A warning says when the model's
+        skeleton is not initialised for the chosen recipe.
+    strict : bool
+        Raise ``ValueError`` when a Linear/Conv layer lands in no chain and no PSI part
+        (the message says why, per layer), or when the model cannot be traced. By default
+        such layers take SGD's rule and ``describe()`` says why.
+    example_input : tensor or tuple of tensors, optional
+        Check every chain on this input before training: :func:`check_invariance` rescales
+        a copy of the model at random and raises ``ValueError`` naming the first chain whose
+        output moves.
+    bn : {"psi", "sgd", "paper"}
+        Weight layers directly followed by batch/group/layer norm end their chain (exact
+        invariance holds only without them). By default (``"psi"``) their weights are updated
+        by PSI-SGD(M) (seed 004), which is exactly invariant under the rescaling that the norm
+        allows (batch and instance norm, and group norm with a group per channel; layer norm
+        and coarser group norms normalise units together, so those weights take SGD's rule);
+        PSI weights take no weight decay (their scale does not affect the loss).
+        ``"sgd"`` updates them like the rest. ``"paper"`` is the G-SGD paper's approximate
+        variant (Appendix 10.2, eq. 29-30): batch norm does not end a chain, and the ICR of a
+        BN-followed layer uses ``grad * ||W[j]||`` (row norms). It is approximate: the
+        trajectory does not commute exactly with rescaling.
+    compile : bool
+        Steps run their node-vector work and every layer's update (momentum and weight
+        decay included) as two ``torch.compile`` graphs specialised to the model's shapes.
+        The first step compiles for some seconds. Off by default.
+    check_finite : bool
+        Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
+        synchronisation per parameter). Off by default: a chain step whose gradients are not
+        finite is skipped (a :class:`SkippedStepWarning` the first time, a count in
+        ``describe()``), at no more cost than a normal step.
+
+    Notes
+    -----
+    Frozen parameters (``requires_grad=False``) are never in a chain: they split it, and the
+    trainable runs on either side form chains. A layer whose ``.grad`` is ``None`` at a step
+    is never written: its chain is stepped as the runs of layers that have gradients.
+    """
+
+    algorithm = "G-SGD"
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 model: nn.Module | None = None, chains=None, skeleton: str = "he",
+                 bn: str = "psi", strict: bool = False, example_input=None,
+                 check_finite: bool = False, foreach: bool | None = None,
+                 max_norm: float = 1e4, compile: bool = False) -> None:
+        if bn not in ("psi", "sgd", "paper"):
+            raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        check_finite=check_finite, foreach=foreach, max_norm=max_norm)
+        self._compile = bool(compile)
+        super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
+                         find_normalised=(bn == "psi"), through_bn=(bn == "paper"),
+                         skeleton=skeleton, strict=strict)
+        if example_input is not None:
+            check_invariance(params if model is None else model, example_input,
+                             chains=[p.modules for p in self._parts if p.kind == "chain"])
+        cold = [" -> ".join(p.names) for p in self._parts
+                if p.kind == "chain" and not skeleton_is_initialised(p)]
+        if cold:
+            warnings.warn(
+                f"G-SGD: the skeleton of chain(s) {'; '.join(cold)} is not initialised for "
+                f"skeleton={skeleton!r}: call gsgd_adapters.torch.skeleton_init_(model) "
+                "before building the optimizer (from a default init, path values are tiny "
+                "and G-SGD diverges at SGD's learning rates). Silence with warnings."
+                "filterwarnings('ignore', category=gsgd_adapters.torch.SkeletonWarning)",
+                SkeletonWarning, stacklevel=2)
+
+    def _apply(self, chain, W, b, G, Gb, group, state) -> bool:
+        momentum = _number(group["momentum"])
+        st = None
+        if momentum != 0:
+            for p in W + [x for x in b if x is not None]:
+                state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            first = state[W[0]]
+            first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
+            st = GSGDState(tuple(state[w]["momentum_buffer"] for w in W),
+                           tuple(None if x is None else state[x]["momentum_buffer"] for x in b),
+                           first["step"])
+        return gsgd_update_(chain, st, W, b, G, Gb, lr=_number(group["lr"]), momentum=momentum,
+                            dampening=_number(group["dampening"]), nesterov=group["nesterov"],
+                            weight_decay=_number(group["weight_decay"]),
+                            kernels=gsgd_torch_kernels.COMPILED if self._compile else None)
+
+
 class PSISGD(_ScaleInvariantOptimizer):
     """PSI-SGD / PSI-SGDM (seed 004, Algorithm 1) for a model with normalisation layers.
 
     Weights of Linear/Conv layers directly followed by batch, group or layer norm get
-    ``u <- momentum*u - lr*||w_i||^2 g_i; w_i <- w_i + u`` per row (rows with norm above
+    ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u`` per row (rows with norm above
     ``max_norm`` renormalised); every other parameter gets ``torch.optim.SGD``'s update with
     the same ``lr``, ``momentum`` and ``weight_decay``.
     """
@@ -264,22 +433,19 @@ class PSISGD(_ScaleInvariantOptimizer):
         super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True)
 
 
-
 class PathSGD(_ScaleInvariantOptimizer):
     """Path-SGD (Neyshabur et al. 2015), the G-SGD paper's baseline: on every chain
     ``w_e <- w_e - lr * grad_e / gamma_e``; other parameters take plain SGD."""
 
     algorithm = "Path-SGD"
 
-    def __init__(self, params, lr: float = 1e-3, *, chains=None, maximize: bool = False,
-                 foreach: bool | None = None) -> None:
+    def __init__(self, params, lr: float = 1e-3, *, model: nn.Module | None = None,
+                 chains=None, maximize: bool = False, foreach: bool | None = None) -> None:
         defaults = dict(lr=lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                         maximize=maximize, check_finite=False, foreach=foreach)
-        super().__init__(params, defaults, chains=chains, find_chains=True,
+        super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
 
-    def _step_chain(self, group: dict) -> None:
-        if all(p.grad is None for p in group["params"]):
-            return
-        W, b, G, Gb = self._chain_arrays(group)
-        path_sgd_step_(self._chain(group), W, b, G, Gb, group["lr"])
+    def _apply(self, chain, W, b, G, Gb, group, state) -> bool:
+        path_sgd_step_(chain, W, b, G, Gb, _number(group["lr"]))
+        return True
