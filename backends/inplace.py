@@ -105,10 +105,12 @@ def canonicalize_(chain: Chain, weights, biases=None) -> None:
     _write(biases or [], b)
 
 
-def skeleton_init_(chain: Chain, weights, *, keep_signs: bool = False) -> None:
+def skeleton_init_(chain: Chain, weights, *, keep_signs: bool = False,
+                   rest_scale: float = 1.0) -> None:
     """:func:`gsgd_core.skeleton_init` applied in place (skeleton edges set to ``+r_l``,
-    or ``±r_l`` with their signs kept)."""
-    W, _ = gsgd_core.skeleton_init(chain, weights, keep_signs=keep_signs)
+    or ``±r_l`` with their signs kept; other weights times ``rest_scale``)."""
+    W, _ = gsgd_core.skeleton_init(chain, weights, keep_signs=keep_signs,
+                                   rest_scale=rest_scale)
     _write(weights, W)
 
 

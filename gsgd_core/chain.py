@@ -20,7 +20,11 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Chain"]
+__all__ = ["Chain", "HE_SKELETON_SHARE"]
+
+# The share of each row's He-init variance that the He skeleton recipe puts on skeleton
+# edges (DESIGN §11); measured on digits MLPs and VGG/AlexNet-style plain CNNs.
+HE_SKELETON_SHARE = 0.25
 
 
 def _int_tuple(values: Sequence[int], what: str) -> tuple[int, ...]:
@@ -63,8 +67,8 @@ class Chain:
         ``l`` and ``prod_{k > l} r_k`` for a bias path. For G-SGD this is a fixed per-path
         learning-rate scale ``s_p**2`` (DESIGN §11): still exactly invariant, and at a
         skeleton whose edges have magnitude ``r_l`` the step on every non-skeleton weight is
-        SGD's. Default all ``1`` (the paper's units). :meth:`he_skeleton_scale` gives He
-        init's standard deviations.
+        SGD's. Default all ``1`` (the paper's units); :meth:`he_skeleton_scale` gives the
+        scale of the He skeleton recipe.
 
     Notes
     -----
@@ -200,12 +204,23 @@ class Chain:
             slots.append(k)
         return cls(tuple(sizes), tuple(slots), bias=bias, **skeleton)
 
-    def he_skeleton_scale(self, gain: float = math.sqrt(2.0)) -> tuple[float, ...]:
-        """He initialisation's standard deviations, ``r_l = gain / sqrt(n_{l-1} k_l)``
-        (fan-in of layer ``l``): a :attr:`skeleton_scale` that keeps the forward signal of a
-        deep plain network at He init's scale (DESIGN §11)."""
-        return tuple(gain / math.sqrt(self.sizes[l - 1] * self.slots[l - 1])
-                     for l in range(1, self.L + 1))
+    def he_skeleton_scale(self, share: float = HE_SKELETON_SHARE) -> tuple[float, ...]:
+        """A :attr:`skeleton_scale` for He-initialised layers (DESIGN §11):
+        ``r_l = sqrt(2 * share / c_l)``, where ``c_l`` counts the skeleton edges in a row of
+        layer ``l`` (its tau edge, and on average ``n_{l-1} / n_l`` free edges).
+
+        Under He init a row's weights carry a variance of 2 (times the input's second
+        moment); skeleton edges of magnitude ``r_l`` carry ``share`` of it, and the other
+        weights scaled by ``sqrt(1 - share)`` the rest, so each layer keeps He init's
+        activation scale. Rows where many free edges land (a 4096 -> 10 head) get small
+        skeleton edges; elsewhere they stay of order 1, so tau paths take gentle steps.
+        """
+        if not 0 < share < 1:
+            raise ValueError(f"share must be in (0, 1), got {share!r}")
+        n, L = self.sizes, self.L
+        count = [(1.0 if l < L else 0.0) + (n[l - 1] / n[l] if l >= 2 else 0.0)
+                 for l in range(1, L + 1)]
+        return tuple(math.sqrt(2.0 * share / c) for c in count)
 
     def with_skeleton_scale(self, scale: Sequence[float] | None) -> "Chain":
         """The same chain and skeleton with another :attr:`skeleton_scale`."""

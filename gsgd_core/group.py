@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .arrays import _is_array, outer3, prepare, restore, safe_div, unvecs, vecs, view3
+from .arrays import _is_array, check_hyper, outer3, prepare, restore, safe_div, unvecs, vecs, view3
 from .chain import Chain
 from .sweeps import chain_products, in_units
 
@@ -101,22 +101,26 @@ def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
 
 
 def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None, *,
-                  keep_signs: bool = False):
+                  keep_signs: bool = False, rest_scale: float = 1.0):
     """Set every skeleton edge (tau and free edges) of layer ``l`` to ``+r_l`` (paper §11.2).
 
     ``r`` is the chain's :attr:`~gsgd_core.Chain.skeleton_scale`: ``1`` in the paper's units.
     Afterwards ``|B| = |F| = 1`` in the chain's units, so the first G-SGD step moves every
-    non-skeleton weight by SGD's step and learning rates mean what they mean for SGD. With
-    ``keep_signs`` each skeleton edge keeps the sign it has (``+`` where it is ``0``), so a
-    random init stays zero-mean (the He recipe, DESIGN §11). It changes the network function;
-    biases are returned as given (they may be left out).
+    non-skeleton weight of layer 1 by SGD's step (above, also divided by the tau ratio of
+    its column) and learning rates mean what they mean for SGD. With ``keep_signs`` each
+    skeleton edge keeps the sign it has (``+`` where it is ``0``), so a random init stays
+    zero-mean; ``rest_scale`` multiplies every other weight (the He recipe, DESIGN §11,
+    uses ``sqrt(1 - share)`` with :meth:`Chain.he_skeleton_scale`). It changes the network
+    function; biases are returned as given (they may be left out).
     """
+    check_hyper("rest_scale", rest_scale)
     p = prepare(chain, weights, biases, biases_optional=True)
     xp = p.xp
     W_new = []
     for m, w, r in zip(p.meta, view3(p, chain, weights), chain.skeleton_scale):
         value = xp.where(w < 0, -r, xp.full_like(w, r)) if keep_signs else r
-        W_new.append(xp.where(m.free_mask | m.tau_mask, value, w))
+        rest = w if rest_scale == 1.0 else w * rest_scale
+        W_new.append(xp.where(m.free_mask | m.tau_mask, value, rest))
     return restore(p, W_new), (None if biases is None else list(biases))
 
 

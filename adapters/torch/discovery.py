@@ -191,6 +191,13 @@ def _reads(layout: tuple, mod: nn.Module) -> bool:
     return layout[0] in ("linear", "flat")
 
 
+def _fits(prev: nn.Module, mod: nn.Module, layout: tuple) -> bool:
+    """Whether ``mod``'s input units are ``prev``'s output units (channel-major ``C*S``
+    inputs after a flatten)."""
+    units, fan_in = prev.weight.shape[0], mod.weight.shape[1]
+    return fan_in % units == 0 if layout == ("flat",) else fan_in == units
+
+
 # ---------------------------------------------------------------------- the graph walk
 def _per_unit(norm: nn.Module) -> bool:
     """Whether ``norm`` normalises each unit (channel) on its own statistics."""
@@ -204,7 +211,8 @@ def _metadata_only(node: fx.Node) -> bool:
         node.op == "call_function" and node.target is getattr)
 
 
-def _eligible(gm: fx.GraphModule, modules: dict, trainable: set | None) -> tuple[set, dict]:
+def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
+              trainable: set | None) -> tuple[set, dict]:
     """Weight-layer nodes that may be in a chain, and why each other layer may not.
     Grouped convolutions are left out of chains but are marked so that PSI may take them."""
     calls: dict[str, list] = {}
@@ -212,7 +220,9 @@ def _eligible(gm: fx.GraphModule, modules: dict, trainable: set | None) -> tuple
         if n.op == "call_module" and isinstance(modules[n.target], WEIGHT_LAYERS):
             calls.setdefault(n.target, []).append(n)
     owners: dict[int, list[str]] = {}
-    for name, m in modules.items():
+    # The traced graph module keeps only the submodules forward() calls: ownership (tied
+    # weights, e.g. an Embedding never called) is read from the model itself.
+    for name, m in model.named_modules(remove_duplicate=False):
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), []).append(name)
     read_outside = {n.target.rsplit(".", 1)[0] for n in gm.graph.nodes if n.op == "get_attr"}
@@ -236,37 +246,56 @@ def _eligible(gm: fx.GraphModule, modules: dict, trainable: set | None) -> tuple
     return ok, why
 
 
+def _reached(node: fx.Node, modules: dict) -> str | None:
+    """The weight layer that ``node``'s value reaches through single-user ops of any kind,
+    if any: the layer a stopped walk would have led to."""
+    cur = node
+    for _ in range(64):
+        users = [u for u in cur.users if not _metadata_only(u)]
+        if len(users) != 1:
+            return None
+        cur = users[0]
+        if cur.op == "call_module" and isinstance(modules[cur.target], WEIGHT_LAYERS):
+            return cur.target
+    return None
+
+
 def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool):
     """Walk from weight layer ``node`` through its single-user ops. Returns the next chain
     layer (or ``None``), the norm directly after ``node`` (if any), whether a batch norm was
-    passed through, and why the walk stopped (when it found no next layer)."""
+    passed through, why the walk stopped (when it found no next layer), and the node where
+    it stopped."""
     layout = _layout_of_layer(modules[node.target])
     cur, norm = node, None
     while True:
         users = [u for u in cur.users if not _metadata_only(u)]
         if len(users) != 1:
             return None, norm, False, ("its output is used by several operations (a branch or "
-                                       "a residual add)" if users else "its output is unused")
+                                       "a residual add)" if users else "its output is unused"), None
         user = users[0]
         if user.args[:1] != (cur,):
-            return None, norm, False, f"its output is not the first input of {user.target}"
+            return None, norm, False, f"its output is not the first input of {user.target}", None
         mod = modules.get(user.target) if user.op == "call_module" else None
         if isinstance(mod, WEIGHT_LAYERS):
             if user not in eligible:
-                return None, norm, False, f"the next layer {user.target} cannot be in a chain"
+                return None, norm, False, f"the next layer {user.target} cannot be in a chain", None
             if not _reads(layout, mod):
                 return None, norm, False, (f"the next layer {user.target} does not read the "
-                                           f"units of a {_describe(layout)} output")
-            return user, norm, norm is not None, ""
+                                           f"units of a {_describe(layout)} output"), cur
+            if not _fits(modules[node.target], mod, layout):
+                return None, norm, False, (f"the next layer {user.target} does not take its "
+                                           f"{modules[node.target].weight.shape[0]} units as "
+                                           "inputs"), cur
+            return user, norm, norm is not None, "", None
         if isinstance(mod, NORMS) and cur is node:
             norm = mod
             if not (through_bn and isinstance(mod, BATCH_NORMS)):
-                return None, norm, False, f"followed by {type(mod).__name__}"
+                return None, norm, False, f"followed by {type(mod).__name__}", user
             cur = user
             continue
         layout, why = _through(user, mod, layout)
         if layout is None:
-            return None, norm, False, why
+            return None, norm, False, why, user
         cur = user
 
 
@@ -287,13 +316,13 @@ def discover(model: nn.Module, through_bn: bool = False, *,
         raise ValueError(f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: "
                          f"{exc}); {HOW_TO}") from None
     modules = dict(gm.named_modules())
-    eligible, reasons = _eligible(gm, modules, trainable)
+    eligible, reasons = _eligible(gm, model, modules, trainable)
     layer_nodes = [n for n in gm.graph.nodes if n in eligible]
-    nxt, normalised, has_prev, via_bn, stop = {}, [], set(), set(), {}
+    nxt, normalised, has_prev, via_bn, stop, incoming = {}, [], set(), set(), {}, {}
     for n in gm.graph.nodes:
         if n.op != "call_module" or not isinstance(modules[n.target], WEIGHT_LAYERS):
             continue
-        following, norm, passed, why = _follow(n, modules, eligible, through_bn)
+        following, norm, passed, why, at = _follow(n, modules, eligible, through_bn)
         if n in eligible and following is not None:
             nxt[n] = following
             has_prev.add(following)
@@ -301,6 +330,9 @@ def discover(model: nn.Module, through_bn: bool = False, *,
                 via_bn.add(n)
         else:
             stop[n.target] = why
+            target = None if at is None else _reached(at, modules)
+            if target is not None and n.target not in reasons:
+                incoming.setdefault(target, f"after {n.target}: {why}")
         psi_ok = n in eligible or reasons.get(n.target, "").startswith(GROUPED)
         if following is None and norm is not None and psi_ok:
             if _per_unit(norm):
@@ -321,7 +353,8 @@ def discover(model: nn.Module, through_bn: bool = False, *,
     in_chain = {name for c in chains for name in c.names}
     for n in layer_nodes:
         if n.target not in in_chain and n.target not in reasons:
-            reasons[n.target] = stop.get(n.target) or "no other layer feeds it or follows it"
+            reasons[n.target] = "; ".join(r for r in (incoming.get(n.target),
+                                                      stop.get(n.target)) if r)
     return Discovery(chains, normalised, reasons)
 
 

@@ -1,0 +1,315 @@
+"""A catalogue of layouts people write, each with the chains discovery must claim.
+
+Every entry is ``(factory, input shape, expected chains, expected PSI layers)`` (a shape
+starting with ``"tokens"`` asks for integer token ids); chains are
+lists of module names in order. Written by hand after torchvision's and common tutorials'
+models (torchvision is no dependency), small enough for float64 checks on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def seq(*layers):
+    return nn.Sequential(*layers)
+
+
+class PerTokenFlatten(nn.Module):
+    """Issue case: a Linear per token on (batch, tokens, features), then a flatten (token-major)
+    into a Linear. fc0 -> fc1 is a chain (both per token); fc1 -> head is not."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc0, self.fc1, self.head = nn.Linear(5, 6), nn.Linear(6, 4), nn.Linear(3 * 4, 3)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(F.relu(self.fc0(x))))
+        return self.head(torch.flatten(h, 1))
+
+
+class Maxout(nn.Module):
+    """Issue case: MaxPool1d(2) over the feature axis of a 2-D activation (maxout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.pool, self.fc2 = nn.Linear(6, 8), nn.MaxPool1d(2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc2(self.pool(self.fc1(x)))
+
+
+class SharedWeight(nn.Module):
+    """Issue case: one weight Parameter shared by two Linear modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(F.relu(self.a(x)))))
+
+
+class TiedHead(nn.Module):
+    """Issue case: a Linear head whose weight is tied to an Embedding."""
+
+    def __init__(self, vocab=7, dim=5):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):  # (batch, tokens) integer ids
+        return self.head(F.relu(self.fc(self.emb(tokens).mean(1))))
+
+
+class TiedToUnused(nn.Module):
+    """A head tied to an Embedding that forward() does not call (used by another method):
+    G-SGD on the head would write the embedding behind the user's back."""
+
+    def __init__(self, vocab=7, dim=5):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def encode(self, tokens):
+        return self.emb(tokens).mean(1)
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc(x)))
+
+
+class ChannelMaxPool(nn.Module):
+    """Issue case: MaxPool3d((2, 1, 1)) on a 4-D conv output pools over channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.pool, self.c2 = nn.Conv2d(3, 6, 3), nn.MaxPool3d((2, 1, 1)), nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.c2(self.pool(F.relu(self.c1(x))))
+
+
+class Twice(nn.Module):
+    """A module called twice: no chain through it, and no error."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(F.relu(self.a(F.relu(self.a(x)))))))
+
+
+class Functional(nn.Module):
+    """F.* calls: relu, max_pool2d, flatten, view with x.size(0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 5, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(5 * 2 * 2, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.c1(x)), 2)
+        h = F.max_pool2d(torch.relu(self.c2(h)), 2)
+        h = h.view(h.size(0), -1)
+        return self.fc2(self.fc1(h).clamp(min=0))
+
+
+class ChannelsLastPerPixel(nn.Module):
+    """A conv, a permute to channels-last, then Linears per pixel over channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc1, self.fc2 = nn.Conv2d(3, 4, 3), nn.Linear(4, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x)).permute(0, 2, 3, 1)
+        return self.fc2(F.relu(self.fc1(h)))
+
+
+class Residual(nn.Module):
+    """A residual block without norms: conv1 -> relu -> conv2 is a chain inside the branch."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.conv1, self.conv2 = nn.Conv2d(c, 6, 3, padding=1), nn.Conv2d(6, c, 3, padding=1)
+        self.head = nn.Linear(c, 3)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        x = F.relu(x + self.conv2(F.relu(self.conv1(x))))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block with batch norm: every conv is PSI, no chains."""
+
+    def __init__(self, c=4):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class Attention(nn.Module):
+    """An attention block then a per-token ReLU MLP: only the MLP is a chain."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.mlp1, self.mlp2 = nn.Linear(d, 8), nn.Linear(8, d)
+
+    def forward(self, x):
+        att = torch.softmax(self.q(x) @ self.k(x).transpose(1, 2) / 6 ** 0.5, dim=-1)
+        x = x + self.o(att @ self.v(x))
+        return x + self.mlp2(F.relu(self.mlp1(x)))
+
+
+def feature_pool_same_width():
+    """Max-pooling over features with stride 1 keeps the width: only the layout rule tells
+    that it mixes units."""
+    return seq(nn.Linear(6, 8), nn.ReLU(), nn.MaxPool1d(3, stride=1, padding=1),
+               nn.Linear(8, 3))
+
+
+def channel_pool_same_width():
+    return seq(nn.Conv2d(3, 6, 3), nn.ReLU(),
+               nn.MaxPool3d((3, 1, 1), stride=1, padding=(1, 0, 0)), nn.Conv2d(6, 4, 3))
+
+
+def lenet5():
+    return seq(nn.Conv2d(1, 6, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(),
+               nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 4 * 4, 12), nn.ReLU(),
+               nn.Linear(12, 8), nn.ReLU(), nn.Linear(8, 10))
+
+
+def vgg_small():
+    return seq(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+               nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+               nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(3), nn.Flatten(),
+               nn.Linear(6 * 9, 8), nn.ReLU(), nn.Dropout(), nn.Linear(8, 3))
+
+
+def alexnet_small():
+    return seq(nn.Conv2d(3, 4, 5, stride=2, padding=2), nn.ReLU(), nn.MaxPool2d(3, 2),
+               nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2),
+               nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Dropout(), nn.Linear(6 * 4, 8),
+               nn.ReLU(), nn.Dropout(), nn.Linear(8, 3))
+
+
+def vgg_channels_last():
+    return vgg_small().to(memory_format=torch.channels_last)
+
+
+def grouped():
+    return seq(nn.Conv2d(4, 4, 3, groups=2), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.ReLU(),
+               nn.Conv2d(4, 2, 1))
+
+
+def depthwise_bn():
+    return seq(nn.Conv2d(4, 4, 3, groups=4, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+               nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+               nn.Flatten(), nn.Linear(6, 3))
+
+
+def activations():
+    return seq(nn.Conv2d(2, 4, 3), nn.PReLU(4), nn.Conv2d(4, 5, 3), nn.LeakyReLU(0.1),
+               nn.Conv2d(5, 3, 1), nn.ReLU6(), nn.Conv2d(3, 2, 1))
+
+
+def gelu_mlp():
+    return seq(nn.Linear(5, 8), nn.GELU(), nn.Linear(8, 3))
+
+
+def conv1d_stack():
+    return seq(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.MaxPool1d(2), nn.Conv1d(4, 5, 3), nn.ReLU(),
+               nn.AdaptiveMaxPool1d(2), nn.Flatten(), nn.Linear(10, 3))
+
+
+def linear_bn():
+    return seq(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(),
+               nn.Linear(6, 3))
+
+
+def linear_ln():
+    return seq(nn.Linear(5, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def linear_flatten_linear():
+    return seq(nn.Linear(5, 6), nn.ReLU(), nn.Flatten(), nn.Linear(6, 3))
+
+
+def conv_then_linear_on_width():
+    return seq(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Linear(4, 3))
+
+
+def frozen_backbone():
+    model = vgg_small()
+    for m in list(model)[:6]:
+        for p in m.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def mlp_dropout():
+    return seq(nn.Linear(6, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 8), nn.ReLU(),
+               nn.Dropout(0.2), nn.Linear(8, 3))
+
+
+# name: (factory, input shape, expected chains, expected PSI layers)
+CATALOGUE = {
+    "mlp with dropout": (mlp_dropout, (4, 6), [["0", "3", "6"]], []),
+    "per-token Linear then flatten": (PerTokenFlatten, (4, 3, 5), [["fc0", "fc1"]], []),
+    "maxout (MaxPool1d over features)": (Maxout, (4, 6), [], []),
+    "weight shared by two Linears": (SharedWeight, (4, 5), [], []),
+    "head tied to an Embedding": (TiedHead, ("tokens", 4, 3), [], []),
+    "head tied to an Embedding forward() does not call": (TiedToUnused, (4, 5), [], []),
+    "channel max-pool (MaxPool3d((2,1,1)))": (ChannelMaxPool, (2, 3, 7, 7), [], []),
+    "module called twice": (Twice, (4, 4), [["b", "c"]], []),
+    "feature max-pool keeping the width": (feature_pool_same_width, (4, 6), [], []),
+    "channel max-pool keeping the channels": (channel_pool_same_width, (2, 3, 7, 7), [], []),
+    "LeNet-5": (lenet5, (2, 1, 28, 28), [["0", "3", "7", "9", "11"]], []),
+    "VGG-style with adaptive pool and dropout": (vgg_small, (2, 3, 12, 12),
+                                                 [["0", "3", "6", "10", "13"]], []),
+    "AlexNet-style": (alexnet_small, (2, 3, 23, 23), [["0", "3", "9", "12"]], []),
+    "VGG-style in channels_last memory": (vgg_channels_last, (2, 3, 12, 12),
+                                          [["0", "3", "6", "10", "13"]], []),
+    "F.* calls and view(x.size(0), -1)": (Functional, (2, 2, 8, 8),
+                                          [["c1", "c2", "fc1", "fc2"]], []),
+    "channels-last permute then per-pixel Linears": (ChannelsLastPerPixel, (2, 3, 6, 6),
+                                                     [["fc1", "fc2"]], []),
+    "grouped conv": (grouped, (2, 4, 7, 7), [["2", "4"]], []),
+    "depthwise conv + BN": (depthwise_bn, (4, 4, 6, 6), [], ["0", "3"]),
+    "residual block without norms": (Residual, (2, 3, 6, 6), [["conv1", "conv2"]], []),
+    "ResNet basic block with BN": (BasicBlock, (4, 4, 6, 6), [], ["conv1", "conv2"]),
+    "attention block + ReLU MLP": (Attention, (2, 3, 6), [["mlp1", "mlp2"]], []),
+    "PReLU, LeakyReLU, ReLU6": (activations, (2, 2, 9, 9), [["0", "2", "4"]], []),
+    "GELU MLP": (gelu_mlp, (4, 5), [], []),
+    "Conv1d stack with 1-d pooling": (conv1d_stack, (2, 2, 16), [["0", "3", "7"]], []),
+    "Linear + BatchNorm1d": (linear_bn, (6, 5), [["3", "5"]], ["0"]),
+    "Linear + LayerNorm": (linear_ln, (6, 5), [], []),
+    "flatten between Linears (layout unknown)": (linear_flatten_linear, (4, 5), [], []),
+    "Linear on a conv's width axis": (conv_then_linear_on_width, (2, 2, 6, 6), [], []),
+    "frozen conv backbone, trainable head": (frozen_backbone, (2, 3, 12, 12),
+                                             [["6", "10", "13"]], []),
+}
+
+# The unsound claims the issue found that shapes alone cannot rule out: forced by hand, a
+# random rescaling changes the output. (Maxout's and the channel max-pool's layers do not
+# even have the shapes of a chain: chain_of refuses them.)
+UNSOUND = {
+    "per-token Linear then flatten": ["fc1", "head"],
+    "feature max-pool keeping the width": ["0", "3"],
+    "channel max-pool keeping the channels": ["0", "3"],
+    "weight shared by two Linears": ["a", "b", "c"],
+    "head tied to an Embedding": ["fc", "head"],
+    "Linear + LayerNorm": ["0", "3"],
+}
