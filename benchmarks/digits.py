@@ -78,8 +78,9 @@ OPTIMIZERS = {
     "sgd": lambda m, lr: torch.optim.SGD(m.parameters(), lr=lr),
     "sgdm": lambda m, lr: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
     "adam": lambda m, lr: torch.optim.Adam(m.parameters(), lr=lr),
-    "gsgd": lambda m, lr: GSGD(m, lr=lr),
-    "gsgdm": lambda m, lr: GSGD(m, lr=lr, momentum=0.9),
+    # The paper's experiments: its skeleton initialisation (§11.2) and units.
+    "gsgd": lambda m, lr: GSGD(m, lr=lr, skeleton="paper"),
+    "gsgdm": lambda m, lr: GSGD(m, lr=lr, momentum=0.9, skeleton="paper"),
     "pathsgd": lambda m, lr: PathSGD(m, lr=lr),
     "psisgd": lambda m, lr: PSISGD(m, lr=lr),
     "psisgdm": lambda m, lr: PSISGD(m, lr=lr, momentum=0.9),
@@ -96,7 +97,7 @@ def build(run: Run) -> nn.Sequential:
     if run.float64:
         model = model.double()
     if run.init == "skeleton":
-        skeleton_init_(model)
+        skeleton_init_(model, skeleton="paper")
     if run.spread > 0:
         random_rescale_(model, np.random.default_rng(1000 + run.seed), run.spread)
     return model

@@ -337,7 +337,7 @@ def test_compiled_torch_bulk_runs_and_equals_the_core():
             assert_close(a.numpy(), e, 1e-12)
     layers = [torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3)]
     model = torch.nn.Sequential(*layers).double()
-    opt = GSGD(model, lr=0.1, compile=True)
+    opt = GSGD(model, lr=0.1, compile=True, skeleton="paper")
     model(torch.randn(8, 5, dtype=torch.float64)).square().sum().backward()
     chain = gc.Chain.mlp([5, 4, 3])
     W = [model[0].weight.detach().numpy().copy(), model[2].weight.detach().numpy().copy()]
@@ -360,7 +360,7 @@ def test_compiled_step_follows_a_learning_rate_schedule_without_recompiling():
 
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(),
                                 torch.nn.Linear(5, 3)).double()
-    opt = GSGD(model, lr=0.1, compile=True)
+    opt = GSGD(model, lr=0.1, compile=True, skeleton="paper")
     chain = gc.Chain.mlp([6, 5, 3])
     x = torch.randn(8, 6, dtype=torch.float64)
     for step, lr in enumerate([0.1, 0.05, 0.02, 0.013]):

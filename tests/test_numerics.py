@@ -204,8 +204,8 @@ def test_training_far_past_the_stability_limit_stays_finite(lr, momentum):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 4))
-    skeleton_init_(model)
-    opt = GSGD(model, lr=lr, momentum=momentum)
+    skeleton_init_(model, skeleton="paper")  # the paper's recipe goes unstable at these lrs
+    opt = GSGD(model, lr=lr, momentum=momentum, skeleton="paper")
     unstable = False
     for _ in range(200):
         idx = torch.randint(0, 256, (32,), generator=gen)

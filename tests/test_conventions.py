@@ -1,0 +1,184 @@
+"""torch.optim conventions of the chain-aware optimizers (issue: the models people use, part 4).
+
+``param_groups`` are the user's groups and act on every parameter of them; the partition into
+chain, PSI and SGD parts lives outside them. No buffer holds the learning rate. The
+optimizer survives ``copy.deepcopy``; a step skipped for a non-finite gradient warns once,
+is counted, and costs no more than a normal step.
+"""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import gsgd_core
+from gsgd_adapters.torch import GSGD, SkippedStepWarning, skeleton_init_
+
+
+class ConvBNNet(nn.Module):
+    """A PSI layer (c3 + BN), a chain (c1 -> c2) and plain parameters (BN, head); float64."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c3, self.bn = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.c1, self.c2 = nn.Conv2d(6, 4, 3, padding=1), nn.Conv2d(4, 5, 3, padding=1)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.c3(x)))
+        x = self.c2(torch.relu(self.c1(x)))
+        return self.head(x.mean((2, 3)))  # the mean ends the chain before the head
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(8, 3, 6, 6, generator=g, dtype=torch.float64),
+            torch.randint(0, 3, (8,), generator=g))
+
+
+def _steps(model, opt, n):
+    x, y = _data()
+    for _ in range(n):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _make(**kw):
+    model = ConvBNNet().double()
+    skeleton_init_(model)
+    return model, GSGD(model, **{"lr": 0.1, "momentum": 0.9, **kw})
+
+
+def test_one_param_group_holds_every_parameter_and_every_part_is_there():
+    model, opt = _make()
+    assert len(opt.param_groups) == 1
+    assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in model.parameters()}
+    d = opt.describe()
+    assert [c[0] for c in d.chains] == [["c1", "c2"]] and d.normalised == ["c3.weight"]
+    assert set(d.fallback) == {"c3.bias", "bn.weight", "bn.bias", "head.weight", "head.bias"}
+
+
+def test_setting_param_groups_0_lr_to_zero_stops_every_part_at_once():
+    """With momentum buffers full, lr = 0 moves nothing: chain, PSI and SGD parts alike (PSI
+    buffers used to carry the learning rate and kept moving)."""
+    model, opt = _make(weight_decay=1e-3)
+    _steps(model, opt, 3)
+    opt.param_groups[0]["lr"] = 0.0
+    before = _snapshot(model)
+    _steps(model, opt, 2)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_the_learning_rate_acts_at_once_as_in_sgd():
+    """Halving lr after steps with momentum halves the next step of a PSI weight and of an
+    SGD parameter (nothing in a buffer remembers the old lr)."""
+    moves = []
+    for lr2 in (0.1, 0.05):
+        model, opt = _make()
+        _steps(model, opt, 2)
+        opt.param_groups[0]["lr"] = lr2
+        before = _snapshot(model)
+        _steps(model, opt, 1)
+        moves.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+    for name in ("c3.weight", "head.weight"):
+        torch.testing.assert_close(moves[1][name], 0.5 * moves[0][name], rtol=1e-9, atol=0)
+
+
+def test_user_groups_are_kept_and_each_part_takes_its_groups_hyperparameters():
+    model = ConvBNNet().double()
+    skeleton_init_(model)
+    chain_params = [*model.c1.parameters(), *model.c2.parameters()]
+    rest = [p for p in model.parameters() if all(p is not q for q in chain_params)]
+    opt = GSGD([{"params": chain_params, "lr": 0.0}, {"params": rest}], lr=0.1, model=model)
+    assert len(opt.param_groups) == 2 and [c[0] for c in opt.describe().chains] == [["c1", "c2"]]
+    before = _snapshot(model)
+    _steps(model, opt, 2)
+    assert torch.equal(model.c1.weight, before["c1.weight"])  # its group has lr 0
+    assert not torch.equal(model.head.weight, before["head.weight"])
+    assert "lr=0," in str(opt.describe()).split("\n")[1]
+
+
+def test_a_chain_split_across_param_groups_is_an_error_naming_it():
+    model = ConvBNNet()
+    groups = [{"params": list(model.c1.parameters())},
+              {"params": [p for n, p in model.named_parameters() if not n.startswith("c1.")]}]
+    with pytest.raises(ValueError, match=r"chain c1 -> c2 is split across param groups"):
+        GSGD(groups, lr=0.1, model=model)
+
+
+def test_deepcopy_gives_an_optimizer_that_steps_the_copy_identically():
+    model, opt = _make(weight_decay=1e-3)
+    _steps(model, opt, 2)
+    twin = copy.deepcopy({"model": model, "opt": opt})
+    _steps(model, opt, 2)
+    _steps(twin["model"], twin["opt"], 2)
+    for (n, p), q in zip(model.named_parameters(), twin["model"].parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_state_dict_round_trip_and_a_different_structure_is_refused():
+    model, opt = _make()
+    _steps(model, opt, 2)
+    other_model = copy.deepcopy(model)
+    other = GSGD(other_model, lr=0.1, momentum=0.9)
+    buffer = io.BytesIO()  # through bytes, as a checkpoint does (state_dict() holds references)
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    other.load_state_dict(torch.load(buffer, weights_only=True))
+    _steps(model, opt, 1)
+    _steps(other_model, other, 1)
+    for p, q in zip(model.parameters(), other_model.parameters()):
+        assert torch.equal(p, q)
+    plain = GSGD(ConvBNNet().double(), lr=0.1, momentum=0.9, bn="sgd")
+    with pytest.raises(ValueError, match="different structure"):
+        plain.load_state_dict(opt.state_dict())
+
+
+def test_skipped_steps_warn_once_are_counted_and_never_reach_the_core(monkeypatch):
+    model, opt = _make()
+    x, y = _data()
+
+    def no_core(*args, **kwargs):
+        raise AssertionError("a skipped step must not run the core's full update")
+
+    monkeypatch.setattr(gsgd_core, "gsgd_update", no_core)
+    before = _snapshot(model)
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            model.c2.weight.grad[0, 0, 0, 0] = float("nan")
+            opt.step()
+    assert len([w for w in log if issubclass(w.category, SkippedStepWarning)]) == 1
+    assert opt.describe().skipped == 3 and "skipped for non-finite gradients: 3" in str(opt)
+    for name in ("c1.weight", "c1.bias", "c2.weight", "c2.bias"):
+        assert torch.equal(getattr(model, name.split(".")[0]).get_parameter(
+            name.split(".")[1]), before[name])
+
+
+def test_describe_shows_each_parts_hyperparameters():
+    _, opt = _make(weight_decay=0.01)
+    lines = str(opt.describe()).splitlines()
+    for kind in ("chain c1 -> c2", "PSI-SGD", "plain SGD"):
+        line = next(s for s in lines if kind in s)
+        assert "lr=0.1, momentum=0.9, weight_decay=0.01" in line
+
+
+def test_a_one_element_tensor_lr_works_like_the_number():
+    a, oa = _make()
+    b, ob = _make(lr=torch.tensor(0.1, dtype=torch.float64))
+    _steps(a, oa, 2)
+    _steps(b, ob, 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
