@@ -217,3 +217,32 @@ def test_training_far_past_the_stability_limit_stays_finite(lr, momentum):
         unstable |= not bool(torch.isfinite(loss)) or biggest > 1e3
     assert unstable, "the run stayed stable: this case does not exercise the rules"
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_in_place_step_tells_a_skip_from_a_gradient_sum_that_overflows(lib):
+    """The in-place layer skips a step with a NaN gradient without running the core, but
+    finite float32 gradients whose sum overflows are a normal step: the core's result."""
+    import gsgd_backends as gb
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 5)
+    W = [w.reshape(w.shape[0], -1).astype(np.float32) for w in pb.W]
+    b = [v.astype(np.float32) for v in pb.b]
+    huge = [np.full(w.shape, 3e38, dtype=np.float32) for w in W]  # sums overflow to inf
+    huge[1][0, 0] = -3e38
+    small_b = [np.full(v.shape, 1e-3, dtype=np.float32) for v in b]
+    want_W, want_b = gc.gsgd_step(chain, W, b, huge, small_b, 1e-40)
+    conv = (lambda a: a.copy()) if lib == "numpy" else pytest.importorskip("torch").tensor
+    back = (lambda a: a) if lib == "numpy" else (lambda a: a.numpy())
+    Wl, bl = [conv(w) for w in W], [conv(v) for v in b]
+    assert gb.gsgd_update_(chain, None, Wl, bl, [conv(g) for g in huge],
+                           [conv(g) for g in small_b], lr=1e-40)
+    for got, want in zip(Wl + bl, list(want_W) + list(want_b)):
+        np.testing.assert_array_equal(back(got), want)
+    nan = [g.copy() for g in huge]
+    nan[0][1, 1] = np.nan
+    before = [back(w).copy() for w in Wl]
+    assert not gb.gsgd_update_(chain, None, Wl, bl, [conv(g) for g in nan],
+                               [conv(g) for g in small_b], lr=1e-40)
+    for got, old in zip(Wl, before):
+        np.testing.assert_array_equal(back(got), old)
