@@ -128,9 +128,10 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
     """Weights with basis-path values ``V``, ``Vb``, keeping the free weights of ``weights``.
 
     Only the free entries of ``weights`` are read. A forward sweep sets every non-free edge to
-    ``W = V / (F_l[b] B_{l-1}[a])`` (products in the chain's units) and ``b = Vb / F_l``, with ``B`` taken from the new
-    weights. Inverts :func:`path_values` for weights whose skeleton products are non-zero
-    (Theorem 3.6); where a product is zero the edge is set to ``0``.
+    ``W = V / (F_l[b] B_{l-1}[a])`` (products in the chain's units) and ``b = Vb / F_l``,
+    with ``B`` taken from the new weights. Inverts :func:`path_values` for weights whose
+    skeleton products are non-zero (Theorem 3.6); where a product is zero the edge is set to
+    ``0``.
     """
     p = prepare(chain, weights, Vb, extra=(("path values", V),))
     xp = p.xp

@@ -88,7 +88,8 @@ class ChannelMaxPool(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.c1, self.pool, self.c2 = nn.Conv2d(3, 6, 3), nn.MaxPool3d((2, 1, 1)), nn.Conv2d(3, 4, 3)
+        self.c1, self.c2 = nn.Conv2d(3, 6, 3), nn.Conv2d(3, 4, 3)
+        self.pool = nn.MaxPool3d((2, 1, 1))
 
     def forward(self, x):
         return self.c2(self.pool(F.relu(self.c1(x))))

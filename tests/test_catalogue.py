@@ -12,7 +12,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn as nn
 
 from _catalogue import CATALOGUE, UNSOUND
 from gsgd_adapters.torch import (GSGD, SkeletonWarning, check_invariance, discover,

@@ -258,8 +258,8 @@ class Description:
                              "(call skeleton_init_(model))")
                 lines.append(f"  chain {' -> '.join(p.names)}: {p.chain}; {init}; {hyper}")
             elif p.kind == "psi":
-                lines.append(f"  PSI-SGD (normalised rows) {', '.join(f'{n}.weight' for n in p.names)}"
-                             f"; {hyper}")
+                weights = ", ".join(f"{n}.weight" for n in p.names)
+                lines.append(f"  PSI-SGD (normalised rows) {weights}; {hyper}")
             else:
                 lines.append(f"  plain SGD {', '.join(p.names)}; {hyper}")
         for name, why in self.reasons.items():
