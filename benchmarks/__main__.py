@@ -11,9 +11,7 @@ import pathlib
 import sys
 import time
 
-import torch
-
-from . import report
+from . import report, threads
 from .digits import load
 from .experiments import DEFAULT, QUICK
 from .suite import EXPERIMENTS
@@ -37,9 +35,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results", help="output folder (default: results/)")
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME",
                         help="run only these experiments")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    threads.add_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    n_threads = threads.use(args.threads)
+    threads.announce(n_threads, args.threads)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = QUICK if args.quick else DEFAULT
@@ -55,7 +54,7 @@ def main(argv=None) -> int:
     header = (f"# G-SGD on digits ({'quick' if args.quick else 'default'} budget)\n\n"
               f"{budget.seeds} seeds, {budget.epochs} epochs, batch 64; learning rates chosen "
               f"on a validation split (mean of two seeds); mean ± std over seeds. Total "
-              f"{time.perf_counter() - start:.0f} s.")
+              f"{time.perf_counter() - start:.0f} s on {n_threads} CPU thread(s).")
     (out / "summary.md").write_text(report.markdown(sections, header))
     print(f"\nwrote {out / 'summary.md'} and {len(sections)} plot(s) in {out}/")
     return 0

@@ -17,6 +17,8 @@ import numpy as np
 from gsgd_adapters.cupy import GSGD
 from gsgd_core import Chain
 
+from . import threads
+
 
 def backend(name: str):
     if name == "numpy":
@@ -115,7 +117,9 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--lr", type=float, default=0.1)
+    threads.add_argument(ap, what="digits-sized nets on the CPU")
     args = ap.parse_args(argv)
+    threads.announce(threads.use(args.threads), args.threads)
     xp = backend(args.backend)
     data = load(xp)
     widths = (64, args.hidden, args.hidden, 10)

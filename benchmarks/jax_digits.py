@@ -18,6 +18,7 @@ import optax
 import gsgd_core as gc
 from gsgd_adapters.optax import chains_from_pairs, gsgd
 
+from . import threads
 from .digits import load
 
 
@@ -69,7 +70,9 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--lr", type=float, default=0.2)
     ap.add_argument("--width", type=int, default=64)
+    threads.add_argument(ap)
     args = ap.parse_args(argv)
+    threads.announce(threads.use(args.threads, jax=True), args.threads)
     data = load()
     x, y = jnp.asarray(data.x_train.numpy()), jnp.asarray(data.y_train.numpy())
     xt, yt = jnp.asarray(data.x_test.numpy()), jnp.asarray(data.y_test.numpy())

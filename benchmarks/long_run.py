@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import gsgd_core as gc
 from gsgd_adapters.torch import discover
 
+from . import threads
 from .digits import OPTIMIZERS, Run, build, load
 
 
@@ -95,8 +96,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.long_run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20_000)
+    threads.add_argument(ap)
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    threads.announce(threads.use(args.threads), args.threads)
     data = load()
     for name, grid, bn in (("gsgd", (0.2, 0.5, 1.0, 2.0), False),
                            ("gsgdm", (0.02, 0.05, 0.1, 0.2), False),

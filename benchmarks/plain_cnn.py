@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from gsgd_adapters.torch import GSGD, SkeletonWarning, skeleton_init_
 
+from . import threads
+
 VGG11 = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
@@ -191,9 +193,9 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, nargs="+", default=[0.01, 0.05])
     ap.add_argument("--nets", nargs="+", choices=list(NETS), default=list(NETS))
     ap.add_argument("--out", default="results")
-    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    threads.add_argument(ap, default=None, what="these convolutions on an idle machine")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads.announce(threads.use(args.threads), args.threads, default=None)
     from tqdm import tqdm
     with tqdm(total=len(args.nets) * len(args.lr) * len(VARIANTS), desc="runs") as bar:
         results = run(args.nets, args.lr, args.steps, args.div, 0.9, progress=bar)

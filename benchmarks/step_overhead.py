@@ -19,6 +19,7 @@ import argparse
 import os
 import pathlib
 import platform
+import sys
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from tqdm import tqdm
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_adapters.torch import GSGD
+
+from . import threads
 
 LR = 1e-4
 
@@ -271,15 +274,34 @@ def machine(device) -> str:
     return cpu
 
 
+def busy_warning(n_threads: int, quiet: bool = False) -> str:
+    """A loud warning (printed unless ``quiet``) when the machine lacks the idle cores the
+    timings need: other processes' load leaves fewer than ``n_threads`` cores free, and a
+    ratio measured then says more about the neighbours than about the optimizer."""
+    load = threads.load_average()
+    if load is None or (os.cpu_count() or 1) - load >= n_threads - 0.25:
+        return ""
+    text = (f"WARNING: the machine is busy: load average {load:.2f} on {os.cpu_count()} cores "
+            f"leaves fewer than the {n_threads} idle cores these timings need; ratios measured "
+            "under load are not comparable with docs/step_overhead.md. Measure on an idle "
+            "machine.")
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.step_overhead", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small models, few steps")
     ap.add_argument("--out", default="results")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch CPU threads (default 2: the timings in docs/ used 2)")
     ap.add_argument("--no-compile", action="store_true", help="skip GSGD(compile=True)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads.use(args.threads)
+    load_before = threads.load_average()
+    busy_warning(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = QUICK if args.quick else tuple(MODELS)
     reps = (lambda m: 5) if args.quick else (lambda m: 40 if m > 2e6 else 100)
@@ -301,7 +323,13 @@ def main(argv=None) -> int:
             rows.append(e2e_row(name, device, reps(size) + 3, not args.no_compile))
         else:
             rows.append(array_rows(name, kind, reps(size)))
-    text = f"Machine: {machine(device)}. Medians of interleaved steps, float32.\n\n{table(rows)}"
+    load_after = threads.load_average()
+    warning = busy_warning(args.threads, quiet=True)
+    load = ("" if load_before is None else
+            f" Load average (1 min) {load_before:.2f} before, {load_after:.2f} after"
+            f"{' (BUSY: ratios not comparable)' if warning else ''}.")
+    text = (f"Machine: {machine(device)}.{load} Medians of interleaved steps, float32."
+            f"\n\n{table(rows)}")
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,23 @@ from hypothesis import HealthCheck, settings
 # Test helpers live beside this file; tests import them by module name (importlib mode).
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The tests' workloads are tiny: extra threads only synchronise, and on a busy machine they
+# spin waiting for cores other processes hold. One thread by default (GSGD_TEST_THREADS=N
+# changes it), for torch, NumPy's BLAS and the processes the tests spawn (OMP_NUM_THREADS);
+# tests of multi-threaded code paths take more with the ``threads`` fixture.
+TEST_THREADS = int(os.environ.get("GSGD_TEST_THREADS", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+try:
+    import torch
+    torch.set_num_threads(TEST_THREADS)
+except ImportError:
+    torch = None
+try:
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(limits=TEST_THREADS)
+except ImportError:
+    pass
+
 from _namespaces import available_namespaces  # noqa: E402
 
 settings.register_profile(
@@ -43,3 +60,15 @@ def hxp(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+@pytest.fixture
+def threads():
+    """Torch on every core for one test (a multi-threaded code path: ATen's parallel loops,
+    inductor's OpenMP kernels); the suite's count afterwards."""
+    if torch is None:
+        pytest.skip("torch is not installed")
+    n = max(os.cpu_count() or 1, 2)
+    torch.set_num_threads(n)
+    yield n
+    torch.set_num_threads(TEST_THREADS)

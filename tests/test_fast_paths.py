@@ -315,7 +315,7 @@ def test_torch_parameters_with_autograd_are_updated_without_a_graph():
         assert_close(a.detach().numpy(), e, 1e-12)
 
 
-def test_compiled_torch_bulk_runs_and_equals_the_core():
+def test_compiled_torch_bulk_runs_and_equals_the_core(threads):
     """torch.compile on one fixed chain (it compiles per shape): the compiled kernel really
     ran (dynamo's counters), and the step equals the core's, through the optimizer too."""
     torch = pytest.importorskip("torch")
@@ -517,3 +517,23 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     targets = [fxp.to_numpy(e) for e in expected if e is not None] if wrote else before
     for a, e in zip(after, targets):
         np.testing.assert_array_equal(a, e)
+
+
+def test_fast_step_on_large_layers_with_every_core_equals_the_core(threads):
+    """Layers above ATen's parallel grain size (32,768 elements), on every core: the column
+    sums and the bulk update run ATen's multi-threaded loops (the suite runs on one thread)."""
+    torch = pytest.importorskip("torch")
+    assert torch.get_num_threads() == threads >= 2
+    chain = gc.Chain.mlp([64, 256, 256, 10])
+    pb = Problem(chain, 11)
+    G3, Gb = pb.grads()
+    W, G = ([x.reshape(x.shape[0], -1) for x in xs] for xs in (pb.W, G3))
+    for hyper in (dict(lr=0.05), dict(lr=0.05, momentum=0.9, weight_decay=1e-3)):
+        Wt, bt = [torch.tensor(w) for w in W], [torch.tensor(v) for v in pb.b]
+        state = gc.gsgd_init(chain, Wt, bt) if "momentum" in hyper else None
+        eW, eb, _ = gc.gsgd_update(chain, None if state is None else gc.gsgd_init(
+            chain, W, pb.b), W, pb.b, G, Gb, **hyper)
+        assert gb.gsgd_update_(chain, state, Wt, bt, [torch.tensor(g) for g in G],
+                               [torch.tensor(g) for g in Gb], **hyper)
+        for got, want in zip(Wt + bt, list(eW) + list(eb)):
+            assert_close(got.numpy(), np.asarray(want).reshape(got.shape), 1e-12)
