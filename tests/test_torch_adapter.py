@@ -474,8 +474,11 @@ def test_a_frozen_bias_in_a_chain_is_a_path_that_never_moves():
     bias = model[2].bias.detach().clone()
     x, y = data(model)
     before = loss_of(model, x, y).item()
-    train(model, opt, x, y, 5)
+    train(model, opt, x, y, 2)
+    entries = len(opt.state)
+    train(model, opt, x, y, 3)
     assert torch.equal(model[2].bias, bias) and loss_of(model, x, y).item() < before
+    assert len(opt.state) == entries  # the frozen bias's scratch buffers are not kept
 
 
 def test_grouped_conv_ends_chains():

@@ -24,9 +24,9 @@ from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_
 from gsgd_core import GSGDState, PSIState
 
 from .discovery import unwrap
-from .model_ops import check_invariance
 from .groups import (ChainPart, Description, PartInfo, SGDPart, partition,
                      skeleton_is_initialised, sub_chain)
+from .model_ops import check_invariance
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "SkeletonWarning", "SkippedStepWarning"]
 
@@ -239,23 +239,23 @@ class _ScaleInvariantOptimizer(Optimizer):
             return
         key = tuple(live)
         if key not in part.runs:
-            part.runs[key] = (_runs(live), defaultdict(dict))
+            runs = _runs(live)
+            part.runs[key] = (runs, {r: sub_chain(part.chain, *r) for r in runs
+                                     if r[1] - r[0] > 1}, defaultdict(dict))
             dead = [n for n, ok in zip(part.names, live) if not ok]
             warnings.warn(
                 f"{self.algorithm}: {', '.join(dead)} had no gradient, so the chain "
                 f"{' -> '.join(part.names)} was stepped as the runs of layers that have one; "
                 "those layers are never written, and the runs' momentum restarts",
                 stacklevel=3)
-        runs, state = part.runs[key]
+        runs, chains, state = part.runs[key]
         single = [i for start, stop in runs if stop - start == 1 for i in (start,)]
         dead_or_single = single + [i for i, ok in enumerate(live) if not ok]
         self._sgd([p for i in dead_or_single for p in (part.weights[i], part.biases[i])
                    if p is not None and not (p is part.biases[i] and part.frozen_bias[i])],
                   group, state)
-        for start, stop in runs:
-            if stop - start > 1:
-                self._update_chain(sub_chain(part.chain, start, stop), part,
-                                   range(start, stop), group, state)
+        for (start, stop), chain in chains.items():
+            self._update_chain(chain, part, range(start, stop), group, state)
 
     def _update_chain(self, chain, part: ChainPart, layers, group: dict, state) -> None:
         """One chain update (``self._apply``, each algorithm's own) of ``part``'s layers
@@ -266,12 +266,14 @@ class _ScaleInvariantOptimizer(Optimizer):
         G = [self._grad(w, group, f"{n}.weight") for w, n in zip(W, names)]
         Gb = [None if x is None else self._grad(x, group, f"{n}.bias") for x, n in zip(b, names)]
         # A frozen bias (or one without a gradient) is a basis path that does not move: the
-        # update writes into a copy of it, so the parameter itself is never written.
-        b = [None if x is None else x.detach().clone()
-             if part.frozen_bias[i] or x.grad is None else x for x, i in zip(b, layers)]
+        # update writes into a copy of it (and a scratch momentum buffer, kept out of the
+        # optimizer's state), so the parameter itself is never written.
+        fixed = [x is not None and (part.frozen_bias[i] or x.grad is None)
+                 for x, i in zip(b, layers)]
+        b = [x.detach().clone() if f else x for x, f in zip(b, fixed)]
         G = [_row_norm_scaled(g, w) if part.normalised[i] else g
              for g, w, i in zip(G, W, layers)]
-        applied = self._apply(chain, W, b, G, Gb, group, state)
+        applied = self._apply(chain, W, b, G, Gb, group, state, fixed)
         if not applied:
             self._skipped += 1
             if self._skipped == 1:
@@ -394,16 +396,17 @@ class GSGD(_ScaleInvariantOptimizer):
                 "filterwarnings('ignore', category=gsgd_adapters.torch.SkeletonWarning)",
                 SkeletonWarning, stacklevel=2)
 
-    def _apply(self, chain, W, b, G, Gb, group, state) -> bool:
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
         momentum = _number(group["momentum"])
         st = None
         if momentum != 0:
-            for p in W + [x for x in b if x is not None]:
+            for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
                 state[p].setdefault("momentum_buffer", torch.zeros_like(p))
             first = state[W[0]]
             first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
             st = GSGDState(tuple(state[w]["momentum_buffer"] for w in W),
-                           tuple(None if x is None else state[x]["momentum_buffer"] for x in b),
+                           tuple(None if x is None else torch.zeros_like(x) if f
+                                 else state[x]["momentum_buffer"] for x, f in zip(b, fixed)),
                            first["step"])
         return gsgd_update_(chain, st, W, b, G, Gb, lr=_number(group["lr"]), momentum=momentum,
                             dampening=_number(group["dampening"]), nesterov=group["nesterov"],
@@ -446,6 +449,6 @@ class PathSGD(_ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
 
-    def _apply(self, chain, W, b, G, Gb, group, state) -> bool:
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
         path_sgd_step_(chain, W, b, G, Gb, _number(group["lr"]))
         return True
