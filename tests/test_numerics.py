@@ -25,11 +25,19 @@ def _finite(arrays, ns):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_non_finite_gradient_skips_the_whole_step(hxp, bad, momentum):
+@pytest.mark.parametrize("where", ["weight", "bias"])
+def test_non_finite_gradient_skips_the_whole_step(hxp, bad, momentum, where):
+    """A NaN or Inf in any gradient, a weight's or a bias's, leaves everything as it was
+    (G-SGD and Path-SGD)."""
     pb = Problem(CHAIN, 0)
     G, Gb = pb.grads()
-    G[1] = G[1].copy()
-    G[1][0, 1, 0] = bad
+    if where == "weight":
+        G[1] = G[1].copy()
+        G[1][0, 1, 0] = bad
+    else:
+        layer = next(i for i, g in enumerate(Gb) if g is not None)
+        Gb[layer] = Gb[layer].copy()
+        Gb[layer][0] = bad
     W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
     state = gc.gsgd_init(CHAIN, W, b)
     W2, b2, s2 = gc.gsgd_update(CHAIN, state, W, b, hxp.aslist(G), hxp.aslist(Gb), lr=0.1,
@@ -96,11 +104,19 @@ def test_path_values_may_cross_zero():
     assert_close(v2, v - lr * d, 1e-12, "V' = V - lr*D across zero")
 
 
-def test_path_landing_exactly_on_zero_takes_epsilon():
+@pytest.mark.parametrize("path", ["core", "numpy fast path", "torch fast path"])
+def test_path_landing_exactly_on_zero_takes_epsilon(path):
     chain = gc.Chain.mlp([1, 1, 1], bias=False)  # one tau edge, one free edge
     W = [np.array([[2.0]]), np.array([[1.0]])]
     G = [np.array([[4.0]]), np.array([[0.0]])]  # R = 1 - 0.5 * 4 / 2 = 0
-    W2, _ = gc.gsgd_step(chain, W, None, G, None, 0.5)
+    if path == "core":
+        W2, _ = gc.gsgd_step(chain, W, None, G, None, 0.5)
+    else:
+        import gsgd_backends as gb
+        wrap = np.array if path.startswith("numpy") else pytest.importorskip("torch").tensor
+        W2, G2 = [wrap(w) for w in W], [wrap(g) for g in G]
+        assert gb.gsgd_update_(chain, None, W2, None, G2, None, lr=0.5)
+        W2 = [np.asarray(w) for w in W2]
     assert W2[0][0, 0] == 2.0 * np.finfo(np.float64).eps and W2[1][0, 0] == 1.0
 
 

@@ -177,3 +177,29 @@ def test_update_without_params_is_a_clear_error():
     opt = gsgd(0.1, chains_from_pairs(params))
     with pytest.raises(ValueError, match="needs params"):
         opt.update(grad(params), opt.init(params))
+
+
+def test_leaves_outside_chains_take_torch_conventions_for_dampening_and_decay():
+    """Momentum with dampening and weight decay on a leaf outside every chain, against
+    torch.optim.SGD's rule written out: buf = g on the first step, then
+    momentum*buf + (1 - dampening)*g, with g = grad + weight_decay*p."""
+    params = {"net": make_params(), "t": jnp.asarray([1.5, -0.5])}
+    chains = [ChainLeaves(c.chain, tuple(("net",) + w for w in c.weights),
+                          tuple(("net",) + v for v in c.biases))
+              for c in chains_from_pairs(params["net"])]
+
+    def f(p):
+        return jnp.mean((forward(p["net"], X) * p["t"][0] - Y) ** 2) + jnp.sum(p["t"] ** 2)
+
+    g = jax.jit(jax.grad(f))
+    opt = gsgd(0.05, chains, momentum=0.9, dampening=0.4, weight_decay=0.1)
+    state, p = opt.init(params), params
+    t, buf = np.asarray(params["t"], dtype=np.float64), None
+    for _ in range(3):
+        gp = g(p)
+        gt = np.asarray(gp["t"], dtype=np.float64) + 0.1 * t
+        buf = gt if buf is None else 0.9 * buf + (1 - 0.4) * gt
+        t = t - 0.05 * buf
+        u, state = opt.update(gp, state, p)
+        p = optax.apply_updates(p, u)
+    assert_close(np.asarray(p["t"]), t, 1e-12)

@@ -85,7 +85,8 @@ def test_discovery_finds_one_chain_through_pooling_and_flatten(make):
 
 @pytest.mark.parametrize("make", MODELS)
 @pytest.mark.parametrize("hyper", [dict(lr=0.05), dict(lr=0.05, momentum=0.9, nesterov=True,
-                                                          weight_decay=1e-3)])
+                                                          weight_decay=1e-3),
+                                   dict(lr=0.05, momentum=0.9, dampening=0.5)])
 def test_trajectory_equals_the_core(make, hyper):
     model = make()
     twin = copy.deepcopy(model)
@@ -563,3 +564,21 @@ def test_add_param_group_and_per_group_hyperparameters():
     opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert torch.allclose(extra, torch.full((3,), 1.0 - 0.5 * 2.0))
+
+
+def test_parameters_outside_chains_take_sgds_update_with_its_weight_decay():
+    """The SGD part of a G-SGD optimizer is torch.optim.SGD with the same hyperparameters
+    (weight decay, momentum, dampening, Nesterov)."""
+    for hyper in (dict(lr=0.1, weight_decay=0.5),
+                  dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.5),
+                  dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.5)):
+        model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        twin = copy.deepcopy(model)
+        opt = GSGD(model, **hyper)
+        assert opt.describe().chains == []  # Tanh: every parameter takes SGD's rule
+        ref = torch.optim.SGD(twin.parameters(), **hyper)
+        x, y = data(model)
+        train(model, opt, x, y, 3)
+        train(twin, ref, x, y, 3)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q), hyper
