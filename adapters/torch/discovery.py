@@ -273,6 +273,8 @@ def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool):
             return None, norm, False, ("its output is used by several operations (a branch or "
                                        "a residual add)" if users else "its output is unused"), None
         user = users[0]
+        if user.op == "output":
+            return None, norm, False, "its output is the model's output", None
         if user.args[:1] != (cur,):
             return None, norm, False, f"its output is not the first input of {user.target}", None
         mod = modules.get(user.target) if user.op == "call_module" else None
