@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numbers
 
-import gsgd_core
-from gsgd_core import Chain, GSGDState
 from array_api_compat import array_namespace
 
+import gsgd_core
+from gsgd_core import Chain, GSGDState
 from gsgd_core.arrays import all_finite, quiet_fp
 from gsgd_core.gsgd import check_update_hypers
 
@@ -53,12 +53,14 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     if kernels is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
     h = _fast_hypers(hyper, state)
+    finite = None  # known once the fast path has declined the step
     if kernels is not None and h is not None:
         if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state, **h):
             if state is not None:
                 assign(state.step, state.step + 1)
             return True
-        if not _finite(grads, bias_grads):
+        finite = _finite(grads, bias_grads)
+        if not finite:
             return False
     W, b, new_state = gsgd_core.gsgd_update(chain, state, weights, biases, grads, bias_grads,
                                             **hyper)
@@ -66,7 +68,7 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     _write(biases or [], b)
     if state is not None:
         _write_state(state, new_state)
-    return _finite(grads, bias_grads)
+    return _finite(grads, bias_grads) if finite is None else finite
 
 
 @quiet_fp

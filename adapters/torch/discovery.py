@@ -57,7 +57,6 @@ POOL_FUNCTIONS = {F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3, F.avg_pool1
                   F.avg_pool2d: 2, F.avg_pool3d: 3, F.adaptive_avg_pool1d: 1,
                   F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
                   F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3}
-GROUPED = "grouped or depthwise convolution"
 HOW_TO = ("pass the chains by hand: GSGD(model, chains=[[model.fc1, model.fc2, ...], ...]) "
           "with the layers of each chain in order")
 
@@ -212,9 +211,9 @@ def _metadata_only(node: fx.Node) -> bool:
 
 
 def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
-              trainable: set | None) -> tuple[set, dict]:
-    """Weight-layer nodes that may be in a chain, and why each other layer may not.
-    Grouped convolutions are left out of chains but are marked so that PSI may take them."""
+              trainable: set | None) -> tuple[set, set, dict]:
+    """Weight-layer nodes that may be in a chain, the grouped convolutions (in no chain, but
+    PSI may take them), and why each other layer may not be in a chain."""
     calls: dict[str, list] = {}
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(modules[n.target], WEIGHT_LAYERS):
@@ -226,14 +225,15 @@ def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), []).append(name)
     read_outside = {n.target.rsplit(".", 1)[0] for n in gm.graph.nodes if n.op == "get_attr"}
-    ok, why = set(), {}
+    ok, grouped, why = set(), set(), {}
     for name, nodes in calls.items():
         mod = modules[name]
         params = [p for p in (mod.weight, mod.bias) if p is not None]
         if len(nodes) > 1:
             why[name] = f"the module is called {len(nodes)} times in forward()"
         elif isinstance(mod, nn.modules.conv._ConvNd) and mod.groups != 1:
-            why[name] = GROUPED + f" (groups={mod.groups})"
+            why[name] = f"grouped or depthwise convolution (groups={mod.groups})"
+            grouped.add(nodes[0])
         elif any(len(owners[id(p)]) > 1 for p in params):
             shared = sorted({o for p in params for o in owners[id(p)]} - {name})
             why[name] = f"a parameter is shared with {', '.join(shared)} (tied weights)"
@@ -243,7 +243,7 @@ def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
             why[name] = "frozen (requires_grad=False, or in no param group)"
         else:
             ok.add(nodes[0])
-    return ok, why
+    return ok, grouped, why
 
 
 def _reached(node: fx.Node, modules: dict) -> str | None:
@@ -318,7 +318,7 @@ def discover(model: nn.Module, through_bn: bool = False, *,
         raise ValueError(f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: "
                          f"{exc}); {HOW_TO}") from None
     modules = dict(gm.named_modules())
-    eligible, reasons = _eligible(gm, model, modules, trainable)
+    eligible, grouped, reasons = _eligible(gm, model, modules, trainable)
     layer_nodes = [n for n in gm.graph.nodes if n in eligible]
     nxt, normalised, has_prev, via_bn, stop, incoming = {}, [], set(), set(), {}, {}
     for n in gm.graph.nodes:
@@ -335,8 +335,7 @@ def discover(model: nn.Module, through_bn: bool = False, *,
             target = None if at is None else _reached(at, modules)
             if target is not None and n.target not in reasons:
                 incoming.setdefault(target, f"after {n.target}: {why}")
-        psi_ok = n in eligible or reasons.get(n.target, "").startswith(GROUPED)
-        if following is None and norm is not None and psi_ok:
+        if following is None and norm is not None and (n in eligible or n in grouped):
             if _per_unit(norm):
                 normalised.append((n.target, modules[n.target]))
             else:

@@ -65,10 +65,14 @@ class ChainPart:
     kind: str = "chain"
     runs: dict = field(default_factory=dict)   # sub-chains for steps with missing grads
 
+    def layer_params(self, i: int) -> list[torch.Tensor]:
+        """Layer ``i``'s parameters that may move (its weight, and its bias unless frozen)."""
+        bias = None if self.frozen_bias[i] else self.biases[i]
+        return [p for p in (self.weights[i], bias) if p is not None]
+
     @property
     def params(self) -> list[torch.Tensor]:
-        return [p for w, b, fb in zip(self.weights, self.biases, self.frozen_bias)
-                for p in (w, None if fb else b) if p is not None]
+        return [p for i in range(len(self.weights)) for p in self.layer_params(i)]
 
     @property
     def fingerprint(self) -> str:

@@ -249,11 +249,10 @@ class _ScaleInvariantOptimizer(Optimizer):
                 "those layers are never written, and the runs' momentum restarts",
                 stacklevel=3)
         runs, chains, state = part.runs[key]
-        single = [i for start, stop in runs if stop - start == 1 for i in (start,)]
-        dead_or_single = single + [i for i, ok in enumerate(live) if not ok]
-        self._sgd([p for i in dead_or_single for p in (part.weights[i], part.biases[i])
-                   if p is not None and not (p is part.biases[i] and part.frozen_bias[i])],
-                  group, state)
+        # Single-layer runs take SGD's rule; so do the biases of layers without a weight
+        # gradient (their weights have no grad, and _sgd leaves those alone).
+        outside = [i for i in range(len(live)) if not any(i in range(*r) for r in chains)]
+        self._sgd([p for i in outside for p in part.layer_params(i)], group, state)
         for (start, stop), chain in chains.items():
             self._update_chain(chain, part, range(start, stop), group, state)
 
