@@ -94,9 +94,12 @@ def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
     c += [xp.where(F[l] == 0, 1.0, xp.abs(F[l])) for l in range(1, chain.L)]
     c += [F[chain.L]]
     W_new, b_new = _apply_scales(xp, W, vecs(p, biases, chain.L), c)
-    # Exactly +-r in every namespace, whatever order the compiler evaluates W * c / c' in.
-    W_new = [xp.where(m.free_mask, xp.sign(w) * r, wn)
-             for m, w, wn, r in zip(p.meta, W, W_new, chain.skeleton_scale)]
+    # Exactly +-r in every namespace, whatever order the compiler evaluates W * c / c' in;
+    # the free edges of layer l leave nodes of layer l-1, and only those with F != 0 moved.
+    W_new = [wn if l == 1 else xp.where(m.free_mask & (F[l - 1] != 0)[None, :, None],
+                                        xp.sign(w) * r, wn)
+             for l, (m, w, wn, r) in enumerate(zip(p.meta, W, W_new, chain.skeleton_scale),
+                                               start=1)]
     return restore(p, W_new), unvecs(p, b_new)
 
 

@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
+import contextlib
+
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from gsgd_core import Chain
 from gsgd_core.reference import n_paths
+
+
+def examples(n: int) -> int:
+    """A test's own example count, scaled with the active profile (``n`` under "ci"'s 25
+    default, ``20 n`` under "thorough"'s 500), so that ``HYPOTHESIS_PROFILE`` reaches the
+    tests that set their own count."""
+    return max(1, n * settings().max_examples // 25)
+
+
+# JAX compiles every operation anew for each new shape (seconds per example), so on JAX the
+# chains' shapes come from this short list, within the caller's limits; everything else
+# (skeletons, biases, scales, data, rescalings) is drawn as on the other namespaces.
+FIXED_SHAPES = [((3, 4, 2), (1, 2)), ((2, 3, 3, 2), (1, 1, 3)), ((1, 2, 1, 3), (2, 1, 1))]
+_fixed_shapes = False
+
+
+@contextlib.contextmanager
+def fixed_shapes():
+    """Draw chain shapes from :data:`FIXED_SHAPES` inside this context (the JAX fixture)."""
+    global _fixed_shapes
+    _fixed_shapes = True
+    try:
+        yield
+    finally:
+        _fixed_shapes = False
 
 
 @st.composite
@@ -14,10 +42,17 @@ def chains(draw, max_depth=6, max_width=6, max_slots=9, custom=None, max_paths=N
     """Chains of depth 2..max_depth, widths 1..max_width (unequal), slots 1..max_slots;
     custom skeletons and, unless ``max_paths`` asks for dense references (which work in
     the paper's units), skeleton scales (He's or drawn per layer)."""
-    L = draw(st.integers(2, max_depth))
-    sizes = tuple(draw(st.lists(st.integers(1, max_width), min_size=L + 1, max_size=L + 1)))
-    slot = st.one_of(st.just(1), st.integers(1, max_slots))
-    slots = tuple(draw(st.lists(slot, min_size=L, max_size=L)))
+    if _fixed_shapes:
+        fits = [(n, k) for n, k in FIXED_SHAPES
+                if len(k) <= max_depth and max(n) <= max_width and max(k) <= max_slots]
+        sizes, slots = draw(st.sampled_from(fits or FIXED_SHAPES[:1]))
+        L = len(slots)
+    else:
+        L = draw(st.integers(2, max_depth))
+        sizes = tuple(draw(st.lists(st.integers(1, max_width), min_size=L + 1,
+                                    max_size=L + 1)))
+        slot = st.one_of(st.just(1), st.integers(1, max_slots))
+        slots = tuple(draw(st.lists(slot, min_size=L, max_size=L)))
     bias = tuple(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
     use_custom = draw(st.booleans()) if custom is None else custom
     kwargs = {}

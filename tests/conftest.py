@@ -28,12 +28,18 @@ except ImportError:
     pass
 
 from _namespaces import available_namespaces  # noqa: E402
+from _strategies import fixed_shapes  # noqa: E402
 
-settings.register_profile(
-    "ci", derandomize=True, deadline=None, max_examples=25, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("dev", deadline=None, max_examples=100,
-                          suppress_health_check=[HealthCheck.too_slow])
+# ``hxp`` is function-scoped only to hold JAX's fixed-shape context around a test; it keeps
+# no per-example state, so Hypothesis may reuse it across examples.
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large,
+          HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=25,
+                          print_blob=True, suppress_health_check=_QUIET)
+settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=_QUIET)
+# HYPOTHESIS_PROFILE=thorough: 20 times the examples, random (not derandomised) draws.
+settings.register_profile("thorough", deadline=None, max_examples=500, print_blob=True,
+                          suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
@@ -49,12 +55,17 @@ def xp(request):
     return _use(request.param)
 
 
-@pytest.fixture(scope="session", ids=lambda ns: ns.id,
-                params=[ns for ns in available_namespaces() if ns.name != "jax"])
+@pytest.fixture(ids=lambda ns: ns.id, params=available_namespaces())
 def hxp(request):
-    """The namespaces Hypothesis draws chains on: JAX compiles every operation anew for each
-    new shape, so it runs the same properties on fixed shapes instead (DESIGN §10)."""
-    return _use(request.param)
+    """The namespaces Hypothesis draws chains on: every one. JAX compiles every operation
+    anew for each new shape, so on JAX the chains' shapes come from a short fixed list
+    (``_strategies.FIXED_SHAPES``); values, skeletons and rescalings are drawn as elsewhere."""
+    ns = _use(request.param)
+    if ns.name != "jax":
+        yield ns
+        return
+    with fixed_shapes():
+        yield ns
 
 
 @pytest.fixture

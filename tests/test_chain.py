@@ -88,3 +88,77 @@ def test_from_shapes_rejects_mismatched_layers():
 def test_str_reports_dimensions():
     assert str(Chain.mlp([2, 3, 1], bias=False)) == (
         "Chain(2 -> 3 -> 1; m=9, H=3, G-space dim=6, H/m=0.333)")
+
+
+def test_he_skeleton_scale_counts_skeleton_edges_per_row():
+    """DESIGN §11: r_l = sqrt(2 share / c_l), c_l = [l < L] (the tau edge) + [l >= 2]
+    n_{l-1}/n_l (free edges landing per row), worked out by hand for 4 -> 8 -> 6 -> 2."""
+    chain = Chain.mlp([4, 8, 6, 2])
+    counts = [1.0, 1.0 + 8 / 6, 6 / 2]
+    for share in (0.25, 0.5):
+        want = [np.sqrt(2 * share / c) for c in counts]
+        assert chain.he_skeleton_scale(share) == pytest.approx(want, rel=1e-15)
+    assert chain.he_skeleton_scale() == chain.he_skeleton_scale(0.25)
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="share must be in"):
+            chain.he_skeleton_scale(bad)
+
+
+@pytest.mark.parametrize("scale, message", [
+    ("ab", "skeleton_scale must be a sequence of 2 floats"),
+    (0.5, "skeleton_scale must be a sequence"),
+    ((1.0, True), r"skeleton_scale\[1\] must be a number"),
+    ((1.0, "2"), r"skeleton_scale\[1\] must be a number"),
+    ((1.0, 0.0), "layer 2: skeleton scale must be finite and > 0, got 0.0"),
+    ((-1.0, 1.0), "layer 1: skeleton scale must be finite and > 0"),
+    ((1.0, float("nan")), "layer 2: skeleton scale must be finite"),
+    ((1.0, float("inf")), "layer 2: skeleton scale must be finite"),
+    ((1.0, 1.0, 1.0), "skeleton_scale has 3"),
+])
+def test_invalid_skeleton_scales_raise_clear_errors(scale, message):
+    with pytest.raises(ValueError, match=message):
+        Chain.mlp([3, 4, 2]).with_skeleton_scale(scale)
+
+
+def test_skeleton_scale_accepts_numpy_and_int_numbers():
+    chain = Chain.mlp([3, 4, 2]).with_skeleton_scale([np.float32(0.5), 2])
+    assert chain.skeleton_scale == (0.5, 2.0)
+    assert all(type(r) is float for r in chain.skeleton_scale)
+
+
+def test_chain_caches_never_affect_equality_hash_or_str():
+    import gsgd_core as gc
+    a, b = Chain.mlp([3, 4, 2]), Chain.mlp([3, 4, 2])
+    gc.path_values(a, [np.ones((4, 3)), np.ones((2, 4))], [np.ones(4), np.ones(2)])
+    assert a._cache and not b._cache  # per-namespace metadata cached on a only
+    assert a == b and hash(a) == hash(b) and str(a) == str(b) and repr(a) == repr(b)
+    assert "_cache" not in repr(a)
+
+
+def test_str_reports_slots_and_skeleton_scale():
+    chain = Chain((2, 3, 1), (4, 1), bias=False).with_skeleton_scale([0.5, 2.0])
+    assert str(chain) == ("Chain(2 -> 3 -> 1, slots=[4, 1], skeleton_scale=[0.5, 2]; m=27, "
+                          "H=3, G-space dim=24, H/m=0.111)")
+
+
+def test_from_shapes_infers_linear_flatten_and_first_layer():
+    """A 2-D first layer is a Linear whatever its fan-in; a 2-D layer reading C*S features
+    after C units is a flatten of S positions; reading exactly C, a plain Linear."""
+    chain = Chain.from_shapes([(6, 12), (5, 6 * 4), (3, 5)])
+    assert chain.sizes == (12, 6, 5, 3) and chain.slots == (1, 4, 1)
+    chain = Chain.from_shapes([(4, 2, 3, 3), (7, 4 * 9)])
+    assert chain.sizes == (2, 4, 7) and chain.slots == (9, 9)
+    chain = Chain.from_shapes([(6, 12), (5, 6), (3, 5 * 4)])  # flatten after a narrower layer
+    assert chain.sizes == (12, 6, 5, 3) and chain.slots == (1, 1, 4)
+
+
+def test_biases_are_on_by_default():
+    assert Chain((3, 4, 2)).bias == (True, True)
+    assert Chain.from_shapes([(4, 3), (2, 4)]).bias == (True, True)
+    assert Chain.mlp([3, 4, 2]).bias == (True, True)
+
+
+def test_tau_and_free_indices_of_boundary_layers_are_empty():
+    chain = Chain.mlp([3, 4, 2])
+    assert chain.tau_index(2).size == 0 and chain.tau_index(0).size == 0
+    assert chain.tau_index(1).size == 4

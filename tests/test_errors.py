@@ -39,6 +39,16 @@ def _untouchable(a):
     (lambda W, b, G, Gb: (W, [b[0], np.ones(2)], G, Gb), r"layer 2: the chain has no bias"),
     (lambda W, b, G, Gb: (W, [np.ones(3), None], G, Gb), r"layer 1: bias has shape \(3,\)"),
     (lambda W, b, G, Gb: (W, b, G, [None, None]), r"layer 1: the layer has a bias but"),
+    (lambda W, b, G, Gb: (W, b, G, None), r"layer 1: the layer has a bias but"),
+    (lambda W, b, G, Gb: (W, b, G, [np.ones(4), np.ones(2)]),
+     r"layer 2: bias_grads\[1\] given for a layer without a bias"),
+    (lambda W, b, G, Gb: ([W[0], np.ones((3, 12))], b, G, Gb),
+     r"layer 2: weight has shape \(3, 12\)"),
+    (lambda W, b, G, Gb: ([np.ones(4), W[1]], b, G, Gb), r"layer 1: weight has shape \(4,\)"),
+    (lambda W, b, G, Gb: ([W[0], np.ones((2, 4, 2))], b, G, Gb),
+     r"layer 2: weight has shape \(2, 4, 2\)"),
+    (lambda W, b, G, Gb: ([W[0], np.ones((2, 12, 1))], b, G, Gb),
+     r"layer 2: weight has shape \(2, 12, 1\)"),
     (lambda W, b, G, Gb: (W, b, G, [np.ones(5), None]),
      r"layer 1: bias_grads\[0\] has shape \(5,\), but the bias has shape \(4,\)"),
     (lambda W, b, G, Gb: ([W[0], "w"], b, G, Gb), "layer 2: weight is a str, not an array"),
@@ -78,6 +88,18 @@ def test_hyperparameter_errors(hyper, message):
     state = gc.gsgd_init(CHAIN, W, b)
     with pytest.raises(ValueError, match=message):
         gc.gsgd_update(CHAIN, state, W, b, G, Gb, **hyper)
+
+
+def test_hyperparameters_at_their_bounds_are_accepted():
+    """Bounds are inclusive: dampening = 1 and momentum = 0 are valid; a 0-d array is a
+    valid learning rate (a traced schedule) and gives the float's result."""
+    W, b, G, Gb = _params()
+    state = gc.gsgd_init(CHAIN, W, b)
+    gc.gsgd_update(CHAIN, state, W, b, G, Gb, lr=0.1, momentum=0.9, dampening=1.0)
+    gc.gsgd_update(CHAIN, state, W, b, G, Gb, lr=0.0, momentum=0.0, weight_decay=0.0)
+    W1, b1 = gc.gsgd_step(CHAIN, W, b, G, Gb, np.asarray(0.1))
+    W2, b2 = gc.gsgd_step(CHAIN, W, b, G, Gb, 0.1)
+    assert all(np.array_equal(x, y) for x, y in zip(W1 + b1[:1], W2 + b2[:1]))
 
 
 def test_momentum_needs_a_state_and_a_matching_one():

@@ -16,7 +16,7 @@ import gsgd_core as gc
 from gsgd_backends._dispatch import FAST, assign
 from _helpers import Problem, assert_close
 from _namespaces import available_namespaces
-from _strategies import chains, random_params, seeds
+from _strategies import chains, examples, random_params, seeds
 
 CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
                              bias=[True, False, True, True])
@@ -146,7 +146,7 @@ def _momentum_steps(ns, chain, seed, hyper, steps, fast_kernels=None, chunk=None
     return got, [W, b, list(core.momentum), list(core.bias_momentum)]
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(chain=chains(), seed=seeds, hyper=_HYPERS, chunk=st.sampled_from([None, 1, 7]))
 def test_momentum_and_weight_decay_steps_equal_the_core(fxp, chain, seed, hyper, chunk):
     """Three steps (the first sets the buffers): weights, biases and momentum buffers, the
@@ -194,12 +194,27 @@ def test_non_finite_gradient_is_handed_to_the_core_before_any_write(fxp, bad, la
     assert all(np.array_equal(x, y) for x, y in zip(fxp.tolist(A), fxp.tolist(fxp.aslist(pb.W))))
 
 
-def test_non_finite_bias_gradient_is_handed_to_the_core(fxp):
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_non_finite_bias_gradient_is_handed_to_the_core(fxp, momentum):
+    """The fast path declines; the in-place step then does what the core does with it: the
+    whole step skipped (weights, biases, buffers and step count as they were)."""
     pb = Problem(CHAIN, 2)
     G, Gb = pb.grads()
     Gb[2] = Gb[2].copy()
     Gb[2][0] = np.nan
     assert not _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)[0]
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    state = gc.gsgd_init(CHAIN, A, Ab)
+    state = state._replace(momentum=[fxp.asarray(np.full(w.shape, 0.25)) for w in pb.W])
+    eW, eb, es = gc.gsgd_update(CHAIN, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb), lr=0.1,
+                                momentum=momentum)
+    eM = fxp.tolist(es.momentum)
+    assert not gb.gsgd_update_(CHAIN, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb), lr=0.1,
+                               momentum=momentum)
+    for got, want in zip(fxp.tolist(A) + fxp.tolist(Ab) + fxp.tolist(state.momentum),
+                         fxp.tolist(eW) + fxp.tolist(eb) + eM):
+        assert (got is None and want is None) or np.array_equal(got, want)
+    assert int(fxp.to_numpy(state.step)) == int(fxp.to_numpy(es.step)) == 0
 
 
 def test_overflowing_block_is_recomputed_by_the_core_rules(fxp, monkeypatch):
@@ -248,7 +263,7 @@ def test_degenerate_skeletons_match_the_core(fxp, case):
     _assert_same(fxp, fb, eb, f"{case}: biases")
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(chain=chains(max_depth=4, max_width=4, max_slots=3), seed=seeds,
        scale=st.sampled_from([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e30]),
        gscale=st.sampled_from([0.0, 1e-30, 1.0, 1e6, 1e30]),
@@ -293,12 +308,24 @@ def test_weights_that_are_not_contiguous_take_the_core_and_are_still_updated():
         assert_close(a.numpy(), e, 1e-12)
 
 
-def test_half_precision_takes_the_core():
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_takes_the_core(dtype):
+    """The fast path declines half precision; the in-place step then writes the core's
+    result (computed in float32, DESIGN §6) into the half-precision tensors, bit for bit."""
     torch = pytest.importorskip("torch")
-    chain = gc.Chain.mlp([4, 5, 3], bias=False)
-    A = [torch.ones(5, 4, dtype=torch.float16), torch.ones(3, 5, dtype=torch.float16)]
-    G = [torch.ones_like(a) for a in A]
-    assert not fast.fast_step_(gb.kernels_for(A[0]), chain, A, None, G, None, 0.1)
+    half = getattr(torch, dtype)
+    chain = gc.Chain.mlp([4, 5, 3])
+    pb = Problem(chain, 9)
+    G, Gb = pb.grads()
+    T = lambda xs: [torch.tensor(x.reshape(x.shape[0], -1) if x.ndim == 3 else x).to(half)
+                    for x in xs]  # noqa: E731
+    A, Ab, Gh, Gbh = T(pb.W), T(pb.b), T(G), T(Gb)
+    assert not fast.fast_step_(gb.kernels_for(A[0]), chain, [a.clone() for a in A],
+                               [a.clone() for a in Ab], Gh, Gbh, 0.1)
+    eW, eb = gc.gsgd_step(chain, A, Ab, Gh, Gbh, 0.1)
+    assert gb.gsgd_update_(chain, None, A, Ab, Gh, Gbh, lr=0.1)
+    for got, want, old in zip(A + Ab, list(eW) + list(eb), T(pb.W) + T(pb.b)):
+        assert got.dtype == half and torch.equal(got, want) and not torch.equal(got, old)
 
 
 def test_torch_parameters_with_autograd_are_updated_without_a_graph():
@@ -395,23 +422,26 @@ def test_validation_is_not_skipped_after_a_valid_step(fxp):
     _assert_same(fxp, W + b, sum(_core(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1), []), "after")
 
 
-def test_compiled_momentum_step_equals_the_core():
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_compiled_momentum_step_equals_the_core(dtype):
     """Weight decay and Nesterov momentum inside the compiled stages, through three steps."""
     pytest.importorskip("torch")
     import gsgd_backends.torch as bt
     from _namespaces import available_namespaces as names
 
-    ns = next(n for n in names() if n.name == "torch" and n.is_f64)
+    ns = next(n for n in names() if n.name == "torch" and n.dtype_name == dtype)
     hyper = dict(momentum=0.9, nesterov=True, weight_decay=1e-2)
     got, expected = _momentum_steps(ns, CHAIN, 11, hyper, 3, fast_kernels=bt.COMPILED)
     for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
         _assert_same(ns, g, e, what)
 
 
-_EXTREME = st.sampled_from([0.0, 1e-300, 1e-150, 1e-30, 1e-3, 1.0, 1e3, 1e30, 1e150, 1e300])
+# Around both dtypes' tame bounds too: 4 sqrt(tiny) ~ 4e-19 and sqrt(max) / 4 ~ 5e18 (float32).
+_EXTREME = st.sampled_from([0.0, 1e-300, 1e-150, 1e-30, 1e-20, 1e-3, 1.0, 1e3, 1e20, 1e30,
+                            1e150, 1e300])
 
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(seed=seeds, f=_EXTREME, beta=_EXTREME, rho=_EXTREME, g=_EXTREME,
        lr=st.sampled_from([1e-3, 0.1, 10.0, 1e30]),
        dtype=st.sampled_from([np.float64, np.float32]))
@@ -437,6 +467,16 @@ def test_reciprocal_bulk_equals_the_core_rules_on_tame_vectors(seed, f, beta, rh
         np.testing.assert_allclose(recip, exact, rtol=8 * np.finfo(dtype).eps, atol=0)
 
 
+@pytest.mark.parametrize("value, tame32, tame64", [
+    (1e-20, False, True), (1e-18, True, True), (1e18, True, True), (1e20, False, True),
+    (1e-160, False, False)])
+def test_tame_bounds_are_the_vectors_own_dtype(value, tame32, tame64):
+    """float32 vectors are judged by float32's range: 1e-20 squared underflows there."""
+    for dtype, want in ((np.float32, tame32), (np.float64, tame64)):
+        v = np.array([value, 1.0], dtype=dtype)
+        assert bool(fast._tame(np, v, False)) is want, (dtype, value)
+
+
 def test_tame_refuses_vectors_whose_products_underflow():
     """What ``_tame`` guards against: with ``F`` tiny, ``1/F`` overflows where ``F*B`` does
     not, and the reciprocal rule would keep a weight that the core moves."""
@@ -449,23 +489,33 @@ def test_tame_refuses_vectors_whose_products_underflow():
     assert exact[0, 0, 0] != 1.0 and recip[0, 0, 0] == 1.0
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e-100, 1e100])
-def test_compiled_torch_step_on_extreme_magnitudes_equals_the_core(scale):
-    """Weights scaled so that the skeleton products leave the tame range (those layers take
-    the core's per-entry rules inside the compiled stage): the step still equals the core."""
+@pytest.mark.parametrize("dtype, scale", [("float64", 1.0), ("float64", 1e-100),
+                                          ("float64", 1e100), ("float32", 1.0),
+                                          ("float32", 1e-13), ("float32", 1e13)])
+def test_compiled_torch_step_on_extreme_magnitudes_equals_the_core(dtype, scale):
+    """Weights scaled so that the skeleton products leave the tame range of their dtype
+    (those layers take the core's per-entry rules inside the compiled stage): the step still
+    equals the core's, weights compared relative to their scale."""
     torch = pytest.importorskip("torch")
     import gsgd_backends.torch as bt
 
     pb = Problem(CHAIN, 8)
-    W = [w * scale for w in pb.W]
+    W = [(w * scale).astype(dtype) for w in pb.W]
     G, Gb = pb.grads()
+    G = [g.astype(dtype) for g in G]
+    b, Gb = [None if v is None else v.astype(dtype) for v in pb.b], [
+        None if v is None else v.astype(dtype) for v in Gb]
     T = lambda xs: [None if x is None else torch.tensor(x) for x in xs]  # noqa: E731
-    A, Ab = T(W), T(pb.b)
+    A, Ab = T(W), T(b)
     assert fast.fast_step_(bt.COMPILED, CHAIN, A, Ab, T(G), T(Gb), 0.1)
-    eW, eb = gc.gsgd_step(CHAIN, W, pb.b, G, Gb, 0.1)
-    for a, e in zip(A + Ab, eW + eb):
+    eW, eb = gc.gsgd_step(CHAIN, W, b, G, Gb, 0.1)
+    tol = 1e-12 if dtype == "float64" else 2e-4
+    for a, e in zip(A, eW):
+        assert a.dtype == getattr(torch, dtype)
+        assert_close(a.numpy().astype(np.float64) / scale, e.astype(np.float64) / scale, tol)
+    for a, e in zip(Ab, eb):
         if e is not None:
-            assert_close(a.numpy(), e, 1e-12)
+            assert_close(a.numpy(), e, tol)
 
 
 def test_compiled_reciprocal_bulk_keeps_its_finite_checks():
@@ -488,7 +538,7 @@ def test_compiled_reciprocal_bulk_keeps_its_finite_checks():
     np.testing.assert_allclose(got, exact, rtol=1e-15, atol=0)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(seed=seeds, hyper=_HYPERS, first=st.booleans(), zero_f=st.booleans())
 def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, first, zero_f):
     """The eager kernels' in-place block (four scratch buffers) gives exactly
@@ -537,3 +587,33 @@ def test_fast_step_on_large_layers_with_every_core_equals_the_core(threads):
                                [torch.tensor(g) for g in Gb], **hyper)
         for got, want in zip(Wt + bt, list(eW) + list(eb)):
             assert_close(got.numpy(), np.asarray(want).reshape(got.shape), 1e-12)
+
+
+def test_cupy_kernels_scatter_through_cupyx(monkeypatch):
+    """Without a GPU: the CuPy kernels imported over a stand-in ``cupy`` (NumPy itself) and
+    ``cupyx`` (``scatter_add`` as ``np.add.at``, recorded). A step of a chain whose tau
+    edges are also free edges carries sums down through ``scatter_add``; it must go through
+    ``cupyx.scatter_add`` (CuPy arrays have no ``add.at``) and equal the core's step."""
+    import importlib
+    import types
+
+    calls = []
+    cupyx = types.SimpleNamespace(scatter_add=lambda a, i, v: calls.append(1) or np.add.at(
+        a, i, v))
+    monkeypatch.setitem(sys.modules, "cupy", np)
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    monkeypatch.delitem(sys.modules, "gsgd_backends.cupy", raising=False)
+    try:
+        kernels = importlib.import_module("gsgd_backends.cupy").KERNELS
+    finally:  # the stand-in module must not outlive this test
+        sys.modules.pop("gsgd_backends.cupy", None)
+        monkeypatch.delattr(gb, "cupy", raising=False)
+    chain = gc.Chain.mlp([3, 3, 3, 2])
+    pb = Problem(chain, 12)
+    G, Gb = pb.grads()
+    W, b = [w.copy() for w in pb.W], [v.copy() for v in pb.b]
+    assert fast.fast_step_(kernels, chain, W, b, G, Gb, 0.1)
+    assert calls, "the CuPy kernels did not scatter through cupyx.scatter_add"
+    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
+    for got, want in zip(W + b, eW + eb):
+        assert_close(got, want, 1e-12)

@@ -3,13 +3,13 @@ G-SGD trajectories that commute with rescaling (with and without momentum)."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gsgd_core as gc
 from _helpers import Problem, assert_all_close, assert_close
 from _nets import output
-from _strategies import chains, seeds
+from _strategies import chains, examples, seeds
 
 spreads = st.floats(0.0, 1.5)
 
@@ -56,21 +56,29 @@ def test_canonical_form_is_idempotent_and_constant_on_orbits(hxp, chain, seed, s
         assert np.array_equal(np.abs(free), np.full_like(free, r))
     Wcc, bcc = gc.canonicalize(chain, Wc, bc)
     for a, c in zip(hxp.tolist(Wcc) + hxp.tolist(bcc), hxp.tolist(Wc) + hxp.tolist(bc)):
-        assert (a is None and c is None) or np.array_equal(a, c), "not idempotent"
+        if hxp.name == "jax":
+            # XLA's vectorised CPU division is not correctly rounded (x / x can be 1 - ulp),
+            # so on JAX ``w / r`` of a canonical free weight may miss 1 by an ulp per layer.
+            assert (a is None and c is None) or np.allclose(a, c, rtol=64 * np.finfo(
+                a.dtype).eps, atol=0), "not idempotent"
+        else:
+            assert (a is None and c is None) or np.array_equal(a, c), "not idempotent"
     Wt, bt = gc.rescale(chain, W, b, gc.random_rescaling(chain, pb.rng, spread))
     Wtc, btc = gc.canonicalize(chain, Wt, bt)
     assert_all_close(hxp.tolist(Wtc), hxp.tolist(Wc), hxp.rtol, "canonical weights")
     assert_all_close(hxp.tolist(btc), hxp.tolist(bc), hxp.rtol, "canonical biases")
 
 
-def _trajectory(chain, pb, W, b, steps, **hyper):
-    """G-SGD on host float64 arrays; returns the weights and biases after each step."""
+def _trajectory(ns, chain, pb, W, b, steps, **hyper):
+    """G-SGD in namespace ``ns`` (gradients on the host in float64); returns host copies of
+    the weights and biases after each step."""
+    W, b = ns.aslist(W), ns.aslist(b)
     state = gc.gsgd_init(chain, W, b)
     out = []
     for _ in range(steps):
-        G, Gb = pb.grads(W, b)
-        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **hyper)
-        out.append((W, b))
+        G, Gb = pb.grads(ns.tolist(W), ns.tolist(b))
+        W, b, state = gc.gsgd_update(chain, state, W, b, ns.aslist(G), ns.aslist(Gb), **hyper)
+        out.append((ns.tolist(W), ns.tolist(b)))
     return out
 
 
@@ -80,23 +88,36 @@ HYPERS = [dict(lr=0.05), dict(lr=0.02, momentum=0.9),
 
 
 @pytest.mark.parametrize("hyper", HYPERS, ids=lambda h: ",".join(f"{k}={v}" for k, v in h.items()))
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(chain=chains(max_depth=4), seed=seeds)
-def test_gsgd_trajectories_of_rescaled_twins_coincide(hyper, chain, seed):
-    """20 steps from w and from a random rescaling g(w): the iterates stay g-related."""
+def test_gsgd_trajectories_of_rescaled_twins_coincide(hxp, hyper, chain, seed):
+    """20 steps from w and from a random rescaling g(w): the iterates stay g-related.
+    Rounding differences between the twins grow with every step of an unstable run (by
+    ~1e8 over 20 steps on some drawn chains), so over many steps they measure the run's
+    stability, not the theorem: float64 to 1e-6, float32 over 3 steps to 1e-3, and only
+    while the run stays bounded (weights within 100 times their start; the "thorough"
+    profile found a drawn run reaching 6e6). Plain SGD's twins differ by more than 1e-3
+    (the control below)."""
     pb = Problem(chain, seed)
     scales = gc.random_rescaling(chain, pb.rng, 1.0)
     Wt, bt = gc.rescale(chain, pb.W, pb.b, scales)
-    ours = _trajectory(chain, pb, pb.W, pb.b, 20, **hyper)
-    twin = _trajectory(chain, pb, Wt, bt, 20, **hyper)
-    for (W, b), (W2, b2) in zip(ours, twin):
+    steps, tol = (20, 1e-6) if hxp.is_f64 else (3, 1e-3)
+    ours = _trajectory(hxp, chain, pb, pb.W, pb.b, steps, **hyper)
+    twin = _trajectory(hxp, chain, pb, Wt, bt, steps, **hyper)
+    bound = 100 * max(float(np.max(np.abs(w))) for w in pb.W)
+    for step, ((W, b), (W2, b2)) in enumerate(zip(ours, twin)):
+        if max(float(np.max(np.abs(w))) for w in W) > bound:
+            assume(step > 0)  # diverged at once: nothing to compare
+            ours = ours[:step]
+            break
         # Free weights never move, so the same group element relates the two at every step.
-        We, be = gc.rescale(chain, W, b, scales)
-        assert_all_close(W2, We, 1e-8, "twin weights")
-        assert_all_close(b2, be, 1e-8, "twin biases")
+        We, be = gc.rescale(chain, [w.astype(np.float64) for w in W],
+                            [None if v is None else v.astype(np.float64) for v in b], scales)
+        assert_all_close(W2, We, tol, "twin weights")
+        assert_all_close(b2, be, tol, "twin biases")
     W, b = ours[-1]
-    W2, b2 = twin[-1]
-    assert_close(output(chain, W2, b2, pb.x), output(chain, W, b, pb.x), 1e-8, "outputs")
+    W2, b2 = twin[len(ours) - 1]
+    assert_close(output(chain, W2, b2, pb.x), output(chain, W, b, pb.x), tol, "outputs")
 
 
 def test_sgd_trajectories_of_rescaled_twins_differ():
@@ -138,7 +159,7 @@ def test_skeleton_init_sets_every_skeleton_edge_to_one(chain, seed, keep_signs):
             assert np.array_equal(v[nonfree], w[nonfree])
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(chain=chains(scaled=True), seed=seeds, lr=st.sampled_from([0.01, 0.3]))
 def test_first_step_from_a_scaled_skeleton_is_sgds_where_no_tau_ratio_intervenes(chain, seed,
                                                                                  lr):
@@ -154,3 +175,39 @@ def test_first_step_from_a_scaled_skeleton_is_sgds_where_no_tau_ratio_intervenes
     for l, (x, y, g) in enumerate(zip(bn, b, Gb), start=1):
         if y is not None:
             assert_close(x, y - lr * g, 1e-12, f"bias {l}")
+
+
+def test_group_helpers_defaults_and_edge_cases():
+    """Defaults and corner cases of the group's helpers: the default spread is 1; scales
+    may be host lists; skeleton_init writes +r by default and, keeping signs, +r where a
+    skeleton weight is exactly 0; a node whose free chain holds a zero weight keeps scale 1
+    in the canonical form."""
+    chain = gc.Chain((3, 4, 2, 3), (1, 2, 1), bias=(True, False, True))
+    pb = Problem(chain, 21)
+    got = gc.random_rescaling(chain, np.random.default_rng(5))
+    rng = np.random.default_rng(5)
+    want = [np.exp(rng.standard_normal(n)) for n in chain.sizes[1:-1]]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    as_lists = gc.rescale(chain, pb.W, pb.b, [list(s) for s in got])
+    as_arrays = gc.rescale(chain, pb.W, pb.b, got)
+    assert all(np.array_equal(a, b) for a, b in zip(as_lists[0], as_arrays[0]))
+    W = [w.copy() for w in pb.W]
+    W[0][chain.tau_mask(1)] = 0.0
+    for keep in (False, True):
+        Ws, _ = gc.skeleton_init(chain, W, keep_signs=keep) if keep else gc.skeleton_init(
+            chain, W)
+        assert np.all(Ws[0][chain.tau_mask(1)] == 1.0)  # +r where the weight was 0
+        signs = np.sign(W[1][chain.tau_mask(2) | chain.free_mask(2)])
+        skel = Ws[1][chain.tau_mask(2) | chain.free_mask(2)]
+        assert np.array_equal(skel, signs if keep else np.ones_like(skel))
+    Wr, _ = gc.skeleton_init(chain, pb.W, rest_scale=0.5)
+    for l, (w, w0) in enumerate(zip(Wr, pb.W), start=1):
+        rest = ~(chain.tau_mask(l) | chain.free_mask(l))
+        assert np.array_equal(w[rest], w0[rest] * 0.5)
+    with pytest.raises(ValueError, match="rest_scale must be finite"):
+        gc.skeleton_init(chain, pb.W, rest_scale=-1.0)
+    W = [w.copy() for w in pb.W]
+    W[2][chain.free_mask(3)] = 0.0  # every free edge out of layer 2: F_2 = 0, F_1 = 0
+    Wc, _ = gc.canonicalize(chain, W, pb.b)
+    for l in (1, 2, 3):  # no node of layers 1, 2 has a group element: scale 1 everywhere
+        assert np.array_equal(Wc[l - 1], W[l - 1]), f"layer {l}"

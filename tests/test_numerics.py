@@ -6,6 +6,8 @@ paths gradient 0; a path ratio R < 0 is a legitimate sign flip, R = 0 becomes ma
 epsilon; pruned (zero) weights get the exact limit of the update; float16/bfloat16 are
 computed in float32. Finite input never yields NaN or Inf."""
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 import gsgd_core as gc
 from gsgd_core import reference as ref
 from _helpers import Problem, assert_close
-from _strategies import chains, random_params, seeds
+from _strategies import chains, examples, random_params, seeds
 
 CHAIN = gc.Chain((3, 4, 2, 3), (1, 2, 1), bias=(True, False, True))
 
@@ -50,45 +52,118 @@ def test_non_finite_gradient_skips_the_whole_step(hxp, bad, momentum, where):
     assert all(np.array_equal(hxp.to_numpy(x), hxp.to_numpy(y)) for x, y in zip(P2, W))
 
 
-def test_huge_learning_rate_never_writes_inf(hxp):
+def test_huge_learning_rate_moves_path_values_exactly_or_keeps_overflowed_entries(hxp):
+    """lr = 1e10: an ordinary step, ``V' = V - lr*D`` on every basis path. lr near the
+    dtype's maximum: each layer-1 weight whose update ``w - lr*g/F^2`` (``B_0 = 1``)
+    overflows keeps its old value, every other one takes it (DESIGN §6)."""
     pb = Problem(CHAIN, 1)
     G, Gb = pb.grads()
     W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
-    for lr in (1e10, 1e30, 1e300 if hxp.is_f64 else 1e38):
-        W2, b2 = gc.gsgd_step(CHAIN, W, b, hxp.aslist(G), hxp.aslist(Gb), lr)
-        assert _finite(W2 + b2, hxp)
-        W3, b3 = gc.path_sgd_step(CHAIN, W, b, hxp.aslist(G), hxp.aslist(Gb), lr)
-        assert _finite(W3 + b3, hxp)
+    Gx, Gbx = hxp.aslist(G), hxp.aslist(Gb)
+    V, Vb = gc.path_values(CHAIN, W, b)
+    D, Db = gc.icr(CHAIN, W, b, Gx, Gbx)
+    W2, b2 = gc.gsgd_step(CHAIN, W, b, Gx, Gbx, 1e10)
+    V2, Vb2 = gc.path_values(CHAIN, W2, b2)
+    for v2, v, d in zip(hxp.tolist(V2) + hxp.tolist(Vb2), hxp.tolist(V) + hxp.tolist(Vb),
+                        hxp.tolist(D) + hxp.tolist(Db)):
+        if v is not None:
+            assert_close(v2, v - 1e10 * d.astype(np.float64), hxp.rtol, "V' = V - lr*D")
+    tau = CHAIN.tau_mask(1)
+    rest = ~(tau | CHAIN.free_mask(1))
+    G[0] = G[0].copy()
+    G[0][rest] *= np.logspace(-3, 3, int(rest.sum()))  # some updates overflow, some fit
+    Gx = hxp.aslist(G)
+    big = float(np.finfo(hxp.dtype_name).max)
+    lr = big / 4
+    W2, b2 = gc.gsgd_step(CHAIN, W, b, Gx, Gbx, lr)
+    assert _finite(W2 + b2, hxp)
+    w, g = hxp.to_numpy(W[0]).astype(np.float64), hxp.to_numpy(Gx[0]).astype(np.float64)
+    F = (hxp.to_numpy(V[0]).astype(np.float64)[tau] / w[tau]).reshape(-1, 1, 1)
+    with np.errstate(over="ignore"):
+        want = w - lr * g / F**2
+    overflow = rest & (np.abs(want) / 2 > big)
+    moves = rest & (np.abs(want) < big / 2)
+    assert overflow.any() and moves.any(), "lr does not exercise both cases"
+    got = hxp.to_numpy(W2[0]).astype(np.float64)
+    assert np.array_equal(got[overflow], w[overflow]), "overflowed entries keep their values"
+    assert_close(got[moves], want[moves], hxp.rtol, "entries that fit take the update")
+    W3, b3 = gc.path_sgd_step(CHAIN, W, b, Gx, Gbx, lr)
+    assert _finite(W3 + b3, hxp)
+    assert not all(np.array_equal(hxp.to_numpy(x), hxp.to_numpy(y)) for x, y in zip(W3, W))
 
 
 def test_underflowed_skeleton_products_freeze_their_paths_without_nan(hxp):
-    """float32 deep chains: B*F underflows to 0. Those paths get D = 0; nothing is NaN."""
-    chain = gc.Chain.mlp([3] * 9, bias=False)
+    """Weights of magnitude c ~ 1e-6 (float32) or 1e-45 (float64) in a chain of depth 8: the
+    skeleton product ``F B`` of every weight path leaves the dtype's range and its gradient
+    ``D`` would overflow, so D = 0 and those weights stay; bias paths near the output keep
+    their gradients and move. D is homogeneous, ``D(c W) = D(W) / c^(L-1)`` for weight paths
+    and ``Db_l(c W) = Db_l(W) / c^(L-l)``, so the exact values come from unscaled weights."""
+    chain = gc.Chain.mlp([3] * 9)
+    L, lr = chain.L, 0.1
+    c = 1e-6 if hxp.dtype_name == "float32" else 1e-45
     rng = np.random.default_rng(2)
-    W, _ = random_params(chain, rng, 1e-6, 2e-6)  # eight layers of 1e-6: products ~1e-48
-    G = [rng.standard_normal(w.shape) for w in W]
-    Wx = hxp.aslist(W)
-    W2, _ = gc.gsgd_step(chain, Wx, None, hxp.aslist(G), None, 0.1)
-    assert _finite(W2, hxp)
-    V, _ = gc.path_values(chain, W2, None)
-    assert _finite(V, hxp)
-    D, _ = gc.icr(chain, Wx, None, hxp.aslist(G), None)
-    assert _finite(D, hxp)
+    W0, b = random_params(chain, rng)
+    G = [rng.standard_normal(w.shape) for w in W0]
+    Gb = [rng.standard_normal(v.shape) for v in b]
+    D0, Db0 = gc.icr(chain, W0, b, G, Gb)
+    _, F0 = gc.path_values(chain, W0, [np.ones_like(v) for v in b])  # F_l of each bias
+    Wx = hxp.aslist([w * c for w in W0])
+    D, Db = gc.icr(chain, Wx, hxp.aslist(b), hxp.aslist(G), hxp.aslist(Gb))
+    W2, b2 = gc.gsgd_step(chain, Wx, hxp.aslist(b), hxp.aslist(G), hxp.aslist(Gb), lr)
+    top = np.log10(float(np.finfo(hxp.dtype_name).max))
+    for d in hxp.tolist(D):  # |D| ~ 1e40 (float32), ~1e313 (float64): frozen
+        assert np.all(d == 0)
+    for w2, w in zip(hxp.tolist(W2), hxp.tolist(Wx)):
+        assert np.array_equal(w2, w)
+    alive = 0
+    for l, (db, db0, f0, v2, v) in enumerate(zip(hxp.tolist(Db), Db0, F0, hxp.tolist(b2), b),
+                                             start=1):
+        size = np.log10(np.abs(db0)) - (L - l) * np.log10(c)  # log10 |Db_l(c W)|
+        frozen, ok = size > top + 1, size < top - 1
+        assert np.all(db[frozen] == 0)
+        with np.errstate(over="ignore", divide="ignore"):  # the expectations may overflow
+            assert_close(db[ok], (db0 / c ** (L - l))[ok], hxp.rtol, f"Db_{l}")
+            want = v - lr * db0 / f0 / c ** (2 * (L - l))  # b - lr * Db / F
+            kept = frozen | (ok & ~np.isfinite(want.astype(v2.dtype)))  # overflowed: kept
+        moved = ok & (np.abs(want) < 10 ** (top - 1))
+        assert np.array_equal(v2[kept], v.astype(v2.dtype)[kept]), f"b_{l} kept"
+        assert_close(v2[moved], want[moved], hxp.rtol, f"b_{l}")
+        alive += int(moved.sum())
+    assert alive >= 2 * 3, "the top bias paths should keep their gradients"
+    assert _finite(W2 + b2, hxp)
 
 
 @pytest.mark.parametrize("where", ["tau", "free"])
-def test_zero_skeleton_weight_is_finite_and_keeps_free_weights(hxp, where):
+def test_zero_skeleton_weight_freezes_exactly_the_paths_through_it(hxp, where):
+    """Zero tau edges into layer 1 make ``B_1 = 0``: every weight path above layer 1 has
+    skeleton product 0, so its D is 0 and those layers keep their weights, while layer 1 and
+    the biases move. Zero free edges out of layer 1 make ``F_1 = 0``: layer 1's paths and
+    bias are frozen instead; in this chain those edges are also layer 2's tau edges, so
+    ``B_2 = 0`` freezes layer 3 too, and layer 2 moves. Nothing is NaN (DESIGN §6)."""
     pb = Problem(CHAIN, 3)
     W = [w.copy() for w in pb.W]
     mask = CHAIN.tau_mask(1) if where == "tau" else CHAIN.free_mask(2)
     W[0 if where == "tau" else 1][mask] = 0.0
     G, Gb = pb.grads(W, pb.b)
-    W2, b2 = gc.gsgd_step(CHAIN, hxp.aslist(W), hxp.aslist(pb.b), hxp.aslist(G),
-                          hxp.aslist(Gb), 0.1)
-    assert _finite(W2 + b2, hxp)
-    for l, (w, w2) in enumerate(zip(W, hxp.tolist(W2)), start=1):
-        free = CHAIN.free_mask(l)
-        assert np.array_equal(w[free].astype(w2.dtype), w2.reshape(free.shape)[free])
+    args = hxp.aslist(W), hxp.aslist(pb.b), hxp.aslist(G), hxp.aslist(Gb)
+    D, Db = gc.icr(CHAIN, *args)
+    W2, b2 = gc.gsgd_step(CHAIN, *args, 0.1)
+    assert _finite(W2 + b2 + D + Db, hxp)
+    assert np.all(CHAIN.free_mask(2)[CHAIN.tau_mask(2)])  # what the docstring relies on
+    frozen = {"tau": [2, 3], "free": [1, 3]}[where]
+    for l, (w, w2, d) in enumerate(zip(W, hxp.tolist(W2), hxp.tolist(D)), start=1):
+        w = w.astype(w2.dtype).reshape(w2.shape)
+        free = CHAIN.free_mask(l).reshape(w2.shape)
+        assert np.array_equal(w[free], w2[free])
+        if l in frozen:
+            assert np.all(d == 0) and np.array_equal(w2, w), f"layer {l} should be frozen"
+        else:
+            assert np.any(d != 0) and not np.array_equal(w2, w), f"layer {l} should move"
+    db1, b1 = hxp.to_numpy(Db[0]), hxp.to_numpy(b2[0])
+    if where == "free":
+        assert np.all(db1 == 0) and np.array_equal(b1, pb.b[0].astype(b1.dtype))
+    else:
+        assert np.any(db1 != 0) and not np.array_equal(b1, pb.b[0].astype(b1.dtype))
 
 
 def test_path_values_may_cross_zero():
@@ -178,12 +253,20 @@ magnitudes = st.sampled_from([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e30])
 lrs = st.sampled_from([0.0, 1e-3, 0.1, 10.0, 1e10, 1e30])
 
 
-@settings(max_examples=60)
+MISTAKES = [None, "gradient shape", "gradient count", "negative lr", "negative momentum"]
+
+
+@settings(max_examples=examples(60))
 @given(chain=chains(max_depth=4, max_width=4, max_slots=3), seed=seeds, scale=magnitudes,
        gscale=magnitudes, lr=lrs, momentum=st.sampled_from([0.0, 0.9]),
-       poison=st.sampled_from([None, np.nan, np.inf]), dtype=st.sampled_from(["f4", "f8"]))
+       poison=st.sampled_from([None, np.nan, np.inf]), dtype=st.sampled_from(["f4", "f8"]),
+       mistake=st.sampled_from(MISTAKES), data=st.data())
 def test_fuzz_hostile_input_gives_a_clear_error_or_finite_output(chain, seed, scale, gscale, lr,
-                                                                 momentum, poison, dtype):
+                                                                 momentum, poison, dtype,
+                                                                 mistake, data):
+    """Extreme magnitudes, pruned weights, a NaN/Inf in any layer's weight or bias gradient,
+    and malformed calls: a ValueError naming what is wrong, or a finite step (skipped
+    whole when a gradient is poisoned) in the input's dtype."""
     rng = np.random.default_rng(seed)
     W, b = random_params(chain, rng)
     W = [(w * (scale if rng.random() < 0.5 else 1.0)).astype(dtype) for w in W]
@@ -192,16 +275,35 @@ def test_fuzz_hostile_input_gives_a_clear_error_or_finite_output(chain, seed, sc
     b = [None if v is None else v.astype(dtype) for v in b]
     G = [(gscale * rng.standard_normal(w.shape)).astype(dtype) for w in W]
     Gb = [None if v is None else rng.standard_normal(v.shape).astype(dtype) for v in b]
-    if poison is not None:
-        G[-1].reshape(-1)[0] = poison
     if not (_all_finite(W) and _all_finite(b)):
         return  # overflowed casts: not finite input
+    if poison is not None:
+        targets = [g for g in G + Gb if g is not None]
+        target = targets[data.draw(st.integers(0, len(targets) - 1), label="poisoned")]
+        target.reshape(-1)[data.draw(st.integers(0, target.size - 1), label="entry")] = poison
     state = gc.gsgd_init(chain, W, b)
-    W2, b2, s2 = gc.gsgd_update(chain, state, W, b, G, Gb, lr=lr, momentum=momentum)
+    call = dict(lr=lr, momentum=momentum)
+    if mistake is not None:
+        layer = data.draw(st.integers(0, chain.L - 1), label="layer")
+        if mistake == "gradient shape":
+            G[layer] = np.zeros((G[layer].shape[0] + 1,) + G[layer].shape[1:], dtype=dtype)
+            match = f"layer {layer + 1}"
+        elif mistake == "gradient count":
+            del G[layer]
+            match = f"grads has {chain.L - 1} entries"
+        else:
+            call = dict(lr=-lr - 1.0, momentum=momentum) if mistake == "negative lr" else dict(
+                lr=lr, momentum=-0.5)
+            match = "lr" if mistake == "negative lr" else "momentum"
+        with pytest.raises(ValueError, match=match):
+            gc.gsgd_update(chain, state, W, b, G, Gb, **call)
+        return
+    W2, b2, s2 = gc.gsgd_update(chain, state, W, b, G, Gb, **call)
     assert _all_finite(W2) and _all_finite(b2) and _all_finite(s2.momentum)
     assert all(x.dtype == np.dtype(dtype) for x in W2)
     if poison is not None:
-        assert all(np.array_equal(x, y) for x, y in zip(W2, W))
+        assert all(np.array_equal(x, y) for x, y in zip(W2 + b2, W + b) if x is not None)
+        assert int(s2.step) == 0
 
 
 def _all_finite(arrays):
@@ -209,8 +311,10 @@ def _all_finite(arrays):
 
 
 @pytest.mark.parametrize("lr, momentum", [(50.0, 0.0), (5.0, 0.9)])
-def test_training_far_past_the_stability_limit_stays_finite(lr, momentum):
-    """Long, unstable float32 runs through the torch optimizer never write NaN or Inf."""
+def test_training_far_past_the_stability_limit_keeps_stepping(lr, momentum):
+    """Long, unstable float32 runs through the torch optimizer: the loss blows up to ~1e9, yet
+    every one of the 200 steps is taken (no step skipped, every step moves the weights),
+    and neither the loss nor any weight is ever NaN or Inf."""
     torch = pytest.importorskip("torch")
     from gsgd_adapters.torch import GSGD, skeleton_init_
 
@@ -222,16 +326,21 @@ def test_training_far_past_the_stability_limit_stays_finite(lr, momentum):
                                 torch.nn.Linear(32, 4))
     skeleton_init_(model, skeleton="paper")  # the paper's recipe goes unstable at these lrs
     opt = GSGD(model, lr=lr, momentum=momentum, skeleton="paper")
-    unstable = False
+    biggest_loss, frozen_steps = 0.0, 0
     for _ in range(200):
         idx = torch.randint(0, 256, (32,), generator=gen)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
         loss.backward()
-        opt.step()
-        biggest = max(float(p.detach().abs().max()) for p in model.parameters())
-        unstable |= not bool(torch.isfinite(loss)) or biggest > 1e3
-    assert unstable, "the run stayed stable: this case does not exercise the rules"
+        before = [p.detach().clone() for p in model.parameters()]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a skipped step warns: fail on it
+            opt.step()
+        frozen_steps += all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert bool(torch.isfinite(loss)), "the loss became NaN or Inf"
+        biggest_loss = max(biggest_loss, float(loss.detach()))
+    assert biggest_loss > 1e5, "the run stayed stable: this case does not exercise the rules"
+    assert frozen_steps == 0, f"{frozen_steps} of 200 steps left every weight as it was"
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 

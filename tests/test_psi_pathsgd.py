@@ -40,15 +40,20 @@ def _psi_run(Ws, U, x, y, steps, **hyper):
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @given(seed=seeds, spread=st.floats(0.1, 3.0))
 def test_psi_sgdm_commutes_with_per_unit_scaling(momentum, seed, spread):
-    """Seed 004 Theorem 1: from (W, U) and (T_a W, T_a U) the iterates stay T_a-related."""
+    """PSI-SGD paper (seed 004) Theorem 1: from (W, U) and (T_a W, T_a U) the iterates
+    stay T_a-related. The theorem is about the update itself, so the renormalisation of
+    rows above ``max_norm`` (a projection onto the same function, tested below) is moved
+    out of reach: the "thorough" profile drew a spread of 3, whose rows of norm ~1e4 it
+    renormalised in one twin only."""
     rng = np.random.default_rng(seed)
     Ws = [rng.standard_normal((6, 4)), rng.standard_normal((5, 6)), rng.standard_normal((2, 5))]
     U = [0.01 * rng.standard_normal(w.shape) for w in Ws[:2]]
     x, y = rng.standard_normal((16, 4)), rng.standard_normal((16, 2))
     a = [np.exp(spread * rng.standard_normal((w.shape[0], 1))) for w in Ws[:2]]
-    ours, s1 = _psi_run(Ws, U, x, y, 10, lr=0.05, momentum=momentum)
+    hyper = dict(lr=0.05, momentum=momentum, max_norm=1e300)
+    ours, s1 = _psi_run(Ws, U, x, y, 10, **hyper)
     twin, s2 = _psi_run([Ws[0] * a[0], Ws[1] * a[1], Ws[2]], [u * s for u, s in zip(U, a)],
-                        x, y, 10, lr=0.05, momentum=momentum)
+                        x, y, 10, **hyper)
     assert_all_close(twin, [w * s for w, s in zip(ours, a)], 1e-8, "T_a W_t")
     assert_all_close(s2.momentum, [u * s for u, s in zip(s1.momentum, a)], 1e-8, "T_a U_t")
 

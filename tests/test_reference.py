@@ -11,11 +11,29 @@ from _helpers import Problem, assert_close
 from _strategies import seeds, small_chains
 
 
-@given(chain=small_chains())
-def test_structure_matrix_has_rank_m_minus_H(chain):
+@given(chain=small_chains(), seed=seeds)
+def test_structure_matrix_has_rank_m_minus_H(chain, seed):
+    """Thm 3.4 counted from the layer shapes, not from the chain's own ``m`` and ``H``; and
+    from the sweeps: the Jacobian of ``log|V|`` (basis paths, :func:`path_values`) with
+    respect to ``log|w|`` has rank ``m - H``, and its rows span every path's row of A."""
+    m = sum(int(np.prod(chain.layer_shape(l))) + chain.sizes[l] * chain.bias[l - 1]
+            for l in range(1, chain.L + 1))
+    hidden = sum(chain.sizes[1:-1])
     A = ref.structure_matrix(chain)
-    assert A.shape == (chain.m, ref.n_paths(chain))
-    assert np.linalg.matrix_rank(A) == chain.m - chain.H == chain.g_space_dim
+    assert A.shape == (m, ref.n_paths(chain))
+    assert np.linalg.matrix_rank(A) == m - hidden == chain.g_space_dim
+    rng = np.random.default_rng(seed)
+    w = rng.choice([-1.0, 1.0], m) * rng.uniform(0.5, 2.0, m)
+
+    def log_values(vec):
+        V, Vb = gc.path_values(chain, *ref.unflatten(chain, vec))
+        return np.log(np.abs(ref.to_basis(chain, V, Vb)))
+
+    base = log_values(w)
+    J = np.stack([(log_values(w * np.where(np.arange(m) == e, 2.0, 1.0)) - base) / np.log(2.0)
+                  for e in range(m)])  # J[e, p] = d log|V_p| / d log|w_e|
+    assert np.linalg.matrix_rank(J, tol=1e-6) == m - hidden
+    assert np.linalg.matrix_rank(np.concatenate([J, A], axis=1), tol=1e-6) == m - hidden
 
 
 @given(chain=small_chains())

@@ -10,7 +10,7 @@ import gsgd_core as gc
 from gsgd_core import reference as ref
 from _helpers import Problem, assert_all_close, assert_close
 from _nets import output
-from _strategies import chains, seeds, small_chains
+from _strategies import chains, examples, seeds, small_chains
 
 lrs = st.sampled_from([0.01, 0.1, 0.5])
 
@@ -75,7 +75,7 @@ def _compare_projections(chain, seed, lr=0.05):
     return ref.flatten(chain, Wa, ba), wb
 
 
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(chain=small_chains(), seed=seeds)
 def test_min_norm_projection_gives_the_same_path_values(chain, seed):
     """Theorem 4.1: another projection that keeps free-weight signs (minimum norm in log
