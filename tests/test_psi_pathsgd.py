@@ -94,3 +94,36 @@ def test_path_sgd_step_commutes_with_rescaling(hxp, chain, seed, spread):
     We, be = gc.rescale(chain, W1, b1, scales)
     assert_all_close(hxp.tolist(W2), hxp.tolist(We), hxp.rtol, "weights")
     assert_all_close(hxp.tolist(b2), hxp.tolist(be), hxp.rtol, "biases")
+
+
+def test_psi_step_and_path_sgd_bias_step_follow_their_formulas():
+    """One PSI-SGD step is ``w - lr ||w||^2 g`` row by row (PSI paper eq. 7); a Path-SGD
+    step moves each bias by ``-lr g / gamma_b`` with ``gamma_b > 0``: against its gradient."""
+    w = np.array([[1.0, 2.0], [3.0, -1.0]])
+    g = np.array([[0.5, -0.25], [0.1, 0.2]])
+    new, _ = gc.psi_update(gc.psi_init([w]), [w], [g], lr=0.1)
+    want = w - 0.1 * np.sum(w * w, axis=1, keepdims=True) * g
+    np.testing.assert_allclose(new[0], want, rtol=1e-15)
+    with pytest.raises(ValueError, match="share one real floating dtype"):
+        gc.psi_update(gc.psi_init([w]), [w], [g.astype(np.float32)], lr=0.1)
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 4)
+    G, Gb = pb.grads()
+    _, b2 = gc.path_sgd_step(chain, pb.W, pb.b, G, Gb, 1e-3)
+    for v2, v, gb in zip(b2, pb.b, Gb):
+        moved = v2 - v
+        assert np.all(np.sign(moved[gb != 0]) == -np.sign(gb[gb != 0]))
+
+
+def test_step_count_advances_without_momentum_and_not_on_a_skipped_step():
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+    state = gc.gsgd_init(chain, pb.W, pb.b)
+    W, b = pb.W, pb.b
+    for n in (1, 2):
+        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, lr=0.01)
+        assert int(state.step) == n
+    bad = [G[0] * np.nan, G[1]]
+    _, _, state = gc.gsgd_update(chain, state, W, b, bad, Gb, lr=0.01)
+    assert int(state.step) == 2
