@@ -138,6 +138,8 @@ def test_jax_jit_compiles_once_and_matches_numpy():
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_backend_in_place_update_equals_core(hxp, momentum):
+    if hxp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them (tested below)")
     pb, W, G, Gb = _problem(CHAIN, SHAPES)
     A, Ab, AG, AGb = hxp.aslist(W), hxp.aslist(pb.b), hxp.aslist(G), hxp.aslist(Gb)
     state = gc.gsgd_init(CHAIN, A, Ab)
@@ -172,6 +174,8 @@ def test_backend_refuses_immutable_jax_arrays():
 
 
 def test_backend_in_place_helpers(hxp):
+    if hxp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them (tested below)")
     pb, W, _, _ = _problem(MLP)
     A, Ab = hxp.aslist(W), hxp.aslist(pb.b)
     scales = gc.random_rescaling(MLP, np.random.default_rng(1), 1.0)
