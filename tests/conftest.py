@@ -1,5 +1,6 @@
 """Shared fixtures: the ``xp`` fixture over every installed array namespace, Hypothesis profile."""
 
+import contextlib
 import os
 import sys
 
@@ -61,10 +62,7 @@ def hxp(request):
     anew for each new shape, so on JAX the chains' shapes come from a short fixed list
     (``_strategies.FIXED_SHAPES``); values, skeletons and rescalings are drawn as elsewhere."""
     ns = _use(request.param)
-    if ns.name != "jax":
-        yield ns
-        return
-    with fixed_shapes():
+    with fixed_shapes() if ns.name == "jax" else contextlib.nullcontext():
         yield ns
 
 

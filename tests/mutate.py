@@ -54,7 +54,9 @@ TARGETS = {
 BINOPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"),
           ast.Div: ("/", "*"), ast.Pow: ("**", "*"), ast.FloorDiv: ("//", "/")}
 CMPOPS = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="),
-          ast.GtE: (">=", ">"), ast.Eq: ("==", "!="), ast.NotEq: ("!=", "==")}
+          ast.GtE: (">=", ">"), ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="),
+          ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is"),
+          ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
 
 
 @dataclass
@@ -141,11 +143,8 @@ def find_mutants(path: Path, rel: str, first_id: int) -> list[Mutant]:
                 add(node, f"{old}= -> {new}=", *sp, new + "=")
         elif isinstance(node, ast.Compare) and len(node.ops) == 1:
             op = node.ops[0]
-            pairs = dict(CMPOPS)
-            pairs.update({ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is"),
-                          ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")})
-            if type(op) in pairs:
-                old, new = pairs[type(op)]
+            if type(op) in CMPOPS:
+                old, new = CMPOPS[type(op)]
                 sp = _operator_span(tokens, starts, node.left, node.comparators[0], old)
                 if sp:
                     add(node, f"{old} -> {new}", *sp, new)
@@ -178,7 +177,7 @@ def apply(text: str, m: Mutant) -> str:
     return text[:m.start] + m.new + text[m.end:]
 
 
-def run_tests(pkg_dir: Path, name: str, tests, kexpr, timeout) -> tuple[str, float]:
+def run_tests(pkg_dir: Path, tests, kexpr, timeout) -> tuple[str, float]:
     env = dict(os.environ, PYTHONPATH=str(pkg_dir) + os.pathsep + os.environ.get(
         "PYTHONPATH", ""), HYPOTHESIS_PROFILE="ci", PYTHONDONTWRITEBYTECODE="1")
     # Run from the copy's folder: ``python -m`` puts the working directory first on sys.path.
@@ -229,7 +228,7 @@ def main(argv=None) -> int:
     base = work / "base" / name
     shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
     check_isolation(base.parent, name)
-    status, baseline = run_tests(base.parent, name, tests, kexpr, timeout=1800)
+    status, baseline = run_tests(base.parent, tests, kexpr, timeout=1800)
     if status != "survived":
         sys.exit(f"the tests fail without any mutant ({status}): fix them first")
     timeout = 3 * baseline + 30
@@ -246,7 +245,7 @@ def main(argv=None) -> int:
         except SyntaxError:
             m.status = "invalid"
             return m
-        m.status, m.seconds = run_tests(d, name, tests, kexpr, timeout)
+        m.status, m.seconds = run_tests(d, tests, kexpr, timeout)
         shutil.rmtree(d, ignore_errors=True)
         return m
 
