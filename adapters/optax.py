@@ -10,6 +10,9 @@ The math is :mod:`gsgd_core` (functional, Array API), so ``update`` compiles onc
 ``jax.jit``: no data-dependent control flow, no host round-trips. Leaves outside chains take
 plain SGD (``torch.optim.SGD``'s momentum conventions). Weights use the ``(out, in, ...)``
 layout; ``transposed=True`` reads 2-D ``(in, out)`` kernels (flax, haiku) instead.
+
+:func:`in_path_space` runs any optax transformation in path space (G-Adam is
+``in_path_space(optax.adam(1e-3), chains)``).
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gsgd_core import Chain, gsgd_init, gsgd_update, path_sgd_step, psi_init, psi_update
+from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_step, path_values,
+                       psi_init, psi_update)
 
-__all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "path_sgd",
-           "psi_sgd"]
+__all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
+           "path_sgd", "psi_sgd"]
 
 ScalarOrSchedule = Union[float, Callable[[Any], Any]]
 Path = tuple
@@ -201,3 +205,85 @@ def psi_sgd(learning_rate: ScalarOrSchedule, normalised: Sequence[Path], *,
     return _transformation(learning_rate, [leaves], chain_init, chain_step,
                            dict(momentum=momentum, dampening=0.0, nesterov=False,
                                 weight_decay=0.0))
+
+
+class InPathSpaceState(NamedTuple):
+    inner: Any            # the inner transformation's state (of path values at chain leaves)
+
+
+def _chain_arrays(c: ChainLeaves, index, leaves, grads):
+    t = c.transposed
+    return ([_get(index, leaves, p, t) for p in c.weights], [_get(index, leaves, p) for p in c.biases],
+            [_get(index, grads, p, t) for p in c.weights], [_get(index, grads, p) for p in c.biases])
+
+
+def _put(out: list, index, c: ChainLeaves, weights, biases) -> None:
+    """Chain arrays (weights as ``(out, in, ...)``) into their leaves' places in ``out``."""
+    for p, x in zip(c.weights, weights):
+        out[index[p]] = x.T if c.transposed and x.ndim == 2 else x
+    for p, x in zip(c.biases, biases):
+        if p is not None:
+            out[index[p]] = x
+
+
+def in_path_space(inner: optax.GradientTransformation,
+                  chains: Sequence[ChainLeaves]) -> optax.GradientTransformation:
+    """Any optax transformation in path space: an invariant optimizer of the chains.
+
+    ``inner`` sees, at every chain leaf, the path gradients ``D = dL/dv`` (inverse chain
+    rule, paper eq. 3) as its gradients and the basis-path values ``V`` as its params (so
+    ``optax.add_decayed_weights`` decays path values), and the leaves outside chains as they
+    are. Its update ``u`` at chain leaves is the path step ``-Delta``: weight allocation
+    (eq. 5–6) writes the weights whose path values are ``V + u``, free weights unchanged.
+    Whatever ``inner`` computes from ``D`` and ``V`` alone commutes with positive rescaling,
+    so ``in_path_space(optax.adam(lr), chains)`` is G-Adam and
+    ``in_path_space(optax.sgd(lr, momentum), chains)`` is :func:`gsgd` (to rounding).
+
+    Numerics as :func:`gsgd_core.path_update`: a step whose chain gradients hold a NaN or
+    Inf is skipped whole (zero updates, state kept); a path whose update is not finite keeps
+    its value. Jit-compatible; composes with ``optax.chain``.
+    """
+    chains = list(chains)
+    if any(c.chain is None for c in chains):
+        raise ValueError("in_path_space takes chains (ChainLeaves with a chain), not PSI groups")
+
+    def to_path_space(grads, params):
+        """``(D tree, V tree, chain arrays, ok)``: path gradients and values at chain leaves."""
+        paths, leaves, treedef = _flat(params)
+        grads = treedef.flatten_up_to(grads)
+        index = dict(zip(paths, range(len(paths))))
+        D, V, arrays, finite = list(grads), list(leaves), [], []
+        for c in chains:
+            W, b, G, Gb = _chain_arrays(c, index, leaves, grads)
+            _put(D, index, c, *icr(c.chain, W, b, G, Gb))
+            _put(V, index, c, *path_values(c.chain, W, b))
+            arrays.append((W, b))
+            finite += [jnp.all(jnp.isfinite(g)) for g in G + Gb if g is not None]
+        ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
+        return (jax.tree_util.tree_unflatten(treedef, D),
+                jax.tree_util.tree_unflatten(treedef, V), arrays, index, treedef, ok)
+
+    def init(params):
+        _, V, *_ = to_path_space(params, params)
+        return InPathSpaceState(inner.init(V))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("in_path_space needs params: opt.update(grads, state, params)")
+        D, V, arrays, index, treedef, ok = to_path_space(updates, params)
+        u, inner_state = inner.update(D, state.inner, V)
+        u = treedef.flatten_up_to(u)
+        out = list(u)
+        for c, (W, b) in zip(chains, arrays):
+            t = c.transposed
+            delta = [-_get(index, u, p, t) for p in c.weights]
+            bias_delta = [None if p is None else -_get(index, u, p) for p in c.biases]
+            W2, b2 = allocate(c.chain, W, b, delta, bias_delta)
+            _put(out, index, c, [w2 - w for w2, w in zip(W2, W)],
+                 [None if x is None else x2 - x for x2, x in zip(b2, b)])
+        out = [jnp.where(ok, x, jnp.zeros_like(x)) for x in out]
+        inner_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), inner_state,
+                                             state.inner)
+        return jax.tree_util.tree_unflatten(treedef, out), InPathSpaceState(inner_state)
+
+    return optax.GradientTransformation(init, update)

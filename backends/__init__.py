@@ -9,8 +9,8 @@ JAX arrays are immutable and get a clear error pointing to the functional core.
 """
 
 from ._dispatch import kernels_for
-from .inplace import (canonicalize_, gsgd_step_, gsgd_update_, path_sgd_step_, psi_update_,
-                      rescale_, skeleton_init_)
+from .inplace import (canonicalize_, gsgd_step_, gsgd_update_, path_sgd_step_, path_update_,
+                      psi_update_, rescale_, skeleton_init_)
 
 __all__ = ["kernels_for", "canonicalize_", "gsgd_step_", "gsgd_update_", "path_sgd_step_",
-           "psi_update_", "rescale_", "skeleton_init_"]
+           "path_update_", "psi_update_", "rescale_", "skeleton_init_"]

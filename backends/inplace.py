@@ -19,8 +19,8 @@ from gsgd_core.gsgd import check_update_hypers
 from ._dispatch import assign, kernels_for
 from .fast import fast_step_
 
-__all__ = ["gsgd_step_", "gsgd_update_", "rescale_", "canonicalize_", "skeleton_init_",
-           "path_sgd_step_", "psi_update_"]
+__all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicalize_",
+           "skeleton_init_", "path_sgd_step_", "psi_update_"]
 
 
 def _write(dsts, srcs) -> None:
@@ -33,6 +33,19 @@ def _write_state(state: GSGDState, new: GSGDState) -> None:
     _write(state.momentum, new.momentum)
     _write(state.bias_momentum, new.bias_momentum)
     assign(state.step, new.step)
+
+
+def _write_tree(dst, src) -> None:
+    """Every array of the state ``src`` into the same place of ``dst`` (nested tuples,
+    lists, NamedTuples, dicts)."""
+    if isinstance(dst, dict):
+        for k in dst:
+            _write_tree(dst[k], src[k])
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _write_tree(d, s)
+    elif dst is not None:
+        assign(dst, src)
 
 
 def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, bias_grads,
@@ -94,6 +107,21 @@ def _fast_hypers(hyper: dict, state) -> dict | None:
     check_update_hypers(**h)
     numbers_only = all(isinstance(h[k], numbers.Real) for k in h)
     return h if numbers_only and (h["momentum"] == 0 or state is not None) else None
+
+
+def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads) -> bool:
+    """:func:`gsgd_core.path_update` applied in place to ``weights``, ``biases`` and every
+    array of ``state`` (which must be mutable arrays, as the rule's ``init`` makes them).
+
+    Returns ``False`` when the step was skipped for a non-finite gradient, ``True``
+    otherwise.
+    """
+    W, b, new_state = gsgd_core.path_update(chain, rule, state, weights, biases, grads,
+                                            bias_grads)
+    _write(weights, W)
+    _write(biases or [], b)
+    _write_tree(state, new_state)
+    return _finite(grads, bias_grads)
 
 
 def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr, *, kernels=None) -> None:

@@ -11,19 +11,26 @@ Public names (DESIGN §7)::
     rescale, random_rescaling, canonicalize, skeleton_init, weights_from_path_values
     psi_init, psi_update, PSIState                     (seed 004, Algorithm 1)
     path_sgd_gamma, path_sgd_step                      (Neyshabur et al. 2015)
+    path_init, path_update, allocate                   (any rule in path space)
+    PathRule, sgd_rule, adam_rule, adamw_rule          (G-Adam(W), ...)
     gsgd_core.reference                                (dense checks for small chains)
 """
 
 from .chain import Chain
 from .group import canonicalize, random_rescaling, rescale, skeleton_init, weights_from_path_values
 from .gsgd import GSGDState, gsgd_init, gsgd_step, gsgd_update, icr, path_values
+from .path_rules import (AdamRule, ElementwiseRule, PathRule, RuleState, SGDRule, adam_rule,
+                         adamw_rule, sgd_rule)
 from .path_sgd import path_sgd_gamma, path_sgd_step
+from .path_space import allocate, path_init, path_update
 from .psi import PSIState, psi_init, psi_update
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Chain", "GSGDState", "PSIState", "__version__", "canonicalize", "gsgd_init", "gsgd_step",
-    "gsgd_update", "icr", "path_sgd_gamma", "path_sgd_step", "path_values", "psi_init",
-    "psi_update", "random_rescaling", "rescale", "skeleton_init", "weights_from_path_values",
+    "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState", "PathRule", "RuleState",
+    "SGDRule", "__version__", "adam_rule", "adamw_rule", "allocate", "canonicalize",
+    "gsgd_init", "gsgd_step", "gsgd_update", "icr", "path_init", "path_sgd_gamma",
+    "path_sgd_step", "path_update", "path_values", "psi_init", "psi_update",
+    "random_rescaling", "rescale", "sgd_rule", "skeleton_init", "weights_from_path_values",
 ]

@@ -271,3 +271,24 @@ def safe_div(xp, num, den):
 def outer3(u, v):
     """``u[:, None, None] * v[None, :, None]``: a per-edge product of node vectors."""
     return u[:, None, None] * v[None, :, None]
+
+
+def shaped(p: Prepared, arrays) -> list:
+    """3-D layer arrays in the caller's shapes, in the compute dtype (``None`` stays)."""
+    return [None if a is None else p.xp.reshape(a, s) for a, s in zip(arrays, p.shapes)]
+
+
+def guard_tree(xp, ok, new, old):
+    """:func:`guard` over a state of nested tuples, lists, NamedTuples and dicts: each array
+    leaf of ``new`` where ``ok`` (and, for floating arrays, where finite), else ``old``'s."""
+    if new is None:
+        return None
+    if isinstance(new, dict):
+        return {k: guard_tree(xp, ok, new[k], old[k]) for k in new}
+    if isinstance(new, (tuple, list)):
+        items = [guard_tree(xp, ok, n, o) for n, o in zip(new, old)]
+        return type(new)(*items) if hasattr(new, "_fields") else type(new)(items)
+    if not _is_array(new):
+        return new
+    keep = ok & xp.isfinite(new) if xp.isdtype(new.dtype, "real floating") else ok
+    return xp.where(keep, new, old)

@@ -144,29 +144,49 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
                          "biases)")
     extra = () if state is None else (("momentum", state.momentum),
                                       ("bias_momentum", state.bias_momentum))
+
+    def steps(p, ok, D, Db, V, Vb):
+        xp, L = p.xp, chain.L
+        rule = None
+        if use_momentum or not _is_zero(weight_decay):
+            rule = StepRule(None if _is_zero(weight_decay) else scalar(p, weight_decay),
+                            scalar(p, momentum) if use_momentum else None,
+                            scalar(p, dampening), nesterov,
+                            state.step == 0 if use_momentum else None)
+        M_old = view3(p, chain, state.momentum) if use_momentum else [None] * L
+        Mb_old = vecs(p, state.bias_momentum, L) if use_momentum else [None] * L
+        S, M = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(D, M_old, V)])
+        Sb, Mb = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(Db, Mb_old, Vb)])
+        new_state = state
+        if use_momentum:
+            new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
+                                  tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
+                                  xp.where(ok, state.step + 1, state.step))
+        elif state is not None:
+            new_state = state._replace(step=xp.where(ok, state.step + 1, state.step))
+        return S, Sb, scalar(p, lr), new_state
+
+    return path_step(chain, weights, biases, grads, bias_grads, steps, extra)
+
+
+def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
+              bias_grads: OptArrays | None, steps, extra=()):
+    """The scaffold of every update in path space: validation, ICR (eq. 3), the caller's
+    rule, weight allocation (eq. 5–6) and the skip rule (DESIGN §6).
+
+    ``steps(p, ok, D, Db, V, Vb)`` gets the validated call ``p``, the 0-d flag ``ok`` (every
+    gradient finite) and the path gradients and values as 3-D layer views and bias vectors
+    in the compute dtype; it returns ``(S, Sb, lr, state)``: the basis paths move by
+    ``-lr * S`` (``V' = V - lr*S``). Where ``ok`` is false, weights and biases come back
+    unchanged; ``steps`` guards its own state.
+    """
     p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads, extra)
-    xp, L = p.xp, chain.L
-    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, L)
+    xp = p.xp
+    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
     ok = all_finite(xp, G + Gb)
     D, Db, V, Vb = icr3(xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
-    rule = None
-    if use_momentum or not _is_zero(weight_decay):
-        rule = StepRule(None if _is_zero(weight_decay) else scalar(p, weight_decay),
-                        scalar(p, momentum) if use_momentum else None, scalar(p, dampening),
-                        nesterov, state.step == 0 if use_momentum else None)
-    M_old = view3(p, chain, state.momentum) if use_momentum else [None] * L
-    Mb_old = vecs(p, state.bias_momentum, L) if use_momentum else [None] * L
-    D, M = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(D, M_old, V)])
-    Db, Mb = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(Db, Mb_old, Vb)])
-    new_state = state
-    if use_momentum:
-        new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
-                              tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
-                              xp.where(ok, state.step + 1, state.step))
-    elif state is not None:
-        new_state = state._replace(step=xp.where(ok, state.step + 1, state.step))
-    W_new, b_new = allocate3(xp, chain, p.meta, W, b, D, Db, V, B, F, scalar(p, lr),
-                             p.dtype, p.device)
+    S, Sb, lr, new_state = steps(p, ok, D, Db, V, Vb)
+    W_new, b_new = allocate3(xp, chain, p.meta, W, b, S, Sb, V, B, F, lr, p.dtype, p.device)
     W_new, b_new = guard(xp, ok, W_new, W), guard(xp, ok, b_new, b)
     return restore(p, W_new), unvecs(p, b_new), new_state
 

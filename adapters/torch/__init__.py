@@ -1,4 +1,4 @@
-"""``torch.optim`` optimizers over the gsgd core: G-SGD, PSI-SGD(M) and Path-SGD.
+"""``torch.optim`` optimizers over the gsgd core: G-SGD, G-Adam(W), PSI-SGD(M) and Path-SGD.
 
     from gsgd_adapters.torch import GSGD, skeleton_init_
     skeleton_init_(model)               # once, before training (DESIGN §11)
@@ -6,11 +6,12 @@
     print(opt.describe())
 """
 
+from .adam import GAdam, GAdamW
 from .discovery import ChainLayers, chain_of, discover
 from .groups import Description
 from .model_ops import check_invariance, random_rescale_, skeleton_init_
 from .optim import GSGD, PSISGD, PathSGD, SkeletonWarning, SkippedStepWarning
 
-__all__ = ["GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description", "SkeletonWarning",
+__all__ = ["GAdam", "GAdamW", "GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description", "SkeletonWarning",
            "SkippedStepWarning", "chain_of", "check_invariance", "discover", "random_rescale_",
            "skeleton_init_"]

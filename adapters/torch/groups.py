@@ -221,6 +221,7 @@ class Description:
     reasons: dict = field(default_factory=dict)   # parameter name -> why it is not in a chain
     skipped: int = 0                              # chain steps skipped (non-finite gradients)
     skeleton: str = "paper"
+    rest_rule: str = "plain SGD"                  # the rule of the "sgd" parts
 
     @property
     def chains(self) -> list[tuple[list[str], Chain, bool]]:
@@ -265,7 +266,7 @@ class Description:
                 weights = ", ".join(f"{n}.weight" for n in p.names)
                 lines.append(f"  PSI-SGD (normalised rows) {weights}; {hyper}")
             else:
-                lines.append(f"  plain SGD {', '.join(p.names)}; {hyper}")
+                lines.append(f"  {self.rest_rule} {', '.join(p.names)}; {hyper}")
         for name, why in self.reasons.items():
             if any(name in p.names for p in self.parts if p.kind == "sgd"):
                 lines.append(f"    {name}: not in a chain: {why}")

@@ -28,7 +28,8 @@ from .groups import (ChainPart, Description, PartInfo, SGDPart, partition,
                      skeleton_is_initialised, sub_chain)
 from .model_ops import check_invariance
 
-__all__ = ["GSGD", "PSISGD", "PathSGD", "SkeletonWarning", "SkippedStepWarning"]
+__all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
+           "SkippedStepWarning"]
 
 # Attributes of the optimizer beyond torch's own, carried by copy.deepcopy and pickle.
 _OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile")
@@ -95,15 +96,22 @@ def _add_chain_params(groups: list[dict], chains) -> None:
     groups[0]["params"] = list(groups[0]["params"]) + extra
 
 
-class _ScaleInvariantOptimizer(Optimizer):
-    """User param groups, stepped part by part: chains, PSI weights and the rest (SGD)."""
+class ScaleInvariantOptimizer(Optimizer):
+    """User param groups, stepped part by part: chains (each subclass's ``_apply``), PSI
+    weights and the rest (``_rest``: ``torch.optim.SGD``'s update unless a subclass says
+    otherwise)."""
 
     algorithm = "?"
+    #: The rule of parameters outside chains and PSI parts, as describe() names it.
+    rest_rule = "plain SGD"
+    #: The hyperparameters describe() reports per part.
+    described = ("lr", "momentum", "weight_decay")
+    _validate = staticmethod(_check_group)
 
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
                  find_normalised: bool, through_bn: bool = False,
                  skeleton: str = "paper", strict: bool = False) -> None:
-        _check_group(defaults, "")
+        self._validate(defaults, "")
         model, groups = _user_groups(params, model)
         if chains is not None:
             _add_chain_params(groups, chains)
@@ -111,7 +119,7 @@ class _ScaleInvariantOptimizer(Optimizer):
             raise ValueError("the optimizer got no parameters")
         super().__init__(groups, defaults)
         for i, g in enumerate(self.param_groups):
-            _check_group(g, f"param group {i}: " if len(self.param_groups) > 1 else "")
+            self._validate(g, f"param group {i}: " if len(self.param_groups) > 1 else "")
         found = partition(model, self.param_groups, chains=chains, find_chains=find_chains,
                           find_normalised=find_normalised and model is not None,
                           through_bn=through_bn, skeleton=skeleton, strict=strict)
@@ -136,7 +144,8 @@ class _ScaleInvariantOptimizer(Optimizer):
         (build a new optimizer to have chains found among them)."""
         super().add_param_group(param_group)
         if "_parts" in self.__dict__:
-            _check_group(self.param_groups[-1], f"param group {len(self.param_groups) - 1}: ")
+            self._validate(self.param_groups[-1],
+                           f"param group {len(self.param_groups) - 1}: ")
             self._parts.append(SGDPart(list(self.param_groups[-1]["params"]),
                                        len(self.param_groups) - 1))
 
@@ -170,7 +179,7 @@ class _ScaleInvariantOptimizer(Optimizer):
         infos = []
         for p in self._parts:
             g = self.param_groups[p.group]
-            hyper = {k: _number(g[k]) for k in ("lr", "momentum", "weight_decay")}
+            hyper = {k: _number(g[k]) for k in self.described}
             if p.kind == "chain":
                 infos.append(PartInfo("chain", p.names, hyper, p.chain,
                                       skeleton_is_initialised(p)))
@@ -179,10 +188,27 @@ class _ScaleInvariantOptimizer(Optimizer):
             else:
                 infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
         return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
-                           self._skeleton)
+                           self._skeleton, self.rest_rule)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(\n{self.describe()}\n)"
+
+    def _check_chains(self, params, model, example_input, skeleton: str) -> None:
+        """After construction: the invariance check on ``example_input`` (if given) and the
+        warning for chains whose skeleton is not initialised (stacklevel: the user's call)."""
+        if example_input is not None:
+            check_invariance(params if model is None else model, example_input,
+                             chains=[p.modules for p in self._parts if p.kind == "chain"])
+        cold = [" -> ".join(p.names) for p in self._parts
+                if p.kind == "chain" and not skeleton_is_initialised(p)]
+        if cold:
+            warnings.warn(
+                f"{self.algorithm}: the skeleton of chain(s) {'; '.join(cold)} is not "
+                f"initialised for skeleton={skeleton!r}: call gsgd_adapters.torch."
+                "skeleton_init_(model) before building the optimizer (from a default init, "
+                f"path values are tiny and {self.algorithm} diverges at the usual learning "
+                "rates). Silence with warnings.filterwarnings('ignore', category="
+                "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ helpers
     def _name(self, p: torch.Tensor) -> str:
@@ -208,9 +234,10 @@ class _ScaleInvariantOptimizer(Optimizer):
                     momentum=_number(group["momentum"]), max_norm=group["max_norm"])
 
     def _step_sgd(self, part, group: dict) -> None:
-        self._sgd(part.params, group, self.state)
+        self._rest(part.params, group, self.state)
 
-    def _sgd(self, params, group: dict, state) -> None:
+    def _rest(self, params, group: dict, state) -> None:
+        """``torch.optim.SGD``'s update of ``params`` (those with a gradient)."""
         params = [p for p in params if p.grad is not None]
         if not params:
             return
@@ -249,10 +276,10 @@ class _ScaleInvariantOptimizer(Optimizer):
                 "those layers are never written, and the runs' momentum restarts",
                 stacklevel=3)
         runs, chains, state = part.runs[key]
-        # Single-layer runs take SGD's rule; so do the biases of layers without a weight
-        # gradient (their weights have no grad, and _sgd leaves those alone).
+        # Single-layer runs take the rest's rule; so do the biases of layers without a weight
+        # gradient (their weights have no grad, and _rest leaves those alone).
         outside = [i for i in range(len(live)) if not any(i in range(*r) for r in chains)]
-        self._sgd([p for i in outside for p in part.layer_params(i)], group, state)
+        self._rest([p for i in outside for p in part.layer_params(i)], group, state)
         for (start, stop), chain in chains.items():
             self._update_chain(chain, part, range(start, stop), group, state)
 
@@ -301,7 +328,7 @@ def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return grad * norms.reshape((-1,) + (1,) * (grad.ndim - 1))
 
 
-class GSGD(_ScaleInvariantOptimizer):
+class GSGD(ScaleInvariantOptimizer):
     """G-SGD (Meng et al., ICLR 2019): SGD on the values of a basis of paths.
 
     Parameters
@@ -381,19 +408,7 @@ class GSGD(_ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=(bn == "psi"), through_bn=(bn == "paper"),
                          skeleton=skeleton, strict=strict)
-        if example_input is not None:
-            check_invariance(params if model is None else model, example_input,
-                             chains=[p.modules for p in self._parts if p.kind == "chain"])
-        cold = [" -> ".join(p.names) for p in self._parts
-                if p.kind == "chain" and not skeleton_is_initialised(p)]
-        if cold:
-            warnings.warn(
-                f"G-SGD: the skeleton of chain(s) {'; '.join(cold)} is not initialised for "
-                f"skeleton={skeleton!r}: call gsgd_adapters.torch.skeleton_init_(model) "
-                "before building the optimizer (from a default init, path values are tiny "
-                "and G-SGD diverges at SGD's learning rates). Silence with warnings."
-                "filterwarnings('ignore', category=gsgd_adapters.torch.SkeletonWarning)",
-                SkeletonWarning, stacklevel=2)
+        self._check_chains(params, model, example_input, skeleton)
 
     def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
         momentum = _number(group["momentum"])
@@ -413,7 +428,7 @@ class GSGD(_ScaleInvariantOptimizer):
                             kernels=gsgd_torch_kernels.COMPILED if self._compile else None)
 
 
-class PSISGD(_ScaleInvariantOptimizer):
+class PSISGD(ScaleInvariantOptimizer):
     """PSI-SGD / PSI-SGDM (seed 004, Algorithm 1) for a model with normalisation layers.
 
     Weights of Linear/Conv layers directly followed by batch, group or layer norm get
@@ -435,7 +450,7 @@ class PSISGD(_ScaleInvariantOptimizer):
         super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True)
 
 
-class PathSGD(_ScaleInvariantOptimizer):
+class PathSGD(ScaleInvariantOptimizer):
     """Path-SGD (Neyshabur et al. 2015), the G-SGD paper's baseline: on every chain
     ``w_e <- w_e - lr * grad_e / gamma_e``; other parameters take plain SGD."""
 

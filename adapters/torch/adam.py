@@ -1,0 +1,148 @@
+"""G-Adam and G-AdamW: Adam in path space, as ``torch.optim`` optimizers that take a model.
+
+``opt = GAdam(model, lr=1e-3)`` finds the model's chains as :class:`~.optim.GSGD` does and
+updates each by :func:`gsgd_core.path_update` with :func:`gsgd_core.adam_rule`: Adam's
+moments are kept per basis path, of the path gradients ``D = dL/dv``, and weight allocation
+writes the weights whose path values are ``V - Delta``. Every step commutes with positive
+rescaling of the hidden units, exactly. Every other parameter (normalised layers' weights
+included) takes ``torch.optim.Adam``'s (or ``AdamW``'s) own update with the same
+hyperparameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.optim.adam import adam as adam_update
+
+from gsgd_backends import path_update_
+from gsgd_core import AdamRule, RuleState
+
+from .optim import ScaleInvariantOptimizer, _number
+
+__all__ = ["GAdam", "GAdamW"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _rule(group: dict, decoupled: bool) -> AdamRule:
+    """The group's Adam rule (it validates the hyperparameters)."""
+    return AdamRule(_number(group["lr"]), tuple(_number(b) for b in group["betas"]),
+                    group["eps"], group["weight_decay"], decoupled, group["amsgrad"])
+
+
+def _zeros(p: torch.Tensor) -> torch.Tensor:
+    """A buffer for ``p`` in the dtype the core computes it in (float32 for half types)."""
+    return torch.zeros_like(p, dtype=torch.float32 if p.dtype in _HALF else p.dtype)
+
+
+class GAdam(ScaleInvariantOptimizer):
+    """G-Adam: Adam on the values of a basis of paths (an invariant optimizer of ReLU nets).
+
+    Parameters
+    ----------
+    params : nn.Module, or an iterable of parameters / param groups
+        As :class:`~.optim.GSGD`.
+    lr, betas, eps, weight_decay, amsgrad, maximize, foreach
+        As ``torch.optim.Adam``, per param group. In chains the moments are those of the
+        path gradients and weight decay is L2 on basis-path values
+        (``D += weight_decay * V``; :class:`GAdamW`: decoupled, ``Delta += lr*wd*V``).
+        The chain's step count is kept in its first weight's state (``"step"``).
+    model, chains, skeleton, strict, example_input, check_finite
+        As :class:`~.optim.GSGD`. Adam's step has the size of ``lr`` on every path whatever
+        the path's value, so a path whose value is much smaller than ``lr`` changes sign or
+        grows by orders of magnitude in one step: initialise the skeleton
+        (:func:`~gsgd_adapters.torch.skeleton_init_`) so that path values have the size of
+        the weights (``skeleton="he"``, the default).
+    bn : {"adam", "paper"}
+        Weight layers directly followed by a normalisation end their chain and take Adam
+        (``"adam"``, the default), or, with ``"paper"``, batch norm does not end a chain and
+        the ICR of such a layer uses ``grad * ||W[j]||`` (paper Appendix 10.2; approximate).
+
+    Notes
+    -----
+    Numerics as :func:`gsgd_core.path_update`: a chain step whose gradients hold a NaN or Inf
+    is skipped (weights and moments unchanged; counted in ``describe()``).
+    """
+
+    algorithm = "G-Adam"
+    rest_rule = "Adam"
+    described = ("lr", "weight_decay", "eps")
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, model: nn.Module | None = None, chains=None,
+                 skeleton: str = "he", bn: str = "adam", strict: bool = False,
+                 example_input=None, check_finite: bool = False) -> None:
+        if bn not in ("adam", "paper"):
+            raise ValueError(f"bn must be 'adam' or 'paper', got {bn!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        check_finite=check_finite)
+        super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
+                         find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
+                         strict=strict)
+        self._check_chains(params, model, example_input, skeleton)
+
+    def _validate(self, group: dict, where: str) -> None:
+        try:
+            _rule(group, self.decoupled)
+        except ValueError as exc:
+            raise ValueError(f"{where}{exc}") from None
+
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
+        rule = _rule(group, self.decoupled)
+        for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
+            for name in rule.buffers:
+                if name not in state[p]:
+                    state[p][name] = _zeros(p)
+        first = state[W[0]]
+        first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
+
+        def buffers(name):  # a frozen bias's moments are scratch (it never moves)
+            return tuple(state[w][name] for w in W) + tuple(
+                _zeros(x) if f else state[x][name] for x, f in zip(b, fixed) if x is not None)
+
+        st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
+        return path_update_(chain, rule, st, W, b, G, Gb)
+
+    def _rest(self, params, group: dict, state) -> None:
+        """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient."""
+        params = [p for p in params if p.grad is not None]
+        if not params:
+            return
+        if group.get("check_finite"):
+            for p in params:
+                self._grad(p, group, self._name(p))
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        sts = [state[p] for p in params]
+        for p, st in zip(params, sts):
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0)
+            for name in names:
+                if name not in st:
+                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = (_number(x) for x in group["betas"])
+        adam_update(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
+                    [s["exp_avg_sq"] for s in sts],
+                    [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
+                    [s["step"] for s in sts], foreach=group.get("foreach"),
+                    decoupled_weight_decay=self.decoupled, amsgrad=group["amsgrad"],
+                    beta1=beta1, beta2=beta2, lr=_number(group["lr"]),
+                    weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=group["maximize"])
+
+
+class GAdamW(GAdam):
+    """G-AdamW: :class:`GAdam` with decoupled weight decay on basis-path values
+    (``Delta += lr * weight_decay * V``); ``torch.optim.AdamW`` on the other parameters.
+    ``weight_decay`` defaults to ``1e-2``, as ``torch.optim.AdamW``'s."""
+
+    algorithm = "G-AdamW"
+    rest_rule = "AdamW"
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
