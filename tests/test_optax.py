@@ -10,7 +10,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import gsgd_core as gc  # noqa: E402
 from _helpers import assert_close  # noqa: E402
-from gsgd_adapters.optax import (ChainLeaves, chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
+from gsgd_adapters.optax import (ChainLeaves, chains_from_dict, chains_from_pairs, gsgd,  # noqa: E402
+                                 in_path_space, path_sgd,
                                  psi_sgd)
 
 SIZES = [6, 7, 5, 3]
@@ -203,3 +204,121 @@ def test_leaves_outside_chains_take_torch_conventions_for_dampening_and_decay():
         u, state = opt.update(gp, state, p)
         p = optax.apply_updates(p, u)
     assert_close(np.asarray(p["t"]), t, 1e-12)
+
+
+# ------------------------------------------------------------------ in_path_space
+def _with_temperature():
+    params = {"net": make_params(), "t": jnp.asarray([1.5, -0.5])}
+    chains = [ChainLeaves(c.chain, tuple(("net",) + w for w in c.weights),
+                          tuple(("net",) + v for v in c.biases))
+              for c in chains_from_pairs(params["net"])]
+
+    def f(p):
+        return jnp.mean((forward(p["net"], X) * p["t"][0] - Y) ** 2) + jnp.sum(p["t"] ** 2)
+
+    return params, chains, jax.jit(jax.grad(f))
+
+
+def _run_tree(opt, params, g, steps):
+    state = opt.init(params)
+    traces = []
+
+    @jax.jit
+    def step(p, s):
+        traces.append(1)
+        u, s = opt.update(g(p), s, p)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(steps):
+        params, state = step(params, state)
+    return params, len(traces)
+
+
+def test_in_path_space_of_optax_sgd_is_gsgd():
+    """``in_path_space(add_decayed_weights + sgd(momentum, nesterov))`` equals
+    :func:`gsgd` on the chain and on the leaf outside it, jitted once."""
+    params, chains, g = _with_temperature()
+    inner = optax.chain(optax.add_decayed_weights(1e-3),
+                        optax.sgd(0.05, momentum=0.9, nesterov=True))
+    ours, traces = _run_tree(in_path_space(inner, chains), params, g, 6)
+    ref, _ = _run_tree(gsgd(0.05, chains, **HYPER), params, g, 6)
+    assert traces == 1
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref)):
+        assert_close(np.asarray(a), np.asarray(b), 1e-12)
+
+
+def test_in_path_space_of_optax_adam_is_the_cores_g_adam():
+    """Two independent Adams (optax's on the path space, the core's rule) agree; the leaf
+    outside the chain takes optax.adam itself."""
+    params, chains, g = _with_temperature()
+    ours, _ = _run_tree(in_path_space(optax.adam(0.01), chains), params, g, 5)
+    chain = chains[0].chain
+    rule = gc.adam_rule(0.01)
+    W = [np.asarray(w) for w, _ in params["net"]]
+    b = [np.asarray(v) for _, v in params["net"]]
+    state = gc.path_init(chain, rule, W, b)
+    t, t_opt = params["t"], optax.adam(0.01)
+    t_state = t_opt.init(t)
+    for _ in range(5):
+        gp = g({"net": [(jnp.asarray(w), jnp.asarray(v)) for w, v in zip(W, b)], "t": t})
+        W, b, state = gc.path_update(chain, rule, state, W, b,
+                                     [np.asarray(x) for x, _ in gp["net"]],
+                                     [np.asarray(x) for _, x in gp["net"]])
+        u, t_state = t_opt.update(gp["t"], t_state)
+        t = optax.apply_updates(t, u)
+    for (w, v), w2, v2 in zip(ours["net"], W, b):
+        assert_close(np.asarray(w), w2, 1e-12, "weights")
+        assert_close(np.asarray(v), v2, 1e-12, "biases")
+    assert_close(np.asarray(ours["t"]), np.asarray(t), 1e-12, "leaf outside the chain")
+
+
+@pytest.mark.parametrize("transform", ["adam", "adamw", "lion"])
+def test_in_path_space_twins_coincide_and_plain_adams_do_not(transform):
+    make = {"adam": lambda: optax.adam(0.01), "adamw": lambda: optax.adamw(0.01, 0.1),
+            "lion": lambda: optax.lion(0.003)}[transform]
+    params = make_params()
+    chain = chains_from_pairs(params)[0].chain
+    scales = gc.random_rescaling(chain, np.random.default_rng(3), 1.0)
+    W, b = gc.rescale(chain, [w for w, _ in params], [v for _, v in params], scales)
+    twin = list(zip(W, b))
+    opt = in_path_space(make(), chains_from_pairs(params))
+    a, _ = run(opt, params, 20)
+    t, _ = run(opt, twin, 20)
+    assert_close(forward(t, X), forward(a, X), 1e-8, "outputs after 20 steps")
+    assert not np.allclose(forward(a, X), forward(params, X), atol=1e-3)
+    pa, _ = run(make(), params, 20)
+    pt, _ = run(make(), twin, 20)
+    assert np.max(np.abs(forward(pa, X) - forward(pt, X))) > 1e-4
+
+
+def test_in_path_space_skips_a_step_with_a_non_finite_chain_gradient():
+    params = make_params()
+    opt = in_path_space(optax.adam(0.01), chains_from_pairs(params))
+    state = opt.init(params)
+    g = grad(params)
+    _, state = opt.update(g, state, params)
+    bad = [(w, v) for w, v in g]
+    bad[1] = (bad[1][0].at[0, 0].set(jnp.nan), bad[1][1])
+    u, state2 = jax.jit(opt.update)(bad, state, params)
+    assert all(float(jnp.max(jnp.abs(x))) == 0.0 for x in jax.tree_util.tree_leaves(u))
+    for n, o in zip(jax.tree_util.tree_leaves(state2), jax.tree_util.tree_leaves(state)):
+        assert np.array_equal(np.asarray(n), np.asarray(o))
+
+
+def test_in_path_space_reads_transposed_kernels_and_refuses_psi_groups():
+    params = make_params()
+    as_dict = {f"l{i}": {"w": w.T, "b": b} for i, (w, b) in enumerate(params)}
+    g = grad(params)
+    gd = {f"l{i}": {"w": gw.T, "b": gb} for i, (gw, gb) in enumerate(g)}
+    opt_d = in_path_space(optax.adam(0.01), chains_from_dict(as_dict, ["l0", "l1", "l2"],
+                                                              transposed=True))
+    opt_p = in_path_space(optax.adam(0.01), chains_from_pairs(params))
+    ud, _ = opt_d.update(gd, opt_d.init(as_dict), as_dict)
+    up, _ = opt_p.update(g, opt_p.init(params), params)
+    for i, (uw, ub) in enumerate(up):
+        assert_close(np.asarray(ud[f"l{i}"]["w"].T), np.asarray(uw), 1e-14)
+        assert_close(np.asarray(ud[f"l{i}"]["b"]), np.asarray(ub), 1e-14)
+    with pytest.raises(ValueError, match="not PSI groups"):
+        in_path_space(optax.adam(0.01), [ChainLeaves(None, ((0, 0),), ())])
+    with pytest.raises(ValueError, match="needs params"):
+        opt_p.update(g, opt_p.init(params))

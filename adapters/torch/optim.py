@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from collections import defaultdict
 
@@ -208,7 +209,8 @@ class ScaleInvariantOptimizer(Optimizer):
                 "skeleton_init_(model) before building the optimizer (from a default init, "
                 f"path values are tiny and {self.algorithm} diverges at the usual learning "
                 "rates). Silence with warnings.filterwarnings('ignore', category="
-                "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning, stacklevel=3)
+                "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning,
+                stacklevel=_user_stacklevel())
 
     # ------------------------------------------------------------------ helpers
     def _name(self, p: torch.Tensor) -> str:
@@ -308,6 +310,15 @@ class ScaleInvariantOptimizer(Optimizer):
                     "NaN or Inf, so the step was skipped (weights and momentum unchanged); "
                     "later skips are counted in describe() without a warning",
                     SkippedStepWarning, stacklevel=4)
+
+
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for the caller of this function, that points at the
+    first frame outside ``gsgd_adapters`` (the user's call, however deep the subclassing)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("gsgd_adapters"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _runs(live: list[bool]) -> list[tuple[int, int]]:

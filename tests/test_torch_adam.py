@@ -1,0 +1,228 @@
+"""gsgd_adapters.torch.GAdam / GAdamW: the core's G-Adam on chains and torch's Adam(W)
+elsewhere, invariant training runs, and torch.optim behaviour (state_dict, lr, skips)."""
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import gsgd_core as gc
+from gsgd_adapters.torch import (GAdam, GAdamW, SkeletonWarning, SkippedStepWarning, discover, random_rescale_,
+                                 skeleton_init_)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def float64_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+class Net(nn.Module):
+    """A batch-normalised first layer (Adam's part) before a 3-layer chain fc1 -> fc2 -> fc3."""
+
+    def __init__(self, bn=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc0 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8) if bn else nn.Identity()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 7), nn.Linear(7, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.fc0(x)))
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(h)))))
+
+
+def data(n=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def loss_of(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def train(model, opt, x, y, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("cls,kw,rule", [
+    (GAdam, dict(lr=0.01), dict(lr=0.01)),
+    (GAdam, dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, amsgrad=True),
+     dict(lr=0.01, betas=(0.8, 0.99), weight_decay=0.1, amsgrad=True)),
+    (GAdamW, dict(lr=0.01), dict(lr=0.01, weight_decay=1e-2))])
+def test_chains_take_the_cores_rule_and_the_rest_torchs_adam(cls, kw, rule):
+    """Bit for bit: the chain is the core's ``path_update`` with the Adam rule in the
+    He skeleton's units, every other parameter ``torch.optim.Adam``/``AdamW``."""
+    model = Net()
+    skeleton_init_(model)
+    twin = copy.deepcopy(model)
+    x, y = data()
+    opt = cls(model, **kw)
+    found = discover(twin).chains[0]
+    assert [n for n in found.names] == ["fc1", "fc2", "fc3"]
+    chain = found.chain.with_skeleton_scale(found.chain.he_skeleton_scale())
+    make = gc.adamw_rule if cls is GAdamW else gc.adam_rule
+    core_rule = make(**rule)
+    chain_params = [p for m in found.modules for p in (m.weight, m.bias)]
+    rest = [p for p in twin.parameters() if all(p is not q for q in chain_params)]
+    ref = (torch.optim.AdamW if cls is GAdamW else torch.optim.Adam)(rest, **kw)
+    W = [m.weight for m in found.modules]
+    b = [m.bias for m in found.modules]
+    state = gc.path_init(chain, core_rule, [w.detach() for w in W], [v.detach() for v in b])
+    for _ in range(4):
+        train(model, opt, x, y, 1)
+        twin.zero_grad()
+        loss_of(twin, x, y).backward()
+        ref.step()
+        W2, b2, state = gc.path_update(chain, core_rule, state, [w.detach() for w in W],
+                                       [v.detach() for v in b], [w.grad for w in W],
+                                       [v.grad for v in b])
+        with torch.no_grad():
+            for p, new in zip(W + b, W2 + b2):
+                p.copy_(new)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), name
+    assert int(opt.state[model.fc1.weight]["step"]) == 4
+
+
+@pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")  # the twin's
+@pytest.mark.parametrize("cls", [GAdam, GAdamW])
+def test_rescaled_twins_train_identically_under_gadam_but_not_adam(cls):
+    model = Net(bn=False)
+    skeleton_init_(model)
+    twin = copy.deepcopy(model)
+    random_rescale_(twin, np.random.default_rng(0), 1.0)
+    x, y = data()
+    assert torch.allclose(model(x), twin(x), rtol=1e-12)
+    outs = []
+    for m in (copy.deepcopy(model), copy.deepcopy(twin)):
+        opt = cls(m, lr=0.01, weight_decay=1e-2)
+        assert len(opt.describe().chains) == 1  # fc0 -> ... -> fc3, one chain
+        train(m, opt, x, y, 20)
+        with torch.no_grad():
+            outs.append(m(x))
+    assert torch.allclose(outs[1], outs[0], rtol=1e-8, atol=1e-8 * float(outs[0].abs().max()))
+    with torch.no_grad():
+        assert not torch.allclose(outs[0], model(x), atol=1e-3)  # it did train
+    plain = []
+    for m in (copy.deepcopy(model), copy.deepcopy(twin)):
+        train(m, torch.optim.Adam(m.parameters(), lr=0.01), x, y, 20)
+        with torch.no_grad():
+            plain.append(m(x))
+    assert (plain[0] - plain[1]).abs().max() > 1e-4
+
+
+@pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")  # the resumed
+def test_state_dict_resume_is_bit_exact():
+    model = Net()
+    skeleton_init_(model)
+    x, y = data()
+    opt = GAdamW(model, lr=0.01, amsgrad=True)
+    train(model, opt, x, y, 3)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    resumed = Net()
+    resumed.load_state_dict(saved["model"])
+    opt2 = GAdamW(resumed, lr=0.01, amsgrad=True)
+    opt2.load_state_dict(saved["opt"])
+    train(model, opt, x, y, 3)
+    train(resumed, opt2, x, y, 3)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert set(opt2.state[resumed.fc1.weight]) == {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                                   "step"}
+
+
+def test_param_groups_lr_reaches_every_part_at_once():
+    model = Net()
+    skeleton_init_(model)
+    x, y = data()
+    opt = GAdam(model, lr=0.01)
+    train(model, opt, x, y, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 0.0
+    train(model, opt, x, y, 1)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q)
+    opt.param_groups[0]["lr"] = 0.01
+    train(model, opt, x, y, 1)
+    assert not torch.equal(model.fc1.weight, before[2])
+
+
+def test_a_non_finite_gradient_skips_the_chain_step_with_a_warning():
+    model = Net()
+    skeleton_init_(model)
+    x, y = data()
+    opt = GAdam(model, lr=0.01)
+    train(model, opt, x, y, 1)
+    chain = [model.fc1, model.fc2, model.fc3]
+    before = [p.detach().clone() for m in chain for p in (m.weight, m.bias)]
+    moments = [opt.state[m.weight]["exp_avg"].clone() for m in chain]
+    opt.zero_grad()
+    loss_of(model, x, y).backward()
+    model.fc2.bias.grad[0] = float("nan")
+    with pytest.warns(SkippedStepWarning):
+        opt.step()
+    for p, q in zip([p for m in chain for p in (m.weight, m.bias)], before):
+        assert torch.equal(p, q)
+    for m, e in zip(chain, moments):
+        assert torch.equal(opt.state[m.weight]["exp_avg"], e)
+    assert int(opt.state[model.fc1.weight]["step"]) == 1
+    assert opt.describe().skipped == 1
+
+
+def test_maximize_equals_minimising_the_negative():
+    a, b = Net(), Net()
+    skeleton_init_(a)
+    skeleton_init_(b)
+    x, y = data()
+    oa, ob = GAdam(a, lr=0.01, maximize=True), GAdam(b, lr=0.01)
+    for _ in range(3):
+        oa.zero_grad()
+        (-loss_of(a, x, y)).backward()
+        oa.step()
+        train(b, ob, x, y, 1)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_a_frozen_bias_never_moves_and_gets_no_state():
+    model = Net(bn=False)
+    skeleton_init_(model)
+    model.fc2.bias.requires_grad_(False)
+    frozen = model.fc2.bias.detach().clone()
+    x, y = data()
+    opt = GAdamW(model, lr=0.01)
+    train(model, opt, x, y, 3)
+    assert torch.equal(model.fc2.bias, frozen)
+    assert model.fc2.bias not in opt.state
+
+
+def test_describe_and_errors():
+    model = Net()
+    with pytest.warns(SkeletonWarning) as caught:
+        opt = GAdamW(model, lr=0.01)
+    assert caught[0].filename == __file__  # points at the user's line, through GAdamW
+    skeleton_init_(model)
+    text = str(opt.describe())
+    assert text.startswith("G-AdamW: 1 chain(s)")
+    assert "AdamW fc0.weight" in text and "weight_decay=0.01" in text
+    with pytest.raises(ValueError, match=r"betas\[0\]"):
+        GAdam(Net(), betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match="lr"):
+        GAdam(Net(), lr=-1.0)
+    with pytest.raises(ValueError, match="bn must be"):
+        GAdam(Net(), bn="psi")
+    with pytest.raises(ValueError, match=r"param group 1: .*eps"):
+        GAdam([dict(params=[Net().fc0.weight]), dict(params=[Net().fc1.weight], eps=-1.0)])
