@@ -22,6 +22,7 @@ DESCRIPTIONS = {
     "pathsgd": "Path-SGD: 5x64 MLP, SGD vs Path-SGD vs G-SGD (paper §5.3)",
     "bn": "batch norm: SGD, Adam, PSI-SGD, PSI-SGDM (seed 004, Table 1)",
     "momentum": "momentum 0.9: SGD vs G-SGD with momentum in path space",
+    "adam": "G-Adam vs Adam: balanced MLP and unbalanced starts (Adam in path space)",
 }
 
 

@@ -8,6 +8,7 @@ downloaded.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gsgd_adapters.torch import GSGD, PSISGD, PathSGD, random_rescale_, skeleton_init_
+from gsgd_adapters.torch import (GSGD, PSISGD, GAdam, PathSGD, SkeletonWarning, random_rescale_,
+                                 skeleton_init_)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ OPTIMIZERS = {
     # The paper's experiments: its skeleton initialisation (§11.2) and units.
     "gsgd": lambda m, lr: GSGD(m, lr=lr, skeleton="paper"),
     "gsgdm": lambda m, lr: GSGD(m, lr=lr, momentum=0.9, skeleton="paper"),
+    "gadam": lambda m, lr: GAdam(m, lr=lr, skeleton="paper"),
     "pathsgd": lambda m, lr: PathSGD(m, lr=lr),
     "psisgd": lambda m, lr: PSISGD(m, lr=lr),
     "psisgdm": lambda m, lr: PSISGD(m, lr=lr, momentum=0.9),
@@ -121,7 +124,10 @@ def train(run: Run, data: Data) -> dict:
     if run.float64:
         data = data.to(torch.float64)
     model = build(run)
-    opt = OPTIMIZERS[run.opt](model, run.lr)
+    with warnings.catch_warnings():
+        if run.spread > 0:  # a rescaled skeleton start is the experiment, not an oversight
+            warnings.simplefilter("ignore", SkeletonWarning)
+        opt = OPTIMIZERS[run.opt](model, run.lr)
     gen = torch.Generator().manual_seed(run.seed)
     n = len(data.y_train)
     losses = []

@@ -1,4 +1,4 @@
-"""The five experiments: small analogues of the G-SGD and PSI-SGD papers' figures.
+"""The six experiments: small analogues of the G-SGD and PSI-SGD papers' figures.
 
 Every optimizer family has its own learning-rate grid, searched on the validation split
 (two seeds); the chosen rate is then run on every seed and reported as mean ± std. Tables

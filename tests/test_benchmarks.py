@@ -26,11 +26,30 @@ def test_quick_unbalanced_experiment(tmp_path):
     assert "| 2 | SGD |" in summary and "| 2 | G-SGD |" in summary
 
 
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path):
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "adam",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SkeletonWarning" not in proc.stderr
+    summary = (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "adam_unbalanced.png").stat().st_size > 10_000
+    gap = float(re.search(r"over all spreads and seeds: ([0-9.e+-]+)\.", summary).group(1))
+    assert gap < 1e-9
+    for row in ("| Adam, He init |", "| G-Adam, skeleton init |", "| 2 | Adam, skeleton init |",
+                "| 2 | G-Adam, skeleton init |"):
+        assert row in summary
+
+
 def test_help_lists_the_experiments():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for name in ("ratio", "unbalanced", "pathsgd", "bn", "momentum", "--quick", "--out"):
+    for name in ("ratio", "unbalanced", "pathsgd", "bn", "momentum", "adam", "--quick",
+                 "--out"):
         assert name in proc.stdout
 
 
