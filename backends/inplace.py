@@ -18,6 +18,7 @@ from gsgd_core.gsgd import check_update_hypers
 
 from ._dispatch import assign, kernels_for
 from .fast import fast_step_
+from .rule_step import rule_step_
 
 __all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicalize_",
            "skeleton_init_", "path_sgd_step_", "psi_update_"]
@@ -113,15 +114,28 @@ def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads) 
     """:func:`gsgd_core.path_update` applied in place to ``weights``, ``biases`` and every
     array of ``state`` (which must be mutable arrays, as the rule's ``init`` makes them).
 
+    An elementwise rule (:class:`gsgd_core.ElementwiseRule`, e.g. Adam) on NumPy, PyTorch
+    or CuPy arrays takes the fast path of :mod:`.rule_step`, which hands the step back when
+    it holds a non-finite value or cannot be done in place; a step whose gradients hold a
+    NaN or Inf is then skipped here, and any other goes to the core.
+
     Returns ``False`` when the step was skipped for a non-finite gradient, ``True``
     otherwise.
     """
+    kernels = kernels_for(weights[0]) if isinstance(weights, (list, tuple)) and weights \
+        else None
+    if kernels is not None and rule_step_(kernels, chain, rule, state, weights, biases, grads,
+                                          bias_grads):
+        assign(state.count, state.count + 1)
+        return True
+    if not _finite(grads, bias_grads):
+        return False
     W, b, new_state = gsgd_core.path_update(chain, rule, state, weights, biases, grads,
                                             bias_grads)
     _write(weights, W)
     _write(biases or [], b)
     _write_tree(state, new_state)
-    return _finite(grads, bias_grads)
+    return True
 
 
 def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr, *, kernels=None) -> None:

@@ -20,8 +20,8 @@ def _free_entries(chain, weights):
 def session():
     """Every block executed in order in one namespace; after each block, a shallow copy of
     the namespace (later blocks rebind names such as ``weights``) and what it printed."""
-    if len(BLOCKS) != 4:
-        pytest.skip("README.md with its four Python blocks not found next to the tests")
+    if len(BLOCKS) != 5:
+        pytest.skip("README.md with its five Python blocks not found next to the tests")
     pytest.importorskip("torch")
     pytest.importorskip("optax")
     import contextlib
@@ -69,8 +69,27 @@ def test_optax_block_steps_and_keeps_the_free_skeleton_weights(session):
         np.testing.assert_array_equal(f, np.ones_like(f))
 
 
-def test_cupy_block_updates_numpy_arrays_in_place(session):
+def test_path_space_block_trains_g_adamw_and_takes_an_optax_adam_step(session):
+    import torch
     scope, _ = session[3]
+    net, opt = scope["net"], scope["opt"]
+    d = opt.describe()
+    assert d.algorithm == "G-AdamW" and len(d.chains) == 1 and d.fallback == []
+    chain = d.chains[0][1]
+    weights = [m.weight.detach().numpy() for m in net if isinstance(m, torch.nn.Linear)]
+    r = chain.skeleton_scale
+    for l, f in enumerate(_free_entries(chain, weights)):  # He recipe: |free| = r_l, never moved
+        np.testing.assert_array_equal(np.abs(f), np.full_like(f, r[l], dtype=f.dtype))
+    assert int(opt.state[net[0].weight]["step"]) == 3
+    jchain = scope["chains"][0].chain
+    steps = [np.asarray(u) for u, _ in scope["updates"]]
+    assert all(np.any(u != 0) for u in steps)
+    for u in _free_entries(jchain, steps):
+        np.testing.assert_array_equal(u, np.zeros_like(u))
+
+
+def test_cupy_block_updates_numpy_arrays_in_place(session):
+    scope, _ = session[4]
     chain, weights = scope["chain"], scope["weights"]
     for l, w in enumerate(weights, start=1):
         W = w.reshape(chain.layer_shape(l))

@@ -1,0 +1,170 @@
+"""The fast step of an elementwise path-space rule (G-Adam, ...), in place, eager.
+
+The structure of :mod:`.fast`'s G-SGD step with the step rule made a parameter: one column
+sum of ``W * grad`` per layer and the backward sweep on gathered special edges give the
+path gradients, the rule's step ``Delta`` is taken where each path lives (tau edges and
+biases on vectors, every other edge block by block of rows), and weight allocation writes
+``W' = (W - Delta / (F_l[b] B_{l-1}[a])) / rho_{l-1}[a]`` and the rule's buffers in the same
+pass. The rule must be a :class:`gsgd_core.ElementwiseRule`: ``Delta`` at a path depends on
+that path alone, so applying it to a block gives the numbers the core gives to the whole
+array. Numerics as :func:`gsgd_core.path_update`; a step holding a non-finite value or that
+cannot be done in place is handed back before anything is written.
+"""
+
+from __future__ import annotations
+
+from gsgd_core import Chain, ElementwiseRule, RuleState
+from gsgd_core.arrays import all_finite, safe_div
+from gsgd_core.sweeps import frozen_if_overflow, products_of_edges
+
+from .fast import _finite, _flat, _kept, _per_column, _plan, _prepared, _sums
+
+__all__ = ["rule_step_"]
+
+
+def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, weights, biases,
+               grads, bias_grads) -> bool:
+    """One step of ``rule`` in place through ``kernels``; ``False`` if the core must take
+    it (nothing written then). ``state``'s buffers are updated in place; its count is the
+    caller's."""
+    if not isinstance(rule, ElementwiseRule) or not isinstance(state, RuleState):
+        return False
+    with kernels.context():
+        return _step(kernels, chain, rule, state, weights, biases, grads, bias_grads)
+
+
+def _step(kernels, chain, rule, state, weights, biases, grads, bias_grads) -> bool:
+    L = chain.L
+    p = _prepared(chain, weights, biases, grads, bias_grads, None)
+    xp = kernels.xp
+    b = list(biases) if biases is not None else [None] * L
+    n_paths = L + sum(x is not None for x in b)
+    if p.dtype != p.store or any(len(bufs) != n_paths for bufs in state.buffers):
+        return False
+    shapes = [chain.layer_shape(l) for l in range(1, L + 1)]
+    W = [kernels.view3(w, s) for w, s in zip(weights, shapes)]
+    M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], shapes)] for bufs in state.buffers]
+    if any(a is None or a.dtype != p.dtype for a in W + [m for ms in M for m in ms]):
+        return False
+    G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, shapes)]
+    Gb = list(bias_grads) if bias_grads is not None else [None] * L
+    rest = [iter(bufs[L:]) for bufs in state.buffers]
+    Mb = [[None if x is None else next(r) for x in b] for r in rest]
+    plan = _plan(chain, p.xp, p.device)
+    coef = rule.coefficients(xp, state.count, p.dtype)
+    C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
+    ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
+    gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
+    ms = [[xp.take(_flat(xp, m), s.spec) for m, s in zip(ml, plan)] for ml in M]
+    T = _sums(kernels, plan, ws, gs, C[1:])
+    B, F = products_of_edges(
+        xp, chain, p.meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
+        [xp.take(ws[l], plan[l].free) for l in range(1, L)], p.dtype, p.device)
+    if not bool(all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])):  # the one sync
+        return False
+    special, special_m, rho = _special(xp, chain, p.meta, plan, rule, coef, ws, gs, ms, T, B, F,
+                                       p.device)
+    for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
+        _bulk_(kernels, rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], F[l],
+               B[l - 1], rho[l - 1])
+    for l in range(L):
+        kernels.put_(W[l], plan[l].spec, special[l])
+        for m, new in zip(M, special_m[l]):
+            kernels.put_(m[l], plan[l].spec, new)
+        if b[l] is not None:
+            new_b, new_mb = _bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
+            kernels.put_(b[l], None, new_b)
+            for m, new in zip(Mb, new_mb):
+                kernels.put_(m[l], None, new)
+    return True
+
+
+def _apply(xp, rule, coef, D, V, bufs):
+    """The rule's step and buffers on some paths; a step that is not finite is 0 (the path
+    keeps its value) and a buffer that is not finite keeps its old value (the core's rules)."""
+    delta, new = rule.apply(xp, D, V, tuple(bufs), coef)
+    return xp.where(_finite(delta), delta, 0.0), [_kept(xp, n, o) for n, o in zip(new, bufs)]
+
+
+def _special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device):
+    """New values of each layer's special edges (tau edges moved, free edges kept), of the
+    rule's buffers there (per layer, a list per buffer), and ``rho_0..rho_{L-1}``."""
+    dtype = ws[0].dtype
+    eps = float(xp.finfo(dtype).eps)
+    rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
+    special, special_m = [], []
+    for l in range(1, chain.L + 1):
+        s, w, bufs = plan[l - 1], ws[l - 1], [m[l - 1] for m in ms]
+        zero = xp.zeros_like(w)  # free edges own no path: D = V = 0 there (icr3)
+        _, m_free = _apply(xp, rule, coef, zero, zero, bufs)
+        if l == chain.L:
+            special.append(w)
+            special_m.append(m_free)
+            break
+        m, src = meta[l - 1], meta[l - 1].tau_src
+        w_tau, g_tau = xp.take(w, s.tau), xp.take(gs[l - 1], s.tau)
+        rho_src = xp.take(rho[-1], src)
+        V = (F[l] * xp.take(B[l - 1], src)) * w_tau
+        D = frozen_if_overflow(xp, safe_div(xp, w_tau * g_tau - T[l], V), g_tau)
+        delta, m_tau = _apply(xp, rule, coef, D, V, [xp.take(a, s.tau) for a in bufs])
+        R = 1.0 - safe_div(xp, delta, V)
+        R = xp.where(R == 0, eps, R)
+        tau_new = _kept(xp, w_tau * (R / rho_src), w_tau)
+        special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
+        special_m.append([xp.where(s.moved, xp.take(a, s.node), f)
+                          for a, f in zip(m_tau, m_free)])
+        rho.append(xp.where(m.tau_free, rho_src, R))
+    return special, special_m, rho
+
+
+def _bias(xp, rule, coef, b, Gb, F, bufs):
+    """``b' = b - Delta / F`` with ``Delta`` the rule's step at ``Db = Gb / F``, ``Vb = b F``."""
+    Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
+    delta, new = _apply(xp, rule, coef, Db, b * F, bufs)
+    return _kept(xp, b - safe_div(xp, delta, F), b), new
+
+
+def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
+    """Every edge of a layer by the rule, in blocks of rows, in place: ``D = G/(F B)``,
+    ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges are
+    overwritten afterwards. Each block is computed without the per-entry guards and checked
+    through the sums of ``D``, ``W'`` and the new buffers: where every sum is finite the
+    guards would have changed nothing (a zero ``F B`` or an overflow makes ``D`` or ``W'``
+    non-finite), else the block is recomputed by the core's per-entry rules. A small CPU
+    layer runs on NumPy views."""
+    host = kernels.host(W)
+    if host is not None:
+        kernels, view = host
+        W, G, F, B_prev, rho = map(view, (W, G, F, B_prev, rho))
+        M = [view(m) for m in M]
+        with kernels.context():
+            return _bulk_(kernels, rule, _host_coef(coef, view), W, G, M, F, B_prev, rho)
+    xp = kernels.xp
+    n, p, k = W.shape
+    rows = kernels.block_rows(W)
+    W, G = W.reshape(n, p * k), G.reshape(n, p * k)
+    M = [m.reshape(n, p * k) for m in M]
+    B_cols, rho_cols = _per_column(xp, B_prev, k), _per_column(xp, rho, k)
+    for i in range(0, n, rows):
+        sl = slice(i, min(n, i + rows))
+        fb = F[sl][:, None] * B_cols[None, :]
+        w, g, bufs = W[sl], G[sl], [m[sl] for m in M]
+        D = g / fb
+        delta, new = rule.apply(xp, D, fb * w, tuple(bufs), coef)
+        w_new = (w - delta / fb) / rho_cols[None, :]
+        sums = xp.stack([xp.sum(a) for a in [D, w_new] + list(new)])
+        if not bool(xp.all(xp.isfinite(sums))):
+            D = frozen_if_overflow(xp, safe_div(xp, g, fb), g)
+            delta, new = _apply(xp, rule, coef, D, fb * w, bufs)
+            w_new = _kept(xp, (w - safe_div(xp, delta, fb)) / rho_cols[None, :], w)
+        kernels.put_(w, None, w_new)
+        for m, a in zip(bufs, new):
+            kernels.put_(m, None, a)
+
+
+def _host_coef(coef, view):
+    """The rule's coefficients for NumPy kernels: 0-d tensors as NumPy views."""
+    if isinstance(coef, tuple):
+        return type(coef)(*(_host_coef(c, view) for c in coef)) if hasattr(coef, "_fields") \
+            else tuple(_host_coef(c, view) for c in coef)
+    return view(coef) if hasattr(coef, "detach") else coef

@@ -1,0 +1,110 @@
+"""The fast step of elementwise path-space rules (gsgd_backends.rule_step) against the core's
+path_update: the same numbers on every drawn chain and block size, the degenerate skeletons
+that take the per-entry rules, and the steps it hands back (non-finite gradients, half
+precision)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsgd_backends as gb
+import gsgd_core as gc
+from gsgd_backends.rule_step import rule_step_
+from _helpers import Problem, assert_close
+from _strategies import chains, seeds
+from test_fast_paths import CHAIN, _chunk, _tol, fxp  # noqa: F401  (the fixture)
+
+RULES = {"adam": lambda: gc.adam_rule(0.01),
+         "adamw-amsgrad": lambda: gc.adamw_rule(0.01, betas=(0.8, 0.99), weight_decay=0.1,
+                                                amsgrad=True),
+         "sgd-nesterov": lambda: gc.sgd_rule(0.05, momentum=0.9, nesterov=True,
+                                             weight_decay=1e-3)}
+
+
+def _runs(ns, chain, pb, rule, steps, W=None, chunk=None):
+    """``steps`` steps by the fast path (in place) and by the core; host copies of both,
+    and whether every fast step ran fast."""
+    W = pb.W if W is None else W
+    A, Ab = ns.aslist(W), ns.aslist(pb.b)
+    E, Eb = ns.aslist(W), ns.aslist(pb.b)
+    fs, es = gc.path_init(chain, rule, A, Ab), gc.path_init(chain, rule, E, Eb)
+    kernels, ran = gb.kernels_for(A[0]), []
+    for _ in range(steps):
+        G, Gb = pb.grads(ns.tolist(E), ns.tolist(Eb))
+        with _chunk(kernels, chunk):
+            ran.append(rule_step_(kernels, chain, rule, fs, A, Ab, ns.aslist(G), ns.aslist(Gb)))
+        fs = fs._replace(count=fs.count + 1)
+        E, Eb, es = gc.path_update(chain, rule, es, E, Eb, ns.aslist(G), ns.aslist(Gb))
+    return all(ran), (ns.tolist(A), ns.tolist(Ab), fs), (ns.tolist(E), ns.tolist(Eb), es)
+
+
+def _assert_same(ns, fast, core):
+    for what, a, e in (("weights", fast[0], core[0]), ("biases", fast[1], core[1])):
+        for i, (x, y) in enumerate(zip(a, e)):
+            assert_close(x, y, _tol(ns), f"{what}[{i}]")
+    for j, (fb, eb) in enumerate(zip(fast[2].buffers, core[2].buffers)):
+        for i, (x, y) in enumerate(zip(fb, eb)):
+            assert_close(ns.to_numpy(x), ns.to_numpy(y), _tol(ns), f"buffer {j}[{i}]")
+
+
+@pytest.mark.parametrize("name", list(RULES))
+@settings(max_examples=10)
+@given(chain=st.one_of(st.just(CHAIN), chains(max_depth=4)), seed=seeds,
+       chunk=st.sampled_from([None, 1, 7]))
+def test_rule_fast_step_equals_the_core(fxp, name, chain, seed, chunk):
+    pb = Problem(chain, seed)
+    ran, fast, core = _runs(fxp, chain, pb, RULES[name](), 3, chunk=chunk)
+    assert ran
+    _assert_same(fxp, fast, core)
+
+
+@pytest.mark.parametrize("case", ["zero tau", "zero free", "huge gradient"])
+def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case):
+    """A zero skeleton weight (``F B = 0``: frozen paths) or a ``D`` that overflows makes a
+    block's sums non-finite: the block is recomputed by the core's per-entry rules."""
+    pb = Problem(CHAIN, 4)
+    W = [w.copy() for w in pb.W]
+    if case == "zero tau":
+        W[0][CHAIN.tau_mask(1)] = 0.0
+    elif case == "zero free":
+        W[1][CHAIN.free_mask(2)] = 0.0
+    else:
+        tiny = 1e-150 if fxp.is_f64 else 1e-18
+        W[0] = W[0] * tiny  # B_1 ~ tiny: D = G / (F B) of layer 2 overflows
+    ran, fast, core = _runs(fxp, CHAIN, pb, RULES["adam"](), 2, W=W, chunk=5)
+    assert ran
+    assert all(np.all(np.isfinite(x)) for x in fast[0] + fast[1] if x is not None)
+    _assert_same(fxp, fast, core)
+
+
+def test_non_finite_gradients_and_half_precision_are_handed_back(fxp):
+    pb = Problem(CHAIN, 2)
+    rule = RULES["adam"]()
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    G, Gb = pb.grads()
+    G[1] = G[1].copy()
+    G[1].reshape(-1)[3] = np.nan
+    state = gc.path_init(CHAIN, rule, A, Ab)
+    before = fxp.tolist(A)
+    assert not rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, fxp.aslist(G),
+                          fxp.aslist(Gb))
+    assert all(np.array_equal(a, b) for a, b in zip(fxp.tolist(A), before))
+    # through the dispatch: skipped, nothing written, count kept
+    assert not gb.path_update_(CHAIN, rule, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb))
+    assert all(np.array_equal(a, b) for a, b in zip(fxp.tolist(A), before))
+    assert int(fxp.to_numpy(state.count)) == 0
+
+
+def test_the_dispatch_takes_the_fast_path_and_counts_the_step(fxp, monkeypatch):
+    import gsgd_backends.inplace as inplace
+    calls = []
+    monkeypatch.setattr(inplace, "rule_step_", lambda *a: calls.append(1) or rule_step_(*a))
+    monkeypatch.setattr(gc, "path_update", None)  # the core is never reached
+    pb = Problem(CHAIN, 5)
+    rule = RULES["adam"]()
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    state = gc.path_init(CHAIN, rule, A, Ab)
+    G, Gb = pb.grads()
+    assert gb.path_update_(CHAIN, rule, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb))
+    assert calls == [1] and int(fxp.to_numpy(state.count)) == 1
