@@ -108,3 +108,23 @@ def test_the_dispatch_takes_the_fast_path_and_counts_the_step(fxp, monkeypatch):
     G, Gb = pb.grads()
     assert gb.path_update_(CHAIN, rule, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb))
     assert calls == [1] and int(fxp.to_numpy(state.count)) == 1
+
+
+class ToZero(gc.ElementwiseRule):
+    """Delta = V: every path lands exactly on 0, each tau path ratio is 0 (the epsilon rule)."""
+
+    def coefficients(self, xp, count, dtype):
+        return None
+
+    def apply(self, xp, D, V, bufs, coef):
+        return V, ()
+
+
+def test_a_tau_ratio_of_zero_becomes_epsilon_as_in_the_core(fxp):
+    pb = Problem(CHAIN, 6)
+    ran, fast, core = _runs(fxp, CHAIN, pb, ToZero(), 1)
+    assert ran
+    eps = np.finfo(fxp.dtype_name).eps
+    tau = CHAIN.tau_mask(1).reshape(pb.W[0].shape)
+    assert_close(fast[0][0][tau], pb.W[0][tau] * eps, _tol(fxp), "tau edges of layer 1")
+    _assert_same(fxp, fast, core)
