@@ -212,6 +212,8 @@ def test_a_frozen_bias_never_moves_and_gets_no_state():
     train(model, opt, x, y, 3)
     assert torch.equal(model.fc2.bias, frozen)
     assert model.fc2.bias not in opt.state
+    # its scratch moments stay out of the state: one entry per trainable parameter, no growth
+    assert len(opt.state) == sum(p.requires_grad for p in model.parameters())
 
 
 def test_describe_and_errors():
