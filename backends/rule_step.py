@@ -21,6 +21,11 @@ from .fast import _finite, _flat, _kept, _per_column, _plan, _prepared, _sums
 
 __all__ = ["rule_step_"]
 
+#: Elements per block of a CPU bulk update. A rule's block makes some twenty passes over
+#: its temporaries, so blocks stay well inside L2 (measured on the 2-core VM, G-Adam on a
+#: 1.6M-weight MLP: 11 ms a step with 2^15, 12 ms with 2^17, 30 ms with 2^19).
+BLOCK = 1 << 15
+
 
 def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, weights, biases,
                grads, bias_grads) -> bool:
@@ -29,6 +34,16 @@ def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, w
     caller's."""
     if not isinstance(rule, ElementwiseRule) or not isinstance(state, RuleState):
         return False
+    hosted = [kernels.host(w) for w in weights]
+    if hosted and all(h is not None for h in hosted):
+        # A chain of small CPU layers runs on NumPy views of its tensors: its vector work
+        # is a few hundred operations, each several times dearer through ATen.
+        kernels, view = hosted[0][0], _detached(hosted[0][1])
+        weights, biases, grads, bias_grads = (
+            None if a is None else [view(x) for x in a]
+            for a in (weights, biases, grads, bias_grads))
+        state = RuleState(tuple(tuple(view(x) for x in bufs) for bufs in state.buffers),
+                          view(state.count))
     with kernels.context():
         return _step(kernels, chain, rule, state, weights, biases, grads, bias_grads)
 
@@ -142,6 +157,8 @@ def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
     xp = kernels.xp
     n, p, k = W.shape
     rows = kernels.block_rows(W)
+    if str(getattr(W, "device", "cpu")).startswith("cpu"):
+        rows = min(rows, max(1, BLOCK // (p * k)))
     W, G = W.reshape(n, p * k), G.reshape(n, p * k)
     M = [m.reshape(n, p * k) for m in M]
     B_cols, rho_cols = _per_column(xp, B_prev, k), _per_column(xp, rho, k)
@@ -160,6 +177,11 @@ def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
         kernels.put_(w, None, w_new)
         for m, a in zip(bufs, new):
             kernels.put_(m, None, a)
+
+
+def _detached(view):
+    """``view`` for tensors that may require grad (parameters); ``None`` stays."""
+    return lambda t: None if t is None else view(t.detach() if hasattr(t, "detach") else t)
 
 
 def _host_coef(coef, view):

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.step_overhead``: what a G-SGD step costs next to SGD.
+"""``python -m benchmarks.step_overhead``: what a G-SGD (and G-Adam) step costs next to SGD.
 
 Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs from 1e4 to
 1e7 weights, on gradients held fixed, every optimizer stepping its own copy in turn
@@ -8,7 +8,7 @@ Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs f
 
 - torch (CPU float32, or CUDA when available): ``torch.optim.SGD(foreach=True)`` against
   ``GSGD`` (eager fast path), ``GSGD(compile=True)``, and both with momentum 0.9 against
-  ``SGD(momentum=0.9, foreach=True)``.
+  ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` against ``torch.optim.Adam(foreach=True)``.
 - NumPy: ``w -= lr * g`` and a preallocated in-place SGD against ``gsgd_step_``.
 - CuPy (GPU only): ``w -= lr * g`` against ``gsgd_step_``.
 """
@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 import gsgd_backends as gb
 import gsgd_core as gc
-from gsgd_adapters.torch import GSGD
+from gsgd_adapters.torch import GSGD, GAdam
 
 from . import threads
 
@@ -101,7 +101,8 @@ def torch_rows(name, device, reps, compile_):
     build, arg = MODELS[name]
     torch.manual_seed(0)
     base = build(arg).to(device)
-    kinds = ("sgd", "gsgd", "sgdm", "gsgdm") + (("gsgdc", "gsgdmc") if compile_ else ())
+    kinds = ("sgd", "gsgd", "sgdm", "gsgdm", "adam", "gadam") + (
+        ("gsgdc", "gsgdmc") if compile_ else ())
     copies = {k: build(arg).to(device) for k in kinds}
     grads = [torch.randn_like(p) * 1e-3 for p in base.parameters()]
     for m in copies.values():
@@ -112,7 +113,9 @@ def torch_rows(name, device, reps, compile_):
             "gsgd": GSGD(copies["gsgd"], lr=LR),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
                                     foreach=True),
-            "gsgdm": GSGD(copies["gsgdm"], lr=LR, momentum=0.9)}
+            "gsgdm": GSGD(copies["gsgdm"], lr=LR, momentum=0.9),
+            "adam": torch.optim.Adam(copies["adam"].parameters(), lr=LR, foreach=True),
+            "gadam": GAdam(copies["gadam"], lr=LR)}
     if compile_:
         opts["gsgdc"] = GSGD(copies["gsgdc"], lr=LR, compile=True)
         opts["gsgdmc"] = GSGD(copies["gsgdmc"], lr=LR, momentum=0.9, compile=True)
@@ -126,7 +129,7 @@ def torch_rows(name, device, reps, compile_):
     # Plain and momentum steps interleave within their own group: each ratio compares
     # optimizers that ran in turn, on equally warm caches.
     t = {}
-    for group in (("sgd", "gsgd", "gsgdc"), ("sgdm", "gsgdm", "gsgdmc")):
+    for group in (("sgd", "gsgd", "gsgdc"), ("sgdm", "gsgdm", "gsgdmc"), ("adam", "gadam")):
         t.update(interleaved({k: stepper(opts[k]) for k in group if k in opts}, reps))
     m = sum(p.numel() for p in base.parameters())
     sgd, sgdm = ("SGD(foreach)", t["sgd"]), ("SGD(momentum=0.9, foreach)", t["sgdm"])
@@ -136,6 +139,7 @@ def torch_rows(name, device, reps, compile_):
     variants["momentum 0.9"] = (*sgdm, t["gsgdm"])
     if compile_:
         variants["momentum 0.9 compiled"] = (*sgdm, t["gsgdmc"])
+    variants["G-Adam"] = ("Adam(foreach)", t["adam"], t["gadam"])
     return Row(f"torch {device.type}", name, m, variants)
 
 

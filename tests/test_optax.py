@@ -42,14 +42,16 @@ loss = jax.jit(lambda p: jnp.mean((forward(p, X) - Y) ** 2))
 grad = jax.jit(jax.grad(lambda p: jnp.mean((forward(p, X) - Y) ** 2)))
 
 
-def run(opt, params, steps):
+def run(opt, params, steps, g=grad):
+    """``steps`` jitted steps of ``opt`` with gradients ``g``; the end point and the number
+    of traces."""
     state = opt.init(params)
     traces = []
 
     @jax.jit
     def step(p, s):
         traces.append(1)
-        u, s = opt.update(grad(p), s, p)
+        u, s = opt.update(g(p), s, p)
         return optax.apply_updates(p, u), s
 
     for _ in range(steps):
@@ -112,28 +114,33 @@ def test_composes_with_clipping_and_schedules():
         assert_close(np.asarray(v), np.asarray(v2), 1e-12)
 
 
-def test_leaves_outside_chains_take_optax_sgd():
-    params = {"net": make_params(), "temperature": jnp.asarray([1.5, -0.5])}
+def _with_temperature():
+    """Params with a leaf outside the chain (a temperature ``t``), the chain's leaves, and
+    the jitted gradient of a loss that uses both."""
+    params = {"net": make_params(), "t": jnp.asarray([1.5, -0.5])}
     chains = [ChainLeaves(c.chain, tuple(("net",) + w for w in c.weights),
                           tuple(("net",) + v for v in c.biases))
               for c in chains_from_pairs(params["net"])]
 
     def f(p):
-        return jnp.mean((forward(p["net"], X) * p["temperature"][0] - Y) ** 2) + jnp.sum(
-            p["temperature"] ** 2)
+        return jnp.mean((forward(p["net"], X) * p["t"][0] - Y) ** 2) + jnp.sum(p["t"] ** 2)
 
-    g = jax.jit(jax.grad(f))
+    return params, chains, jax.jit(jax.grad(f))
+
+
+def test_leaves_outside_chains_take_optax_sgd():
+    params, chains, g = _with_temperature()
     state = (opt := gsgd(0.05, chains, momentum=0.9)).init(params)
     ref_opt = optax.sgd(0.05, momentum=0.9)
-    ref_state = ref_opt.init(params["temperature"])
-    p, t = params, params["temperature"]
+    ref_state = ref_opt.init(params["t"])
+    p, t = params, params["t"]
     for _ in range(3):
         gp = g(p)
         u, state = opt.update(gp, state, p)
         p = optax.apply_updates(p, u)
-        ru, ref_state = ref_opt.update(gp["temperature"], ref_state)
+        ru, ref_state = ref_opt.update(gp["t"], ref_state)
         t = optax.apply_updates(t, ru)
-    assert_close(np.asarray(p["temperature"]), np.asarray(t), 1e-12)
+    assert_close(np.asarray(p["t"]), np.asarray(t), 1e-12)
 
 
 def test_dict_layout_with_transposed_kernels_equals_pairs():
@@ -184,15 +191,7 @@ def test_leaves_outside_chains_take_torch_conventions_for_dampening_and_decay():
     """Momentum with dampening and weight decay on a leaf outside every chain, against
     torch.optim.SGD's rule written out: buf = g on the first step, then
     momentum*buf + (1 - dampening)*g, with g = grad + weight_decay*p."""
-    params = {"net": make_params(), "t": jnp.asarray([1.5, -0.5])}
-    chains = [ChainLeaves(c.chain, tuple(("net",) + w for w in c.weights),
-                          tuple(("net",) + v for v in c.biases))
-              for c in chains_from_pairs(params["net"])]
-
-    def f(p):
-        return jnp.mean((forward(p["net"], X) * p["t"][0] - Y) ** 2) + jnp.sum(p["t"] ** 2)
-
-    g = jax.jit(jax.grad(f))
+    params, chains, g = _with_temperature()
     opt = gsgd(0.05, chains, momentum=0.9, dampening=0.4, weight_decay=0.1)
     state, p = opt.init(params), params
     t, buf = np.asarray(params["t"], dtype=np.float64), None
@@ -207,41 +206,14 @@ def test_leaves_outside_chains_take_torch_conventions_for_dampening_and_decay():
 
 
 # ------------------------------------------------------------------ in_path_space
-def _with_temperature():
-    params = {"net": make_params(), "t": jnp.asarray([1.5, -0.5])}
-    chains = [ChainLeaves(c.chain, tuple(("net",) + w for w in c.weights),
-                          tuple(("net",) + v for v in c.biases))
-              for c in chains_from_pairs(params["net"])]
-
-    def f(p):
-        return jnp.mean((forward(p["net"], X) * p["t"][0] - Y) ** 2) + jnp.sum(p["t"] ** 2)
-
-    return params, chains, jax.jit(jax.grad(f))
-
-
-def _run_tree(opt, params, g, steps):
-    state = opt.init(params)
-    traces = []
-
-    @jax.jit
-    def step(p, s):
-        traces.append(1)
-        u, s = opt.update(g(p), s, p)
-        return optax.apply_updates(p, u), s
-
-    for _ in range(steps):
-        params, state = step(params, state)
-    return params, len(traces)
-
-
 def test_in_path_space_of_optax_sgd_is_gsgd():
     """``in_path_space(add_decayed_weights + sgd(momentum, nesterov))`` equals
     :func:`gsgd` on the chain and on the leaf outside it, jitted once."""
     params, chains, g = _with_temperature()
     inner = optax.chain(optax.add_decayed_weights(1e-3),
                         optax.sgd(0.05, momentum=0.9, nesterov=True))
-    ours, traces = _run_tree(in_path_space(inner, chains), params, g, 6)
-    ref, _ = _run_tree(gsgd(0.05, chains, **HYPER), params, g, 6)
+    ours, traces = run(in_path_space(inner, chains), params, 6, g)
+    ref, _ = run(gsgd(0.05, chains, **HYPER), params, 6, g)
     assert traces == 1
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(ref)):
         assert_close(np.asarray(a), np.asarray(b), 1e-12)
@@ -251,7 +223,7 @@ def test_in_path_space_of_optax_adam_is_the_cores_g_adam():
     """Two independent Adams (optax's on the path space, the core's rule) agree; the leaf
     outside the chain takes optax.adam itself."""
     params, chains, g = _with_temperature()
-    ours, _ = _run_tree(in_path_space(optax.adam(0.01), chains), params, g, 5)
+    ours, _ = run(in_path_space(optax.adam(0.01), chains), params, 5, g)
     chain = chains[0].chain
     rule = gc.adam_rule(0.01)
     W = [np.asarray(w) for w, _ in params["net"]]

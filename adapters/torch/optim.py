@@ -238,14 +238,19 @@ class ScaleInvariantOptimizer(Optimizer):
     def _step_sgd(self, part, group: dict) -> None:
         self._rest(part.params, group, self.state)
 
-    def _rest(self, params, group: dict, state) -> None:
-        """``torch.optim.SGD``'s update of ``params`` (those with a gradient)."""
+    def _live(self, params, group: dict) -> list:
+        """The parameters with a gradient (checked for non-finite values on request)."""
         params = [p for p in params if p.grad is not None]
-        if not params:
-            return
         if group.get("check_finite"):
             for p in params:
                 self._grad(p, group, self._name(p))
+        return params
+
+    def _rest(self, params, group: dict, state) -> None:
+        """``torch.optim.SGD``'s update of ``params`` (those with a gradient)."""
+        params = self._live(params, group)
+        if not params:
+            return
         bufs = [state[p].get("momentum_buffer") for p in params]
         sgd_update(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
                    momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
