@@ -108,7 +108,7 @@ def _torch_reference(name):
 @pytest.mark.parametrize("name", list(ADAM_RULES))
 @settings(max_examples=examples(10))
 @given(chain=chains(max_depth=4), seed=seeds)
-def test_adam_rule_is_torch_adam_on_the_path_values(name, chain, seed):
+def test_adam_rule_equals_adam_run_on_the_path_values(name, chain, seed):
     """G-Adam(W) is ``torch.optim.Adam(W)`` run on the basis-path values with the path
     gradients as gradients: after each of 6 steps the path values of our weights equal
     torch's parameters (float64; torch's Adam is the independent reference)."""
