@@ -22,6 +22,7 @@ import platform
 import sys
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ from tqdm import tqdm
 
 import gsgd_backends as gb
 import gsgd_core as gc
-from gsgd_adapters.torch import GSGD, GAdam
+from gsgd_adapters.torch import GSGD, GAdam, SkeletonWarning
 
 from . import threads
 
@@ -278,19 +279,18 @@ def machine(device) -> str:
     return cpu
 
 
-def busy_warning(n_threads: int, quiet: bool = False) -> str:
-    """A loud warning (printed unless ``quiet``) when the machine lacks the idle cores the
-    timings need: other processes' load leaves fewer than ``n_threads`` cores free, and a
-    ratio measured then says more about the neighbours than about the optimizer."""
-    load = threads.load_average()
+def busy_warning(n_threads: int, load: float | None) -> str:
+    """A loud warning (printed) when the machine lacks the idle cores the timings need: the
+    load average before the run (``load``; afterwards it holds the run's own work) leaves
+    fewer than ``n_threads`` cores free, and a ratio measured then says more about the
+    neighbours than about the optimizer."""
     if load is None or (os.cpu_count() or 1) - load >= n_threads - 0.25:
         return ""
     text = (f"WARNING: the machine is busy: load average {load:.2f} on {os.cpu_count()} cores "
             f"leaves fewer than the {n_threads} idle cores these timings need; ratios measured "
             "under load are not comparable with docs/step_overhead.md. Measure on an idle "
             "machine.")
-    if not quiet:
-        print(text, file=sys.stderr, flush=True)
+    print(text, file=sys.stderr, flush=True)
     return text
 
 
@@ -304,8 +304,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip GSGD(compile=True)")
     args = ap.parse_args(argv)
     threads.use(args.threads)
+    # Timing only: the models keep their default init, whatever the skeleton.
+    warnings.filterwarnings("ignore", category=SkeletonWarning)
     load_before = threads.load_average()
-    busy_warning(args.threads)
+    warning = busy_warning(args.threads, load_before)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = QUICK if args.quick else tuple(MODELS)
     reps = (lambda m: 5) if args.quick else (lambda m: 40 if m > 2e6 else 100)
@@ -328,10 +330,9 @@ def main(argv=None) -> int:
         else:
             rows.append(array_rows(name, kind, reps(size)))
     load_after = threads.load_average()
-    warning = busy_warning(args.threads, quiet=True)
     load = ("" if load_before is None else
-            f" Load average (1 min) {load_before:.2f} before, {load_after:.2f} after"
-            f"{' (BUSY: ratios not comparable)' if warning else ''}.")
+            f" Load average (1 min) {load_before:.2f} before, {load_after:.2f} after (the "
+            f"run's own){' (BUSY: ratios not comparable)' if warning else ''}.")
     text = (f"Machine: {machine(device)}.{load} Medians of interleaved steps, float32."
             f"\n\n{table(rows)}")
     print(text)

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Test helpers live beside this file; tests import them by module name (importlib mode).
 sys.path.insert(0, os.path.dirname(__file__))
@@ -41,6 +41,10 @@ settings.register_profile("dev", deadline=None, max_examples=100, suppress_healt
 # HYPOTHESIS_PROFILE=thorough: 20 times the examples, random (not derandomised) draws.
 settings.register_profile("thorough", deadline=None, max_examples=500, print_blob=True,
                           suppress_health_check=_QUIET)
+# HYPOTHESIS_PROFILE=mutate (tests/mutate.py): "ci" without shrinking, since a mutant needs
+# one failing example, not the smallest one.
+settings.register_profile("mutate", settings.get_profile("ci"),
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

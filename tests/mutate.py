@@ -13,9 +13,14 @@ spliced into the original text (so line numbers and formatting stay): ``+ <-> -`
 ``is <-> is not``, ``in <-> not in``), ``and <-> or``, a dropped ``not`` or unary minus,
 ``True <-> False``, and numbers (``0 <-> 1``, ``x -> x + 1``). Docstrings, strings and the
 arguments of ``raise`` (error messages) are left alone. The mutated copy of the package is
-put first on ``PYTHONPATH`` of a fresh ``pytest -x`` over the package's tests on NumPy (the
+put first on ``sys.path`` of a ``pytest -x`` over the package's tests on NumPy (the
 namespace every core test runs on); a failing or timed-out run kills the mutant.
 Survivors are printed with their line and written, with every result, to ``--out``.
+
+Each of the ``--jobs`` workers is a process that imports pytest, NumPy, torch and
+Hypothesis once (never the package under test) and forks a child per mutant, so a mutant
+costs its tests alone, not a new interpreter and its imports; Hypothesis runs the "ci"
+profile's examples without shrinking a failing one (profile "mutate").
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import concurrent.futures as cf
 import io
 import json
 import os
+import queue
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,11 +50,12 @@ TARGETS = {
     "gsgd_core": ("gsgd_core", [
         "tests/test_chain.py", "tests/test_errors.py", "tests/test_reference.py",
         "tests/test_icr.py", "tests/test_step.py", "tests/test_invariance.py",
-        "tests/test_numerics.py", "tests/test_psi_pathsgd.py", "tests/test_namespaces.py"],
+        "tests/test_numerics.py", "tests/test_psi_pathsgd.py", "tests/test_namespaces.py",
+        "tests/test_path_space.py"],
         "not jax and not strict and not torch and not cupy"),
     "backends": ("gsgd_backends", [
-        "tests/test_fast_paths.py", "tests/test_namespaces.py", "tests/test_numerics.py",
-        "tests/test_psi_pathsgd.py"],
+        "tests/test_fast_paths.py", "tests/test_rule_fast_path.py", "tests/test_namespaces.py",
+        "tests/test_numerics.py", "tests/test_psi_pathsgd.py"],
         "not jax and not strict and not cupy and not compile"),
 }
 
@@ -177,21 +185,65 @@ def apply(text: str, m: Mutant) -> str:
     return text[:m.start] + m.new + text[m.end:]
 
 
-def run_tests(pkg_dir: Path, tests, kexpr, timeout) -> tuple[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(pkg_dir) + os.pathsep + os.environ.get(
-        "PYTHONPATH", ""), HYPOTHESIS_PROFILE="ci", PYTHONDONTWRITEBYTECODE="1")
-    # Run from the copy's folder: ``python -m`` puts the working directory first on sys.path.
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT),
-           "-W", "ignore::DeprecationWarning", "-k", kexpr, *[str(ROOT / t) for t in tests]]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=pkg_dir, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "killed (timeout)", time.perf_counter() - t0
-    dt = time.perf_counter() - t0
-    return ("survived" if proc.returncode == 0 else "killed"), dt
+def _pytest_args(tests, kexpr) -> list[str]:
+    return ["-x", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+            "--rootdir", str(ROOT), "-W", "ignore::DeprecationWarning", "-k", kexpr,
+            *[str(ROOT / t) for t in tests]]
+
+
+def serve(tests, kexpr) -> None:
+    """A worker (``--serve``): reads ``<folder> <timeout>`` lines, runs the tests in a forked
+    child with ``<folder>`` first on ``sys.path``, and answers ``<status> <seconds>``."""
+    import numpy  # noqa: F401  (the heavy imports, once: every child shares them)
+    import pytest
+    import hypothesis  # noqa: F401
+    import torch
+    torch.set_num_threads(1)
+    out = sys.stdout
+    for line in sys.stdin:
+        folder, timeout = line.rsplit(" ", 1)
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:  # the child: quiet, in the copy, the mutated package first
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            os.chdir(folder)
+            sys.path.insert(0, folder)
+            os._exit(int(pytest.main(_pytest_args(tests, kexpr))))
+        status = None
+        while status is None:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = "survived" if os.waitstatus_to_exitcode(code) == 0 else "killed"
+            elif time.perf_counter() - t0 > float(timeout):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = "killed (timeout)"
+            else:
+                time.sleep(0.05)
+        out.write(f"{status} {time.perf_counter() - t0:.2f}\n")
+        out.flush()
+
+
+class Worker:
+    """One ``--serve`` process of this script for a package's tests."""
+
+    def __init__(self, package: str) -> None:
+        env = dict(os.environ, HYPOTHESIS_PROFILE="mutate", PYTHONDONTWRITEBYTECODE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve", "--package", package],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    def run(self, folder: Path, timeout: float) -> tuple[str, float]:
+        self.proc.stdin.write(f"{folder} {timeout}\n")
+        self.proc.stdin.flush()
+        status, seconds = self.proc.stdout.readline().rsplit(" ", 1)
+        return status, float(seconds)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def check_isolation(pkg_dir: Path, name: str) -> None:
@@ -211,9 +263,13 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, nargs="*", help="mutant numbers to run")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit")
     ap.add_argument("--out", default=None, help="JSON results (default mutation-<pkg>.json)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     name, tests, kexpr = TARGETS[args.package]
+    if args.serve:
+        serve(tests, kexpr)
+        return 0
     src = ROOT / args.package
     mutants: list[Mutant] = []
     for path in sorted(src.glob("*.py")):
@@ -228,7 +284,12 @@ def main(argv=None) -> int:
     base = work / "base" / name
     shutil.copytree(src, base, ignore=shutil.ignore_patterns("__pycache__"))
     check_isolation(base.parent, name)
-    status, baseline = run_tests(base.parent, tests, kexpr, timeout=1800)
+    workers: queue.Queue = queue.Queue()
+    for _ in range(args.jobs):
+        workers.put(Worker(args.package))
+    first = workers.get()
+    status, baseline = first.run(base.parent, timeout=1800)
+    workers.put(first)
     if status != "survived":
         sys.exit(f"the tests fail without any mutant ({status}): fix them first")
     timeout = 3 * baseline + 30
@@ -245,7 +306,11 @@ def main(argv=None) -> int:
         except SyntaxError:
             m.status = "invalid"
             return m
-        m.status, m.seconds = run_tests(d, tests, kexpr, timeout)
+        worker = workers.get()
+        try:
+            m.status, m.seconds = worker.run(d, timeout)
+        finally:
+            workers.put(worker)
         shutil.rmtree(d, ignore_errors=True)
         return m
 
@@ -258,6 +323,8 @@ def main(argv=None) -> int:
                       flush=True)
             elif done % 20 == 0:
                 print(f"[{done}/{len(todo)}]", flush=True)
+    while not workers.empty():
+        workers.get().close()
     shutil.rmtree(work, ignore_errors=True)
 
     valid = [m for m in todo if m.status != "invalid"]
