@@ -9,7 +9,10 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
 import gsgd_core as gc  # noqa: E402
-from _helpers import assert_close  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from _helpers import Problem, assert_close  # noqa: E402
+from _strategies import chains, examples, fixed_shapes, seeds  # noqa: E402
 from gsgd_adapters.optax import (ChainLeaves, chains_from_dict, chains_from_pairs, gsgd,  # noqa: E402
                                  in_path_space, path_sgd,
                                  psi_sgd)
@@ -294,3 +297,55 @@ def test_in_path_space_reads_transposed_kernels_and_refuses_psi_groups():
         in_path_space(optax.adam(0.01), [ChainLeaves(None, ((0, 0),), ())])
     with pytest.raises(ValueError, match="needs params"):
         opt_p.update(g, opt_p.init(params))
+
+
+@settings(max_examples=examples(8))
+@given(data=st.data(), seed=seeds)
+def test_in_path_space_adam_twins_coincide_on_drawn_chains(data, seed):
+    """Drawn chains (JAX's fixed shapes; drawn skeletons, slots, biases and rescalings):
+    5 steps of ``in_path_space(optax.adam)`` from ``w`` and from a rescaling ``g(w)`` stay
+    ``g``-related (gradients from the torch reference network)."""
+    with fixed_shapes():  # JAX compiles per shape
+        chain = data.draw(chains(max_depth=3))
+    pb = Problem(chain, seed)
+    leaves = ChainLeaves(chain, tuple((l, 0) for l in range(chain.L)),
+                         tuple(None if v is None else (l, 1) for l, v in enumerate(pb.b)))
+    scales = gc.random_rescaling(chain, pb.rng, 1.0)
+    Wt, bt = gc.rescale(chain, pb.W, pb.b, scales)
+    ends = []
+    for W, b in ((pb.W, pb.b), (Wt, bt)):
+        opt = in_path_space(optax.adam(0.01), [leaves])
+        params = [(jnp.asarray(w), None if v is None else jnp.asarray(v)) for w, v in zip(W, b)]
+        state = opt.init(params)
+        for _ in range(5):
+            G, Gb = pb.grads([np.asarray(w) for w, _ in params],
+                             [None if v is None else np.asarray(v) for _, v in params])
+            grads = [(jnp.asarray(g), None if gb is None else jnp.asarray(gb))
+                     for g, gb in zip(G, Gb)]
+            updates, state = opt.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        ends.append(([np.asarray(w) for w, _ in params],
+                     [None if v is None else np.asarray(v) for _, v in params]))
+    We, be = gc.rescale(chain, *ends[0], scales)
+    for a, e in zip(ends[1][0] + ends[1][1], list(We) + list(be)):
+        if e is not None:
+            assert_close(a, e, 1e-7, "twin after 5 steps of in_path_space(adam)")
+
+
+def test_in_path_space_composes_inside_optax_chain():
+    """``optax.chain(clip_by_global_norm, in_path_space(adam))`` is the clipped gradients
+    handed to ``in_path_space(adam)``."""
+    params = make_params()
+    chains = chains_from_pairs(params)
+    opt = optax.chain(optax.clip_by_global_norm(0.1), in_path_space(optax.adam(0.01), chains))
+    ours, traces = run(opt, params, 3)
+    assert traces == 1
+    inner, p = in_path_space(optax.adam(0.01), chains), params
+    state = inner.init(p)
+    for _ in range(3):
+        g = grad(p)
+        scale = jnp.minimum(1.0, 0.1 / optax.tree.norm(g))
+        u, state = inner.update(jax.tree_util.tree_map(lambda x: x * scale, g), state, p)
+        p = optax.apply_updates(p, u)
+    for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(p)):
+        assert_close(np.asarray(a), np.asarray(b), 1e-12)
