@@ -1,0 +1,53 @@
+"""Defaults and bounds that the public API states: hyperparameter defaults, PSI's
+renormalisation threshold, the dense references' path limits, and the immutability of the
+metadata the core caches on a chain and shares between calls."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import gsgd_core as gc
+from gsgd_core import reference as ref
+from gsgd_core.arrays import layer_meta, prepare
+from gsgd_core.gsgd import check_update_hypers
+
+
+def test_update_hyperparameters_default_to_plain_sgd():
+    check_update_hypers(0.1)  # momentum, dampening, weight decay 0 and no Nesterov: valid
+    check_update_hypers(0.1, momentum=0.9, nesterov=True)  # dampening defaults to 0
+    with pytest.raises(ValueError, match="nesterov needs momentum > 0"):
+        check_update_hypers(0.1, nesterov=True)  # momentum defaults to 0
+
+
+def test_psi_renormalises_rows_just_above_the_default_max_norm_and_not_at_it():
+    """Rows with ``||w|| > max_norm`` (default 1e4) are divided by their norm; a row at the
+    threshold exactly is not."""
+    w = np.array([[1e4 + 0.5, 0.0], [3.0, 4.0]])
+    zero = np.zeros_like(w)
+    (new,), _ = gc.psi_update(gc.psi_init([w]), [w], [zero], lr=0.0)
+    np.testing.assert_array_equal(new, [[1.0, 0.0], [3.0, 4.0]])
+    (kept,), _ = gc.psi_update(gc.psi_init([w]), [w], [zero], lr=0.0, max_norm=5.0)
+    np.testing.assert_array_equal(kept[1], [3.0, 4.0])  # norm 5 == max_norm: kept
+
+
+def test_dense_references_refuse_more_paths_than_max_paths():
+    chain = gc.Chain.mlp([20_001, 1, 1], bias=False)  # exactly 20,001 paths
+    assert ref.n_paths(chain) == 20_001
+    W = [np.ones((1, 20_001)), np.ones((1, 1))]
+    for call in (lambda **k: ref.enumerate_paths(chain, **k),
+                 lambda **k: ref.structure_matrix(chain, **k),
+                 lambda **k: ref.path_sgd_gamma(chain, W, **k)):
+        with pytest.raises(ValueError, match="more than max_paths=20000"):
+            call()  # the default limit is 20,000 paths
+        assert len(call(max_paths=20_001)) > 0  # at the limit exactly: accepted
+
+
+def test_cached_metadata_is_immutable():
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    W = [np.ones((4, 3)), np.ones((2, 4))]
+    meta = layer_meta(chain, prepare(chain, W).xp, "cpu")[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.tau_idx = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepare(chain, W).dtype = np.float32
