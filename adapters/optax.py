@@ -212,9 +212,12 @@ class InPathSpaceState(NamedTuple):
 
 
 def _chain_arrays(c: ChainLeaves, index, leaves, grads):
+    """The chain's weights (as ``(out, in, ...)``), biases and their gradients."""
     t = c.transposed
-    return ([_get(index, leaves, p, t) for p in c.weights], [_get(index, leaves, p) for p in c.biases],
-            [_get(index, grads, p, t) for p in c.weights], [_get(index, grads, p) for p in c.biases])
+    return ([_get(index, leaves, p, t) for p in c.weights],
+            [_get(index, leaves, p) for p in c.biases],
+            [_get(index, grads, p, t) for p in c.weights],
+            [_get(index, grads, p) for p in c.biases])
 
 
 def _put(out: list, index, c: ChainLeaves, weights, biases) -> None:

@@ -47,11 +47,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # package -> (import name, test files, -k expression). NumPy only: the other namespaces run
 # the same properties, and a mutant that only they would catch is reported as a survivor.
 TARGETS = {
+    # Fast tests that see most of the package first: with -x a killed mutant stops early.
     "gsgd_core": ("gsgd_core", [
-        "tests/test_chain.py", "tests/test_errors.py", "tests/test_reference.py",
-        "tests/test_icr.py", "tests/test_step.py", "tests/test_invariance.py",
-        "tests/test_numerics.py", "tests/test_psi_pathsgd.py", "tests/test_namespaces.py",
-        "tests/test_path_space.py", "tests/test_defaults.py"],
+        "tests/test_errors.py", "tests/test_step.py", "tests/test_chain.py",
+        "tests/test_icr.py", "tests/test_path_space.py", "tests/test_reference.py",
+        "tests/test_invariance.py", "tests/test_numerics.py", "tests/test_psi_pathsgd.py",
+        "tests/test_namespaces.py", "tests/test_defaults.py"],
         "not jax and not strict and not torch and not cupy"),
     "backends": ("gsgd_backends", [
         "tests/test_fast_paths.py", "tests/test_rule_fast_path.py", "tests/test_namespaces.py",

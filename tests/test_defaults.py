@@ -32,15 +32,24 @@ def test_psi_renormalises_rows_just_above_the_default_max_norm_and_not_at_it():
 
 
 def test_dense_references_refuse_more_paths_than_max_paths():
-    chain = gc.Chain.mlp([20_001, 1, 1], bias=False)  # exactly 20,001 paths
-    assert ref.n_paths(chain) == 20_001
-    W = [np.ones((1, 20_001)), np.ones((1, 1))]
-    for call in (lambda **k: ref.enumerate_paths(chain, **k),
+    """The default limit is 20,000 paths; a chain with exactly ``max_paths`` paths is
+    accepted."""
+    big = gc.Chain.mlp([20_001, 1, 1], bias=False)  # exactly 20,001 paths
+    small = gc.Chain.mlp([2, 3, 1], bias=False)      # exactly 6
+    assert ref.n_paths(big) == 20_001 and ref.n_paths(small) == 6
+    for chain in (big, small):
+        W = [np.ones((n, n_prev)) for n_prev, n in zip(chain.sizes[:-1], chain.sizes[1:])]
+        calls = (lambda **k: ref.enumerate_paths(chain, **k),
                  lambda **k: ref.structure_matrix(chain, **k),
-                 lambda **k: ref.path_sgd_gamma(chain, W, **k)):
-        with pytest.raises(ValueError, match="more than max_paths=20000"):
-            call()  # the default limit is 20,000 paths
-        assert len(call(max_paths=20_001)) > 0  # at the limit exactly: accepted
+                 lambda **k: ref.path_sgd_gamma(chain, W, **k))
+        for call in calls:
+            if chain is big:
+                with pytest.raises(ValueError, match="more than max_paths=20000"):
+                    call()
+            else:
+                assert len(call(max_paths=6)) > 0
+                with pytest.raises(ValueError, match="more than max_paths=5"):
+                    call(max_paths=5)
 
 
 def test_cached_metadata_is_immutable():

@@ -13,9 +13,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from _helpers import Problem, assert_close  # noqa: E402
 from _strategies import chains, examples, fixed_shapes, seeds  # noqa: E402
-from gsgd_adapters.optax import (ChainLeaves, chains_from_dict, chains_from_pairs, gsgd,  # noqa: E402
-                                 in_path_space, path_sgd,
-                                 psi_sgd)
+from gsgd_adapters.optax import (ChainLeaves, chains_from_dict,  # noqa: E402
+                                 chains_from_pairs, gsgd, in_path_space, path_sgd, psi_sgd)
 
 SIZES = [6, 7, 5, 3]
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 import gsgd_core as gc
 from _helpers import assert_close
 from test_torch_adapter import float64_default, loss_of, train  # noqa: F401 (autouse)
-from gsgd_adapters.torch import (GAdam, GAdamW, SkeletonWarning, SkippedStepWarning, discover, random_rescale_,
-                                 skeleton_init_)
+from gsgd_adapters.torch import (GAdam, GAdamW, SkeletonWarning, SkippedStepWarning, discover,
+                                 random_rescale_, skeleton_init_)
 
 
 class Net(nn.Module):

@@ -12,6 +12,6 @@ from .groups import Description
 from .model_ops import check_invariance, random_rescale_, skeleton_init_
 from .optim import GSGD, PSISGD, PathSGD, SkeletonWarning, SkippedStepWarning
 
-__all__ = ["GAdam", "GAdamW", "GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description", "SkeletonWarning",
-           "SkippedStepWarning", "chain_of", "check_invariance", "discover", "random_rescale_",
-           "skeleton_init_"]
+__all__ = ["GAdam", "GAdamW", "GSGD", "PSISGD", "PathSGD", "ChainLayers", "Description",
+           "SkeletonWarning", "SkippedStepWarning", "chain_of", "check_invariance", "discover",
+           "random_rescale_", "skeleton_init_"]
