@@ -187,9 +187,9 @@ class Chain:
                 raise ValueError(f"layer {l}: weight shape {shape} has fewer than 2 dimensions")
             if len(shape) > 2:
                 fan_in, k = shape[1], math.prod(shape[2:])
-            elif l == 1 or shape[1] == sizes[-1]:
+            elif l == 1:
                 fan_in, k = shape[1], 1
-            elif shape[1] % sizes[-1] == 0:
+            elif shape[1] % sizes[-1] == 0:  # k = 1: a plain Linear; k > 1: after a flatten
                 fan_in, k = sizes[-1], shape[1] // sizes[-1]
             else:
                 raise ValueError(

@@ -60,3 +60,19 @@ def test_cached_metadata_is_immutable():
         meta.tau_idx = None
     with pytest.raises(dataclasses.FrozenInstanceError):
         prepare(chain, W).dtype = np.float32
+
+
+def test_skeleton_init_scales_the_other_weights_by_rest_scale():
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    W = [np.full((4, 3), 0.5), np.full((2, 4), -0.25)]
+    for scale in (1.0, 2.0):
+        new, _ = gc.skeleton_init(chain, W, rest_scale=scale)
+        for l, (w, w2) in enumerate(zip(W, new), start=1):
+            skel = (chain.free_mask(l) | chain.tau_mask(l)).reshape(w.shape)
+            np.testing.assert_array_equal(w2[~skel], scale * w[~skel])
+            np.testing.assert_array_equal(w2[skel], np.ones(int(skel.sum())))
+
+
+def test_from_shapes_reads_a_chain_of_linears_of_unequal_widths():
+    chain = gc.Chain.from_shapes([(6, 12), (5, 6), (3, 5)])
+    assert chain.sizes == (12, 6, 5, 3) and chain.slots == (1, 1, 1)

@@ -213,3 +213,15 @@ def test_describe_and_errors():
         GAdam(Net(), bn="psi")
     with pytest.raises(ValueError, match=r"param group 1: .*eps"):
         GAdam([dict(params=[Net().fc0.weight]), dict(params=[Net().fc1.weight], eps=-1.0)])
+
+
+def test_paper_bn_variant_chains_through_batch_norm_and_trains():
+    model = Net()
+    skeleton_init_(model, chains=[[model.fc0, model.fc1, model.fc2, model.fc3]])
+    x, y = data()
+    opt = GAdam(model, lr=0.01, bn="paper")
+    names = opt.describe().chains[0][0]
+    assert names == ["fc0", "fc1", "fc2", "fc3"]  # batch norm does not end the chain
+    before = float(loss_of(model, x, y).detach())
+    train(model, opt, x, y, 10)
+    assert float(loss_of(model, x, y).detach()) < before
