@@ -23,11 +23,11 @@ def _gamma3(xp, chain, W, b, dtype, device):
     """
     L = chain.L
     alpha = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
-    for l in range(1, L + 1):
+    for l in range(1, L):  # alpha_L and beta_0 weigh no edge
         a = xp.sum(W[l - 1] ** 2 * alpha[-1][None, :, None], axis=(1, 2))
         alpha.append(a if b[l - 1] is None else a + b[l - 1] ** 2)
     beta = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
-    for l in range(L, 0, -1):
+    for l in range(L, 1, -1):
         beta[l - 1] = xp.sum(W[l - 1] ** 2 * beta[l][:, None, None], axis=(0, 2))
     gamma = [xp.broadcast_to(outer3(beta[l], alpha[l - 1]), chain.layer_shape(l))
              for l in range(1, L + 1)]

@@ -76,3 +76,68 @@ def test_skeleton_init_scales_the_other_weights_by_rest_scale():
 def test_from_shapes_reads_a_chain_of_linears_of_unequal_widths():
     chain = gc.Chain.from_shapes([(6, 12), (5, 6), (3, 5)])
     assert chain.sizes == (12, 6, 5, 3) and chain.slots == (1, 1, 1)
+
+
+def test_rule_defaults_are_torchs_and_rules_are_frozen():
+    """``SGDRule()``, ``adam_rule()`` and ``adamw_rule()`` default to ``torch.optim.SGD``'s,
+    ``Adam``'s and ``AdamW``'s hyperparameters; rules are frozen (a jit static argument)."""
+    torch = pytest.importorskip("torch")
+    p = [torch.zeros(1)]
+    sgd = torch.optim.SGD(p).defaults
+    rule = gc.SGDRule()
+    assert (rule.lr, rule.momentum, rule.dampening, rule.nesterov, rule.weight_decay) == (
+        sgd["lr"], sgd["momentum"], sgd["dampening"], sgd["nesterov"], sgd["weight_decay"])
+    for make, cls, decoupled in ((gc.adam_rule, torch.optim.Adam, False),
+                                 (gc.AdamRule, torch.optim.Adam, False),
+                                 (gc.adamw_rule, torch.optim.AdamW, True)):
+        rule, ref_ = make(), cls(p).defaults
+        assert (rule.lr, rule.betas, rule.eps, rule.weight_decay, rule.amsgrad) == (
+            ref_["lr"], tuple(ref_["betas"]), ref_["eps"], ref_["weight_decay"],
+            ref_["amsgrad"])
+        assert rule.decoupled is decoupled
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            rule.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        gc.SGDRule().lr = 1.0
+
+
+def test_weight_decay_without_momentum_acts_on_path_values():
+    """``V' = V - lr (D + wd V)`` with no momentum buffer at all."""
+    chain = gc.Chain.mlp([3, 4, 4, 2])
+    rng = np.random.default_rng(0)
+    W = [rng.standard_normal((o, i)) for i, o in zip(chain.sizes[:-1], chain.sizes[1:])]
+    b = [rng.standard_normal(o) for o in chain.sizes[1:]]
+    G = [rng.standard_normal(w.shape) for w in W]
+    Gb = [rng.standard_normal(x.shape) for x in b]
+    D, Db = gc.icr(chain, W, b, G, Gb)
+    V, Vb = gc.path_values(chain, W, b)
+    W2, b2, _ = gc.gsgd_update(chain, None, W, b, G, Gb, lr=0.01, weight_decay=0.5)
+    V2, Vb2 = gc.path_values(chain, W2, b2)
+    for v2, v, d in zip(V2 + Vb2, V + Vb, D + Db):
+        np.testing.assert_allclose(v2, v - 0.01 * (d + 0.5 * v), rtol=1e-12, atol=1e-14)
+
+
+def test_gsgd_init_without_biases():
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    state = gc.gsgd_init(chain, [np.ones((4, 3)), np.ones((2, 4))])
+    assert state.bias_momentum == (None, None) and int(state.step) == 0
+
+
+def test_path_sgd_moves_every_weight_by_minus_lr_g_over_gamma():
+    """Path-SGD's step itself (Neyshabur et al. 2015): ``w - lr g / gamma`` on weights and
+    biases, with the core's gamma."""
+    chain = gc.Chain.mlp([3, 4, 4, 2])
+    rng = np.random.default_rng(1)
+    W = [rng.standard_normal((o, i)) for i, o in zip(chain.sizes[:-1], chain.sizes[1:])]
+    b = [rng.standard_normal(o) for o in chain.sizes[1:]]
+    G = [rng.standard_normal(w.shape) for w in W]
+    Gb = [rng.standard_normal(x.shape) for x in b]
+    gamma, gamma_b = gc.path_sgd_gamma(chain, W, b)
+    W2, b2 = gc.path_sgd_step(chain, W, b, G, Gb, 0.01)
+    for new, old, g, gm in zip(W2 + b2, W + b, G + Gb, list(gamma) + list(gamma_b)):
+        np.testing.assert_allclose(new, old - 0.01 * g / gm, rtol=1e-14)
+
+
+def test_adam_refuses_betas_above_one():
+    with pytest.raises(ValueError, match=r"betas\[0\]"):
+        gc.adam_rule(betas=(1.5, 0.999))
