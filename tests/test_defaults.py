@@ -141,3 +141,16 @@ def test_path_sgd_moves_every_weight_by_minus_lr_g_over_gamma():
 def test_adam_refuses_betas_above_one():
     with pytest.raises(ValueError, match=r"betas\[0\]"):
         gc.adam_rule(betas=(1.5, 0.999))
+
+
+def test_psi_update_defaults_to_no_momentum():
+    """Without ``momentum`` each step is a plain PSI-SGD step: the buffer holds this step's
+    ``||w||^2 g`` only, however many steps came before."""
+    w = np.array([[1.0, 2.0], [3.0, -1.0]])
+    g = np.array([[0.5, -0.25], [0.1, 0.2]])
+    state = gc.psi_init([w])
+    (w1,), state = gc.psi_update(state, [w], [g], lr=0.1)
+    (w2,), state = gc.psi_update(state, [w1], [g], lr=0.1)
+    sq = np.sum(w1 * w1, axis=1, keepdims=True)
+    np.testing.assert_allclose(state.momentum[0], sq * g, rtol=1e-15)
+    np.testing.assert_allclose(w2, w1 - 0.1 * sq * g, rtol=1e-15)

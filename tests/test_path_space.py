@@ -319,3 +319,18 @@ def test_half_precision_is_computed_in_float32_and_written_back():
     W64, b64, _ = gc.path_update(chain, rule, gc.path_init(chain, rule, pb.W, pb.b), pb.W,
                                  pb.b, G, Gb)
     assert_all_close([a.float().numpy() for a in W2], W64, 5e-3, "weights")
+
+
+def test_allocate_keeps_a_path_whose_delta_is_not_finite(xp):
+    chain, pb, (W, b, _, _) = _problem(xp)
+    delta = [np.full(w.shape, 1e-3) for w in pb.W]
+    bias_delta = [np.full(x.shape, 1e-3) for x in pb.b]
+    delta[2][1, 2] = np.inf
+    bias_delta[1][0] = np.nan
+    W2, b2 = gc.allocate(chain, W, b, xp.aslist(delta), xp.aslist(bias_delta))
+    V, Vb = (xp.tolist(a) for a in gc.path_values(chain, W, b))
+    V2, Vb2 = (xp.tolist(a) for a in gc.path_values(chain, W2, b2))
+    assert all(np.all(np.isfinite(a)) for a in xp.tolist(W2) + xp.tolist(b2))
+    assert_close(V2[2][1, 2], V[2][1, 2], xp.rtol, "path with an infinite delta kept")
+    assert_close(Vb2[1][0], Vb[1][0], xp.rtol, "bias path with a NaN delta kept")
+    assert_close(Vb2[1][1], Vb[1][1] - 1e-3, xp.rtol, "the others move by -delta")
