@@ -154,3 +154,15 @@ def test_psi_update_defaults_to_no_momentum():
     sq = np.sum(w1 * w1, axis=1, keepdims=True)
     np.testing.assert_allclose(state.momentum[0], sq * g, rtol=1e-15)
     np.testing.assert_allclose(w2, w1 - 0.1 * sq * g, rtol=1e-15)
+
+
+def test_psi_refuses_what_is_not_an_array_or_has_no_rows():
+    w = np.ones((2, 3))
+    state = gc.psi_init([w])
+    with pytest.raises(ValueError, match="weight 0: weights and grads must be arrays"):
+        gc.psi_update(state, [w], [[1.0, 2.0, 3.0]], lr=0.1)
+    with pytest.raises(ValueError, match="weight 0: weights and grads must be arrays"):
+        gc.psi_update(state, [w.tolist()], [w], lr=0.1)
+    scalar = np.asarray(2.0)
+    with pytest.raises(ValueError, match=r"weight 0: weights has shape \(\)"):
+        gc.psi_init([scalar])
