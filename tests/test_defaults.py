@@ -166,3 +166,10 @@ def test_psi_refuses_what_is_not_an_array_or_has_no_rows():
     scalar = np.asarray(2.0)
     with pytest.raises(ValueError, match=r"weight 0: weights has shape \(\)"):
         gc.psi_init([scalar])
+
+
+def test_odot_real_exponents_accept_every_positive_entry_and_refuse_zero():
+    A = np.array([[0.5], [1.0]])
+    np.testing.assert_allclose(ref.odot(np.array([0.25, 3.0]), A), [1.5], rtol=1e-14)
+    with pytest.raises(ValueError, match="positive"):
+        ref.odot(np.array([0.0, 3.0]), A)
