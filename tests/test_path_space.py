@@ -301,7 +301,8 @@ def test_path_update_refuses_what_is_not_a_rule_or_its_state():
 
     with pytest.raises(ValueError, match="returned 1 arrays for 4"):
         gc.path_update(chain, Short(), (), pb.W, pb.b, G, Gb)
-    with pytest.raises(ValueError, match="bias_delta"):
+    with pytest.raises(ValueError, match=r"layer 2: the layer has a bias but "
+                                         r"bias_delta\[1\] is None"):
         gc.allocate(chain, pb.W, pb.b, G, [Gb[0], None])
 
 
@@ -334,3 +335,17 @@ def test_allocate_keeps_a_path_whose_delta_is_not_finite(xp):
     assert_close(V2[2][1, 2], V[2][1, 2], xp.rtol, "path with an infinite delta kept")
     assert_close(Vb2[1][0], Vb[1][0], xp.rtol, "bias path with a NaN delta kept")
     assert_close(Vb2[1][1], Vb[1][1] - 1e-3, xp.rtol, "the others move by -delta")
+
+
+def test_allocate_without_biases_needs_no_bias_delta(xp):
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    pb = Problem(chain, 0)
+    W = xp.aslist(pb.W)
+    delta = [np.full(w.shape, 1e-3) for w in pb.W]
+    W2, b2 = gc.allocate(chain, W, None, xp.aslist(delta))
+    assert b2 == [None, None]
+    V = [xp.to_numpy(v) for v in gc.path_values(chain, W)[0]]
+    V2 = [xp.to_numpy(v) for v in gc.path_values(chain, W2)[0]]
+    for l, (v, v2) in enumerate(zip(V, V2), start=1):
+        moved = ~chain.free_mask(l).reshape(v.shape)
+        assert_close(v2[moved], v[moved] - 1e-3, xp.rtol, f"layer {l}")
