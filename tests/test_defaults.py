@@ -78,7 +78,7 @@ def test_from_shapes_reads_a_chain_of_linears_of_unequal_widths():
     assert chain.sizes == (12, 6, 5, 3) and chain.slots == (1, 1, 1)
 
 
-def test_rule_defaults_are_torchs_and_rules_are_frozen():
+def test_rule_defaults_are_the_reference_optimizers_and_rules_are_frozen():
     """``SGDRule()``, ``adam_rule()`` and ``adamw_rule()`` default to ``torch.optim.SGD``'s,
     ``Adam``'s and ``AdamW``'s hyperparameters; rules are frozen (a jit static argument)."""
     torch = pytest.importorskip("torch")
