@@ -173,3 +173,11 @@ def test_odot_real_exponents_accept_every_positive_entry_and_refuse_zero():
     np.testing.assert_allclose(ref.odot(np.array([0.25, 3.0]), A), [1.5], rtol=1e-14)
     with pytest.raises(ValueError, match="positive"):
         ref.odot(np.array([0.0, 3.0]), A)
+
+
+def test_psi_takes_a_vector_as_one_entry_per_row():
+    """Rows are indexed by the first axis, so a 1-D weight is a column of one-entry rows:
+    ``w_i - lr w_i^2 g_i``."""
+    w, g = np.array([2.0, -1.0, 0.5]), np.array([0.1, 0.2, -0.4])
+    (new,), _ = gc.psi_update(gc.psi_init([w]), [w], [g], lr=0.5)
+    np.testing.assert_allclose(new, w - 0.5 * w * w * g, rtol=1e-15)
