@@ -617,3 +617,49 @@ def test_cupy_kernels_scatter_through_cupyx(monkeypatch):
     eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
     for got, want in zip(W + b, eW + eb):
         assert_close(got, want, 1e-12)
+
+
+def test_tame_bounds_are_inclusive_and_exactly_where_stated():
+    """``_tame`` admits ``[4 sqrt(tiny), sqrt(max) / 4]`` with both ends, nothing above."""
+    for dtype in (np.float32, np.float64):
+        fi = np.finfo(dtype)
+        lo, hi = dtype(4 * np.sqrt(fi.smallest_normal)), dtype(np.sqrt(fi.max) / 4)
+        assert bool(fast._tame(np, np.array([lo, hi], dtype=dtype), False))
+        for out in (np.nextafter(lo, dtype(0)), np.nextafter(hi, dtype(np.inf)),
+                    dtype(np.sqrt(fi.max))):
+            assert not bool(fast._tame(np, np.array([out], dtype=dtype), False)), (dtype, out)
+
+
+def test_gradients_that_are_not_contiguous_take_the_fast_path_and_equal_the_core(fxp):
+    pb = Problem(CHAIN, 8)
+    G, Gb = pb.grads()
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    # each gradient a transposed view of a transposed copy: same values, not contiguous
+    Gt = [fxp.asarray(np.ascontiguousarray(g.T)) for g in G]
+    Gnc = [g.T for g in Gt]
+    assert not all(fxp.to_numpy(g).flags["C_CONTIGUOUS"] for g in Gnc)
+    kernels = gb.kernels_for(A[0])
+    assert fast.fast_step_(kernels, CHAIN, A, Ab, Gnc, fxp.aslist(Gb), 0.1)
+    eW, eb = _core(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    _assert_same(fxp, fxp.tolist(A), eW, "weights")
+    _assert_same(fxp, fxp.tolist(Ab), eb, "biases")
+
+
+def test_momentum_block_with_an_overflow_writes_the_cores_buffers(fxp):
+    """A huge step overflows some entries of a momentum step: the block is recomputed by the
+    per-entry rules, weights and momentum buffers both (the buffers keep the core's values)."""
+    pb = Problem(CHAIN, 3)
+    lr = 1e308 if fxp.is_f64 else 3e38
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    W, b = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    state, core = gc.gsgd_init(CHAIN, A, Ab), gc.gsgd_init(CHAIN, W, b)
+    kernels = gb.kernels_for(A[0])
+    for step_lr in (0.1, lr):  # a buffer with history, then the huge step
+        G, Gb = (fxp.aslist(x) for x in pb.grads(fxp.tolist(W), fxp.tolist(b)))
+        with _chunk(kernels, 4):
+            assert fast.fast_step_(kernels, CHAIN, A, Ab, G, Gb, step_lr, state, momentum=0.9)
+        assign(state.step, state.step + 1)
+        W, b, core = gc.gsgd_update(CHAIN, core, W, b, G, Gb, lr=step_lr, momentum=0.9)
+    _assert_same(fxp, fxp.tolist(state.momentum), fxp.tolist(core.momentum), "buffers")
+    for a, e in zip(fxp.tolist(A), fxp.tolist(W)):  # kept or moved by ~lr
+        assert np.all((a == e) | np.isclose(a, e, rtol=_tol(fxp), atol=0))
