@@ -65,6 +65,8 @@ def test_declined_steps_go_to_the_core_and_write_everything_back(xp):
     assert gb.gsgd_update_(CHAIN, None, W2, b2, G, Gb, lr=0.1) is True
     for a, e in zip(W2 + b2, EW + Eb2):
         np.testing.assert_array_equal(a, e)
+    # a learning rate given as an array never reaches the fast path: the core, and True
+    assert gb.gsgd_update_(CHAIN, None, W2, b2, G, Gb, lr=np.asarray(0.1)) is True
 
 
 def test_in_place_helpers_write_weights_and_biases(xp):
