@@ -55,8 +55,8 @@ TARGETS = {
         "tests/test_namespaces.py", "tests/test_defaults.py"],
         "not jax and not strict and not torch and not cupy"),
     "backends": ("gsgd_backends", [
-        "tests/test_fast_paths.py", "tests/test_rule_fast_path.py", "tests/test_namespaces.py",
-        "tests/test_numerics.py", "tests/test_psi_pathsgd.py"],
+        "tests/test_fast_paths.py", "tests/test_rule_fast_path.py", "tests/test_inplace.py",
+        "tests/test_namespaces.py", "tests/test_numerics.py", "tests/test_psi_pathsgd.py"],
         "not jax and not strict and not cupy and not compile"),
 }
 
