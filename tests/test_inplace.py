@@ -81,3 +81,45 @@ def test_in_place_helpers_write_weights_and_biases(xp):
     for l, (a, e) in enumerate(zip(xp.tolist(A), xp.tolist(EW)), start=1):
         rest = ~(CHAIN.free_mask(l) | CHAIN.tau_mask(l)).reshape(a.shape)
         np.testing.assert_array_equal(a[rest], e[rest])
+
+
+class Sign:
+    """A rule of the user's, not elementwise-declared: Delta = lr * sign(D) (signSGD)."""
+
+    def init(self, values):
+        return ()
+
+    def update(self, grads, state, values):
+        import array_api_compat
+        xp = array_api_compat.array_namespace(*grads)
+        return tuple(0.01 * xp.sign(d) for d in grads), state
+
+
+def test_any_rule_and_chains_without_biases_in_place(xp):
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    chain = gc.Chain.mlp([3, 5, 2], bias=False)
+    pb = Problem(chain, 3)
+    G, _ = pb.grads()
+    for rule in (Sign(), gc.adam_rule(0.01)):
+        A, E, AG = xp.aslist(pb.W), xp.aslist(pb.W), xp.aslist(G)
+        E, _, _ = gc.path_update(chain, rule, gc.path_init(chain, rule, E), E, None, AG)
+        state = gc.path_init(chain, rule, A)
+        assert gb.path_update_(chain, rule, state, A, None, AG, None) is True
+        for a, e in zip(A, E):
+            assert_close(xp.to_numpy(a), xp.to_numpy(e), 1e-12 if xp.is_f64 else 1e-5)
+
+
+def test_half_precision_in_place_takes_the_core():
+    torch = pytest.importorskip("torch")
+    pb = Problem(CHAIN, 0)
+    G, Gb = pb.grads()
+    half = lambda xs: [torch.tensor(x, dtype=torch.float16) for x in xs]  # noqa: E731
+    A, Ab = half(pb.W), half(pb.b)
+    rule = gc.adam_rule(0.01)
+    state = gc.path_init(CHAIN, rule, A, Ab)
+    E, Eb, _ = gc.path_update(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), half(pb.W),
+                              half(pb.b), half(G), half(Gb))
+    assert gb.path_update_(CHAIN, rule, state, A, Ab, half(G), half(Gb)) is True
+    for a, e in zip(A + Ab, E + Eb):
+        assert a.dtype == torch.float16 and torch.equal(a, e)
