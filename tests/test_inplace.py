@@ -123,3 +123,29 @@ def test_half_precision_in_place_takes_the_core():
     assert gb.path_update_(CHAIN, rule, state, A, Ab, half(G), half(Gb)) is True
     for a, e in zip(A + Ab, E + Eb):
         assert a.dtype == torch.float16 and torch.equal(a, e)
+
+
+class Wrapped:
+    """Adam by composition: a PathRule whose state is a RuleState but which is no
+    ElementwiseRule (so no fast path may apply it block by block)."""
+
+    def __init__(self):
+        self.inner = gc.adam_rule(0.01)
+
+    def init(self, values):
+        return self.inner.init(values)
+
+    def update(self, grads, state, values):
+        return self.inner.update(grads, state, values)
+
+
+def test_a_rule_state_without_an_elementwise_rule_takes_the_core(xp):
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    pb, A, Ab, G, Gb = _data(xp, 4)
+    rule = Wrapped()
+    E, Eb, _ = gc.path_update(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), xp.aslist(pb.W),
+                              xp.aslist(pb.b), G, Gb)
+    assert gb.path_update_(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), A, Ab, G, Gb)
+    for a, e in zip(A + Ab, E + Eb):
+        np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(e))
