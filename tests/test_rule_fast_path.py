@@ -128,3 +128,31 @@ def test_a_tau_ratio_of_zero_becomes_epsilon_as_in_the_core(fxp):
     tau = CHAIN.tau_mask(1).reshape(pb.W[0].shape)
     assert_close(fast[0][0][tau], pb.W[0][tau] * eps, _tol(fxp), "tau edges of layer 1")
     _assert_same(fxp, fast, core)
+
+
+def test_non_finite_steps_and_non_contiguous_gradients_as_in_the_core(fxp):
+    """Adam with ``eps = 0`` divides 0 by 0 wherever ``D = 0`` (a zero gradient row; free
+    edges): those paths keep their values on the fast path as in the core; gradients that are
+    not contiguous are read as they are."""
+    pb = Problem(CHAIN, 9)
+    rule = gc.adam_rule(0.01, eps=0.0)
+    G, Gb = pb.grads()
+    G = [g.copy() for g in G]
+    G[3][0] = 0.0
+    Gb = [None if g is None else g.copy() for g in Gb]
+    Gb[3][0] = 0.0
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    E, Eb = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    # not contiguous: the transpose (all axes reversed) of a contiguous transposed copy
+    AG = [_reverse_axes(fxp.asarray(np.ascontiguousarray(np.transpose(g)))) for g in G]
+    state, es = gc.path_init(CHAIN, rule, A, Ab), gc.path_init(CHAIN, rule, E, Eb)
+    assert rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, AG, fxp.aslist(Gb))
+    E, Eb, es = gc.path_update(CHAIN, rule, es, E, Eb, fxp.aslist(G), fxp.aslist(Gb))
+    fs = state._replace(count=state.count + 1)
+    _assert_same(fxp, (fxp.tolist(A), fxp.tolist(Ab), fs), (fxp.tolist(E), fxp.tolist(Eb), es))
+    assert all(np.all(np.isfinite(x)) for x in fxp.tolist(A) + fxp.tolist(Ab) if x is not None)
+
+
+def _reverse_axes(a):
+    axes = tuple(range(a.ndim - 1, -1, -1))
+    return a.permute(*axes) if hasattr(a, "permute") else np.transpose(a, axes)
