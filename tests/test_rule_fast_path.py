@@ -59,8 +59,9 @@ def test_rule_fast_step_equals_the_core(fxp, name, chain, seed, chunk):
     _assert_same(fxp, fast, core)
 
 
+@pytest.mark.parametrize("name", ["adam", "adamw-amsgrad"])
 @pytest.mark.parametrize("case", ["zero tau", "zero free", "huge gradient"])
-def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case):
+def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case, name):
     """A zero skeleton weight (``F B = 0``: frozen paths) or a ``D`` that overflows makes a
     block's sums non-finite: the block is recomputed by the core's per-entry rules."""
     pb = Problem(CHAIN, 4)
@@ -72,19 +73,20 @@ def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case):
     else:
         tiny = 1e-150 if fxp.is_f64 else 1e-18
         W[0] = W[0] * tiny  # B_1 ~ tiny: D = G / (F B) of layer 2 overflows
-    ran, fast, core = _runs(fxp, CHAIN, pb, RULES["adam"](), 2, W=W, chunk=5)
+    ran, fast, core = _runs(fxp, CHAIN, pb, RULES[name](), 2, W=W, chunk=5)
     assert ran
     assert all(np.all(np.isfinite(x)) for x in fast[0] + fast[1] if x is not None)
     _assert_same(fxp, fast, core)
 
 
-def test_non_finite_gradients_and_half_precision_are_handed_back(fxp):
+@pytest.mark.parametrize("layer", [0, 1])
+def test_non_finite_gradients_are_handed_back(fxp, layer):
     pb = Problem(CHAIN, 2)
     rule = RULES["adam"]()
     A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
     G, Gb = pb.grads()
-    G[1] = G[1].copy()
-    G[1].reshape(-1)[3] = np.nan
+    G[layer] = G[layer].copy()
+    G[layer].reshape(-1)[3] = np.nan
     state = gc.path_init(CHAIN, rule, A, Ab)
     before = fxp.tolist(A)
     assert not rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, fxp.aslist(G),
@@ -156,3 +158,13 @@ def test_non_finite_steps_and_non_contiguous_gradients_as_in_the_core(fxp):
 def _reverse_axes(a):
     axes = tuple(range(a.ndim - 1, -1, -1))
     return a.permute(*axes) if hasattr(a, "permute") else np.transpose(a, axes)
+
+
+@pytest.mark.parametrize("sizes", [[40_000, 20, 2], [5_000, 20, 2]])
+def test_rows_wider_than_a_block(fxp, sizes):
+    """A row of more elements than a block (one row per block) and blocks that hold a
+    fraction of the layer's rows."""
+    chain = gc.Chain.mlp(sizes)
+    ran, fast, core = _runs(fxp, chain, Problem(chain, 1), RULES["adamw-amsgrad"](), 1)
+    assert ran
+    _assert_same(fxp, fast, core)
