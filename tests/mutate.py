@@ -6,6 +6,7 @@ Usage, from the repository root (the test extras installed)::
     python tests/mutate.py --package backends --jobs 2
     python tests/mutate.py --list                   # the mutants only, no test runs
     python tests/mutate.py --only 12 40 41          # rerun some mutants by number
+    python tests/mutate.py --package backends --compiled --only 240   # with torch.compile
 
 Each mutant changes one operator or constant of one module, found with :mod:`ast` and
 spliced into the original text (so line numbers and formatting stay): ``+ <-> -``,
@@ -230,10 +231,11 @@ def serve(tests, kexpr) -> None:
 class Worker:
     """One ``--serve`` process of this script for a package's tests."""
 
-    def __init__(self, package: str) -> None:
+    def __init__(self, package: str, compiled: bool = False) -> None:
         env = dict(os.environ, HYPOTHESIS_PROFILE="mutate", PYTHONDONTWRITEBYTECODE="1")
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve", "--package", package],
+            [sys.executable, str(Path(__file__).resolve()), "--serve", "--package", package]
+            + (["--compiled"] if compiled else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
     def run(self, folder: Path, timeout: float) -> tuple[str, float]:
@@ -264,10 +266,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, nargs="*", help="mutant numbers to run")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit")
     ap.add_argument("--out", default=None, help="JSON results (default mutation-<pkg>.json)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="backends: run the torch.compile tests too (minutes per mutant)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     name, tests, kexpr = TARGETS[args.package]
+    if args.compiled:
+        kexpr = kexpr.replace(" and not compile", "")
     if args.serve:
         serve(tests, kexpr)
         return 0
@@ -287,7 +293,7 @@ def main(argv=None) -> int:
     check_isolation(base.parent, name)
     workers: queue.Queue = queue.Queue()
     for _ in range(args.jobs):
-        workers.put(Worker(args.package))
+        workers.put(Worker(args.package, args.compiled))
     first = workers.get()
     status, baseline = first.run(base.parent, timeout=1800)
     workers.put(first)
