@@ -16,6 +16,7 @@ any subset of the paths (the special edges, a block of rows) and get the same nu
 
 from __future__ import annotations
 
+import abc
 import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol, Sequence, runtime_checkable
@@ -50,7 +51,7 @@ class RuleState(NamedTuple):
     count: Any
 
 
-class ElementwiseRule:
+class ElementwiseRule(abc.ABC):
     """Base of rules whose step at a path depends on that path alone.
 
     Subclasses name their per-path ``buffers`` and implement :meth:`coefficients` (the
@@ -59,13 +60,13 @@ class ElementwiseRule:
 
     buffers: ClassVar[tuple[str, ...]] = ()
 
+    @abc.abstractmethod
     def coefficients(self, xp, count, dtype) -> Any:
         """The step's scalars from ``count`` (completed steps, 0-d int array)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def apply(self, xp, D, V, bufs: tuple, coef) -> tuple[Any, tuple]:
         """``(Delta, new buffers)`` of one array of paths; elementwise."""
-        raise NotImplementedError
 
     def init(self, values: tuple) -> RuleState:
         """Zero buffers shaped like ``values``, ``count = 0``."""

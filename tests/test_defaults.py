@@ -101,14 +101,19 @@ def test_rule_defaults_are_the_reference_optimizers_and_rules_are_frozen():
         gc.SGDRule().lr = 1.0
 
 
-def test_weight_decay_without_momentum_acts_on_path_values():
-    """``V' = V - lr (D + wd V)`` with no momentum buffer at all."""
+def _mlp_problem(seed):
+    """An MLP 3-4-4-2 with random weights, biases and gradients (host float64)."""
     chain = gc.Chain.mlp([3, 4, 4, 2])
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     W = [rng.standard_normal((o, i)) for i, o in zip(chain.sizes[:-1], chain.sizes[1:])]
     b = [rng.standard_normal(o) for o in chain.sizes[1:]]
-    G = [rng.standard_normal(w.shape) for w in W]
-    Gb = [rng.standard_normal(x.shape) for x in b]
+    return (chain, W, b, [rng.standard_normal(w.shape) for w in W],
+            [rng.standard_normal(x.shape) for x in b])
+
+
+def test_weight_decay_without_momentum_acts_on_path_values():
+    """``V' = V - lr (D + wd V)`` with no momentum buffer at all."""
+    chain, W, b, G, Gb = _mlp_problem(0)
     D, Db = gc.icr(chain, W, b, G, Gb)
     V, Vb = gc.path_values(chain, W, b)
     W2, b2, _ = gc.gsgd_update(chain, None, W, b, G, Gb, lr=0.01, weight_decay=0.5)
@@ -126,12 +131,7 @@ def test_gsgd_init_without_biases():
 def test_path_sgd_moves_every_weight_by_minus_lr_g_over_gamma():
     """Path-SGD's step itself (Neyshabur et al. 2015): ``w - lr g / gamma`` on weights and
     biases, with the core's gamma."""
-    chain = gc.Chain.mlp([3, 4, 4, 2])
-    rng = np.random.default_rng(1)
-    W = [rng.standard_normal((o, i)) for i, o in zip(chain.sizes[:-1], chain.sizes[1:])]
-    b = [rng.standard_normal(o) for o in chain.sizes[1:]]
-    G = [rng.standard_normal(w.shape) for w in W]
-    Gb = [rng.standard_normal(x.shape) for x in b]
+    chain, W, b, G, Gb = _mlp_problem(1)
     gamma, gamma_b = gc.path_sgd_gamma(chain, W, b)
     W2, b2 = gc.path_sgd_step(chain, W, b, G, Gb, 0.01)
     for new, old, g, gm in zip(W2 + b2, W + b, G + Gb, list(gamma) + list(gamma_b)):

@@ -109,12 +109,9 @@ class GAdam(ScaleInvariantOptimizer):
 
     def _rest(self, params, group: dict, state) -> None:
         """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient."""
-        params = [p for p in params if p.grad is not None]
+        params = self._live(params, group)
         if not params:
             return
-        if group.get("check_finite"):
-            for p in params:
-                self._grad(p, group, self._name(p))
         names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         sts = [state[p] for p in params]
         for p, st in zip(params, sts):
