@@ -218,10 +218,19 @@ def vector_stage(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, 
     ``ok``: every backward sum, bias gradient and layer-1 gradient is finite; ``tame_l``:
     layer ``l`` may use :func:`recip_rows` (tested only for kernels that use it,
     ``kernels.recip``, on plain steps)."""
-    xp, L = kernels.xp, chain.L
+    xp = kernels.xp
     ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
     gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
     ms = None if M is None else [xp.take(_flat(xp, m), s.spec) for m, s in zip(M, plan)]
+    return special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device, Mb,
+                           h)
+
+
+def special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device, Mb, h):
+    """:func:`vector_stage` from the special edges' values already gathered (``ws``, ``gs``,
+    ``ms``: weights, gradients and momentum buffers at each layer's ``plan.spec``), wherever
+    they were gathered from (:mod:`.sharded` sums them over processes)."""
+    xp, L = kernels.xp, chain.L
     T = _sums(kernels, plan, ws, gs, C[1:])
     B, F = products_of_edges(
         xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
@@ -252,6 +261,8 @@ def bulk_stage_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
     vectors' reciprocals for :func:`recip_rows`; weight decay or momentum take
     :func:`rows_by_rules`."""
     for l in range(len(W), 0, -1):  # the column sums ended on the top layers' first rows
+        if W[l - 1].shape[0] == 0:  # a process that holds no rows of the layer (.sharded)
+            continue
         if h is not None:
             _momentum_bulk_(kernels, W[l - 1], G[l - 1], None if M is None else M[l - 1],
                             v.F[l], *v.columns[l - 1], lr, h)

@@ -8,6 +8,7 @@ the retraction ``W + Xi`` (eq. 8).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
@@ -77,7 +78,7 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
             raise ValueError(f"weights and grads must share one real floating dtype, got "
                              f"{w.dtype} and {g.dtype}")
         compute = xp.float32 if xp.finfo(w.dtype).bits < 32 else w.dtype
-        rows = (w.shape[0], -1)
+        rows = (w.shape[0], math.prod(w.shape[1:]))  # explicit: a shard may hold no rows
         w2, g2, u2 = (xp.astype(xp.reshape(a, rows), compute) for a in (w, g, u))
         sq = xp.sum(w2 * w2, axis=1, keepdims=True)
         u_new = momentum * u2 + sq * g2

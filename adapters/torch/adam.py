@@ -16,8 +16,11 @@ import torch.nn as nn
 from torch.optim.adam import adam as adam_update
 
 from gsgd_backends import path_update_
+from gsgd_backends.sharded import sharded_path_update_
+from gsgd_backends.torch import KERNELS
 from gsgd_core import AdamRule, RuleState
 
+from .fsdp import sharded_step
 from .optim import ScaleInvariantOptimizer, _number
 
 __all__ = ["GAdam", "GAdamW"]
@@ -91,7 +94,7 @@ class GAdam(ScaleInvariantOptimizer):
         except ValueError as exc:
             raise ValueError(f"{where}{exc}") from None
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
         rule = _rule(group, self.decoupled)
         for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
             for name in rule.buffers:
@@ -105,7 +108,17 @@ class GAdam(ScaleInvariantOptimizer):
                 _zeros(x) if f else state[x][name] for x, f in zip(b, fixed) if x is not None)
 
         st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
-        return path_update_(chain, rule, st, W, b, G, Gb)
+        if shard is None:
+            return path_update_(chain, rule, st, W, b, G, Gb)
+
+        def fast(a):
+            done = sharded_path_update_(KERNELS, shard, rule, *a)
+            if done:
+                st.count.add_(1)
+            return done
+
+        return sharded_step((st, W, b, G, Gb), fast,
+                            lambda a: path_update_(chain, rule, *a))
 
     def _rest(self, params, group: dict, state) -> None:
         """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient."""

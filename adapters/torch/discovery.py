@@ -36,6 +36,11 @@ import torch.nn.functional as F
 
 from gsgd_core import Chain
 
+try:
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # pragma: no cover - a torch built without distributed support
+    _FSDPModule = None
+
 CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
 WEIGHT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Normalisations that make each output unit's incoming weights scale-invariant (per row):
@@ -100,11 +105,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def chain_of(modules, names=None) -> Chain:
     """The core :class:`Chain` of a list of Linear/Conv layers, validated."""
-    names = names or [type(m).__name__ for m in modules]
+    names = names or [_cls(m).__name__ for m in modules]
     for name, m in zip(names, modules):
         if not isinstance(m, WEIGHT_LAYERS):
             raise ValueError(f"{name}: a chain holds Linear and Conv1d/2d/3d layers, "
-                             f"got {type(m).__name__}")
+                             f"got {_cls(m).__name__}")
         if isinstance(m, nn.modules.conv._ConvNd) and m.groups != 1:
             raise ValueError(f"{name}: grouped or depthwise convolutions (groups={m.groups}) "
                              "cannot be in a chain yet")
@@ -121,7 +126,7 @@ def chain_of(modules, names=None) -> Chain:
 # flattened from axis 1, channel-major.
 
 def _layout_of_layer(mod: nn.Module) -> tuple:
-    return ("conv", CONVS[type(mod)]) if type(mod) in CONVS else ("linear",)
+    return ("conv", CONVS[_cls(mod)]) if _cls(mod) in CONVS else ("linear",)
 
 
 def _arg(node: fx.Node, i: int, name: str, default):
@@ -157,14 +162,14 @@ def _is_relu_clamp(node: fx.Node) -> bool:
 def _through(node: fx.Node, mod, layout: tuple) -> tuple[tuple | None, str]:
     """The layout after a non-weight op ``node`` on a tensor of ``layout``, or ``None`` and
     why the op does not commute with per-unit positive scaling there."""
-    what = type(mod).__name__ if mod is not None else getattr(node.target, "__name__",
+    what = _cls(mod).__name__ if mod is not None else getattr(node.target, "__name__",
                                                               str(node.target))
     if isinstance(mod, ELEMENTWISE_MODULES) or (node.op == "call_function" and node.target in
                                                 ELEMENTWISE_FUNCTIONS) or (
             node.op == "call_method" and node.target in ELEMENTWISE_METHODS) or (
             node.op in ("call_function", "call_method") and _is_relu_clamp(node)):
         return layout, ""
-    dims = POOL_MODULES.get(type(mod)) if mod is not None else (
+    dims = POOL_MODULES.get(_cls(mod)) if mod is not None else (
         POOL_FUNCTIONS.get(node.target) if node.op == "call_function" else None)
     if dims is not None:
         if layout == ("conv", dims):
@@ -185,8 +190,8 @@ def _describe(layout: tuple) -> str:
 
 def _reads(layout: tuple, mod: nn.Module) -> bool:
     """Whether weight layer ``mod`` takes the units of ``layout`` as its input units."""
-    if type(mod) in CONVS:
-        return layout == ("conv", CONVS[type(mod)])
+    if _cls(mod) in CONVS:
+        return layout == ("conv", CONVS[_cls(mod)])
     return layout[0] in ("linear", "flat")
 
 
@@ -292,13 +297,42 @@ def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool):
         if isinstance(mod, NORMS) and cur is node:
             norm = mod
             if not (through_bn and isinstance(mod, BATCH_NORMS)):
-                return None, norm, False, f"followed by {type(mod).__name__}", user
+                return None, norm, False, f"followed by {_cls(mod).__name__}", user
             cur = user
             continue
         layout, why = _through(user, mod, layout)
         if layout is None:
             return None, norm, False, why, user
         cur = user
+
+
+def _cls(mod: nn.Module) -> type:
+    """The module's class, seeing through FSDP2, which swaps a module's class for a
+    subclass (``FSDPConv2d``) of :class:`FSDPModule` and the original class."""
+    cls = type(mod)
+    if _FSDPModule is not None and issubclass(cls, _FSDPModule):
+        return cls.__mro__[cls.__mro__.index(_FSDPModule) + 1]
+    return cls
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx``'s tracer, which sees through FSDP2 (``fully_shard``): a module it wraps
+    is traced as its own class (a wrapped Linear stays a leaf) and never through FSDP's
+    hooks, which would gather parameters and leave FSDP's state initialised by a trace."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if _FSDPModule is not None and isinstance(m, _FSDPModule):
+            base = _cls(m)
+            return ((base.__module__.startswith("torch.nn")
+                     or base.__module__.startswith("torch.ao.nn"))
+                    and not issubclass(base, nn.Sequential))
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        if (_FSDPModule is not None and isinstance(m, _FSDPModule)
+                and not self.is_leaf_module(m, self.path_of_module(m))):
+            return m.forward(*args, **kwargs)  # the module's code, without FSDP's hooks
+        return super().call_module(m, forward, args, kwargs)
 
 
 def discover(model: nn.Module, through_bn: bool = False, *,
@@ -313,7 +347,7 @@ def discover(model: nn.Module, through_bn: bool = False, *,
     """
     model = unwrap(model)
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx.GraphModule(model, _Tracer().trace(model))
     except Exception as exc:  # fx raises many types for untraceable code
         raise ValueError(f"torch.fx cannot trace {type(model).__name__} ({type(exc).__name__}: "
                          f"{exc}); {HOW_TO}") from None
@@ -340,7 +374,7 @@ def discover(model: nn.Module, through_bn: bool = False, *,
                 normalised.append((n.target, modules[n.target]))
             else:
                 stop[n.target] = reasons[n.target] = (
-                    f"followed by {type(norm).__name__}, which normalises several units "
+                    f"followed by {_cls(norm).__name__}, which normalises several units "
                     "together: a row is not scale-invariant on its own (no PSI either)")
     chains = []
     for n in layer_nodes:

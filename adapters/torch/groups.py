@@ -25,6 +25,7 @@ import torch.nn as nn
 from gsgd_core import Chain
 
 from .discovery import ChainLayers, Discovery, discover, unwrap
+from .fsdp import is_sharded
 
 SKELETONS = ("he", "paper")
 
@@ -282,7 +283,8 @@ def skeleton_is_initialised(part: ChainPart) -> bool:
     paper = all(r == 1.0 for r in chain.skeleton_scale)
     with torch.no_grad():
         for l, w in enumerate(part.weights, start=1):
-            W = w.detach().reshape(chain.layer_shape(l))
+            W = (w.full_tensor() if is_sharded(w) else w).detach().reshape(
+                chain.layer_shape(l))
             mask = torch.as_tensor(chain.free_mask(l) | chain.tau_mask(l), device=W.device)
             edges = W[mask]
             r = torch.tensor(chain.skeleton_scale[l - 1], dtype=W.dtype)

@@ -15,6 +15,7 @@ from gsgd_core import random_rescaling
 from gsgd_core.chain import HE_SKELETON_SHARE
 
 from .discovery import ChainLayers, discover, unwrap
+from .fsdp import is_sharded, sharded_step
 from .groups import explicit_chains, scaled
 
 __all__ = ["check_invariance", "skeleton_init_", "random_rescale_"]
@@ -49,8 +50,12 @@ def skeleton_init_(model: nn.Module, chains=None, *, skeleton: str = "he") -> li
     found = _chains(model, chains)
     rest = math.sqrt(1.0 - HE_SKELETON_SHARE) if skeleton == "he" else 1.0
     for c in found:
-        skeleton_init_chain_(scaled(c.chain, skeleton), [m.weight for m in c.modules],
-                             keep_signs=(skeleton == "he"), rest_scale=rest)
+        def init(a, chain=scaled(c.chain, skeleton)):
+            skeleton_init_chain_(chain, a, keep_signs=(skeleton == "he"), rest_scale=rest)
+            return True
+
+        # FSDP2-sharded layers are initialised on the gathered weights, rows written back.
+        sharded_step([m.weight for m in c.modules], None, init)
     return found
 
 
@@ -63,6 +68,10 @@ def random_rescale_(model: nn.Module, rng: np.random.Generator, spread: float = 
     """
     found = _chains(model, chains)
     for c in found:
+        for m in c.modules:
+            if is_sharded(m.weight):
+                raise ValueError("random_rescale_ draws its scales on each process: call it "
+                                 "before fully_shard (the model's weights are DTensors)")
         rescale_chain_(c.chain, [m.weight for m in c.modules], [m.bias for m in c.modules],
                  random_rescaling(c.chain, rng, spread))
     return found

@@ -22,9 +22,11 @@ from torch.optim.sgd import sgd as sgd_update
 
 import gsgd_backends.torch as gsgd_torch_kernels
 from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_
+from gsgd_backends.sharded import sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
 from .discovery import unwrap
+from .fsdp import ShardCache, check_chain, is_sharded, local, sharded_step
 from .groups import (ChainPart, Description, PartInfo, SGDPart, partition,
                      skeleton_is_initialised, sub_chain)
 from .model_ops import check_invariance
@@ -125,6 +127,10 @@ class ScaleInvariantOptimizer(Optimizer):
                           find_normalised=find_normalised and model is not None,
                           through_bn=through_bn, skeleton=skeleton, strict=strict)
         self._parts, self._names, self._reasons = found.parts, found.names, found.reasons
+        for part in self._parts:
+            if part.kind == "chain":
+                check_chain(*zip(*[(p, self._name(p)) for i in range(len(part.weights))
+                                   for p in (part.weights[i], part.biases[i]) if p is not None]))
         self._skeleton = skeleton
         self._skipped = 0
 
@@ -229,9 +235,11 @@ class ScaleInvariantOptimizer(Optimizer):
         live = [(p, n) for p, n in zip(part.weights, part.names) if p.grad is not None]
         if not live:
             return
-        W = [p for p, _ in live]
-        G = [self._grad(p, group, f"{n}.weight") for p, n in live]
-        U = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in W]
+        # PSI acts on each row (output unit) alone: FSDP2's local rows are stepped as they are.
+        W = [local(p) for p, _ in live]
+        G = [local(self._grad(p, group, f"{n}.weight")) for p, n in live]
+        U = [local(self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)))
+             for p, _ in live]
         psi_update_(PSIState(tuple(U)), W, G, lr=_number(group["lr"]),
                     momentum=_number(group["momentum"]), max_norm=group["max_norm"])
 
@@ -306,7 +314,12 @@ class ScaleInvariantOptimizer(Optimizer):
         b = [x.detach().clone() if f else x for x, f in zip(b, fixed)]
         G = [_row_norm_scaled(g, w) if part.normalised[i] else g
              for g, w, i in zip(G, W, layers)]
-        applied = self._apply(chain, W, b, G, Gb, group, state, fixed)
+        shard = None
+        if is_sharded(W[0]):
+            if "_shards" not in self.__dict__:
+                self._shards = ShardCache()
+            shard = self._shards.get(chain, W, [f"{n}.weight" for n in names])
+        applied = self._apply(chain, W, b, G, Gb, group, state, fixed, shard)
         if not applied:
             self._skipped += 1
             if self._skipped == 1:
@@ -426,7 +439,7 @@ class GSGD(ScaleInvariantOptimizer):
                          skeleton=skeleton, strict=strict)
         self._check_chains(params, model, example_input, skeleton)
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
         momentum = _number(group["momentum"])
         st = None
         if momentum != 0:
@@ -438,10 +451,20 @@ class GSGD(ScaleInvariantOptimizer):
                            tuple(None if x is None else torch.zeros_like(x) if f
                                  else state[x]["momentum_buffer"] for x, f in zip(b, fixed)),
                            first["step"])
-        return gsgd_update_(chain, st, W, b, G, Gb, lr=_number(group["lr"]), momentum=momentum,
-                            dampening=_number(group["dampening"]), nesterov=group["nesterov"],
-                            weight_decay=_number(group["weight_decay"]),
-                            kernels=gsgd_torch_kernels.COMPILED if self._compile else None)
+        hyper = dict(lr=_number(group["lr"]), momentum=momentum,
+                     dampening=_number(group["dampening"]), nesterov=group["nesterov"],
+                     weight_decay=_number(group["weight_decay"]))
+        if shard is None:
+            return gsgd_update_(chain, st, W, b, G, Gb, **hyper,
+                                kernels=gsgd_torch_kernels.COMPILED if self._compile else None)
+
+        def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
+            done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, shard, *a, **hyper)
+            if done and st is not None:
+                st.step.add_(1)
+            return done
+
+        return sharded_step((st, W, b, G, Gb), fast, lambda a: gsgd_update_(chain, *a, **hyper))
 
 
 class PSISGD(ScaleInvariantOptimizer):
@@ -479,6 +502,11 @@ class PathSGD(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed) -> bool:
-        path_sgd_step_(chain, W, b, G, Gb, _number(group["lr"]))
-        return True
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
+        def full(a):
+            path_sgd_step_(chain, *a, _number(group["lr"]))
+            return True
+
+        # Path-SGD's scales are products along whole paths: under FSDP2 it steps the
+        # gathered full layers (O(m) communication; it is the paper's baseline).
+        return full((W, b, G, Gb)) if shard is None else sharded_step((W, b, G, Gb), None, full)

@@ -1,0 +1,134 @@
+"""Chains whose parameters FSDP2 (``fully_shard``) shards: DTensors split by rows.
+
+Under FSDP2 every weight and bias is a DTensor sharded over a 1-D device mesh along its
+first dimension (``Shard(0)``): each process holds the rows of some output units. A chain
+step then runs :mod:`gsgd_backends.sharded` on the local rows, with one all-reduce of
+``O(sum of widths)`` numbers over the mesh's process group; a step that the backends hand
+back (a non-finite value, half precision) and the algorithms without a sharded step
+(Path-SGD) run on the full arrays gathered from every process, and each process writes its
+rows back (``O(m)`` communication, the same result everywhere).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from array_api_compat import array_namespace
+
+from gsgd_backends.sharded import RowShard
+
+try:  # a torch built without distributed support has no DTensor: nothing is sharded
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover - CPU wheels ship torch.distributed
+    DTensor = None
+
+__all__ = ["is_sharded", "check_chain", "local", "ShardCache", "sharded_step"]
+
+
+def is_sharded(t) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2 parameter, gradient or state)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t):
+    """The local rows of a DTensor (a view: writes reach the parameter); others as they
+    are."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def check_chain(params, names) -> bool:
+    """Whether a chain's parameters are sharded; ``ValueError`` naming the parameter for a
+    layout G-SGD cannot step: a mix of sharded and plain parameters, a mesh of more than one
+    dimension (HSDP, tensor parallelism), a placement other than ``Shard(0)``, or parameters
+    on different meshes."""
+    sharded = [is_sharded(p) for p in params]
+    if not any(sharded):
+        return False
+    mesh = None
+    for p, name, s in zip(params, names, sharded):
+        if not s:
+            raise ValueError(f"{name} is a plain tensor in a chain whose other parameters "
+                             "FSDP2 shards: shard every layer of the chain (fully_shard on "
+                             "each layer or on a module holding them)")
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ValueError(
+                f"{name} is a DTensor placed {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
+                "mesh: G-SGD steps chains sharded by rows on a 1-D mesh (FSDP2's Shard(0)); "
+                "tensor parallelism and HSDP meshes are not supported")
+        if mesh is None:
+            mesh = p.device_mesh
+        elif p.device_mesh != mesh:
+            raise ValueError(f"{name} lies on a different device mesh from the chain's other "
+                             "parameters")
+    return True
+
+
+def _rows(p, name: str) -> tuple[int, int]:
+    """The global rows of ``p`` held by this process: FSDP2 splits dimension 0 as
+    ``torch.chunk`` does (chunks of ``ceil(n / world)``, the last ones short or empty)."""
+    mesh = p.device_mesh
+    n, world, rank = p.shape[0], mesh.size(), mesh.get_local_rank()
+    step = -(-n // world)
+    r0, r1 = min(n, rank * step), min(n, (rank + 1) * step)
+    if p.to_local().shape[0] != r1 - r0:
+        raise ValueError(f"{name}: this process holds {p.to_local().shape[0]} of its {n} rows, "
+                         f"not the {r1 - r0} of an even split over {world} processes")
+    return r0, r1
+
+
+class ShardCache:
+    """The :class:`RowShard` of each sharded chain, built on its first step and kept by the
+    optimizer (not in its state: it holds the process group)."""
+
+    def __init__(self) -> None:
+        self._shards: dict = {}
+
+    def get(self, chain, weights, names) -> RowShard:
+        rows = tuple(_rows(w, n) for w, n in zip(weights, names))
+        key = (chain, rows)
+        if key not in self._shards:
+            group = weights[0].device_mesh.get_group()
+            loc = weights[0].to_local()
+
+            def reduce(v):
+                dist.all_reduce(v, group=group)
+                return v
+
+            self._shards[key] = RowShard(chain, rows, reduce, array_namespace(loc), loc.device)
+        return self._shards[key]
+
+
+def sharded_step(arrays, fast: Callable | None, full: Callable) -> bool:
+    """Step the nested lists ``arrays`` (parameters, gradients, state; DTensors or plain
+    tensors): ``fast(local arrays)`` on the local rows if given, and when it hands the step
+    back (``False``) or is ``None``, ``full(full arrays)`` on arrays gathered from every
+    process, whose rows are then written back into each DTensor. Returns ``full``'s result
+    in that case, else ``True``."""
+    if fast is not None and fast(_map(local, arrays)):
+        return True
+    gathered = _map(lambda t: t.full_tensor() if is_sharded(t) else t, arrays)
+    result = full(gathered)
+    _write_rows(arrays, gathered)
+    return result
+
+
+def _write_rows(dst, src) -> None:
+    if isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src):
+            _write_rows(d, s)
+    elif is_sharded(dst):
+        loc = dst.to_local()
+        r0 = _rows(dst, "state")[0]
+        with torch.no_grad():
+            loc.copy_(src[r0:r0 + loc.shape[0]])
+
+
+def _map(f, x):
+    if x is None:
+        return None
+    if isinstance(x, (list, tuple)):
+        return type(x)(*(_map(f, y) for y in x)) if hasattr(x, "_fields") \
+            else type(x)(_map(f, y) for y in x)
+    return f(x)

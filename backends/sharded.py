@@ -1,0 +1,279 @@
+"""Steps of a chain whose layers are sharded by rows across processes (FSDP2's ``Shard(0)``),
+in place, with communication of ``O(sum of widths)`` numbers per step.
+
+Each process holds rows ``[r0, r1)`` of every layer: the weights, gradients and buffers of
+those output units, and their biases. Beyond its own rows, a step needs (DESIGN §8):
+
+- the column sums ``colsum(W_l * grad_l)`` over all rows: the sum of every process's
+  partial sums;
+- the special edges (tau and free edges, at most ``n_l + n_{l-1}`` per layer) of the
+  weights, gradients and buffers, and the full bias vectors (biases, their gradients and
+  buffers): each process writes the entries of its rows into zeros, and the sum over
+  processes is the full vector.
+
+All of it travels as one flat vector summed by the caller's ``reduce`` (one all-reduce).
+Every process then runs the vector stage on the same full vectors, so every decision (skip
+a non-finite step, hand it back) is the same everywhere, and updates its own rows with the
+single-process kernels. A process that cannot step in place says so in the same vector,
+and all hand the step back together, before anything is written (no process waits on a
+collective that another skipped).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from gsgd_core import Chain, ElementwiseRule, GSGDState, RuleState
+from gsgd_core.arrays import all_finite, layer_meta
+from gsgd_core.gsgd import StepRule
+from gsgd_core.sweeps import products_of_edges
+
+from .fast import _layer_plan, _plan, _sums, bulk_stage_, special_vectors
+from . import rule_step
+
+__all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
+
+
+class RowShard:
+    """Which rows of each layer of ``chain`` this process holds, and how to sum over
+    processes: built once per chain and layout by whoever steps (and kept by it).
+
+    Parameters
+    ----------
+    chain : Chain
+    rows : per layer ``(r0, r1)``, the global rows (output units) held here.
+    reduce : callable
+        ``reduce(v)`` returns the sum over processes of the 1-D array ``v`` (the same
+        length everywhere); it may write into ``v``.
+    xp, device : the local arrays' namespace (array-api-compat's) and device.
+    """
+
+    def __init__(self, chain: Chain, rows: Sequence[tuple[int, int]],
+                 reduce: Callable[[Any], Any], xp, device) -> None:
+        rows = tuple((int(r0), int(r1)) for r0, r1 in rows)
+        if len(rows) != chain.L:
+            raise ValueError(f"rows: one (start, stop) per layer ({chain.L}), got {len(rows)}")
+        for l, (r0, r1) in enumerate(rows, 1):
+            if not 0 <= r0 <= r1 <= chain.sizes[l]:
+                raise ValueError(f"layer {l}: rows [{r0}, {r1}) outside its "
+                                 f"{chain.sizes[l]} output units")
+        self.chain, self.rows, self.reduce = chain, rows, reduce
+        self.xp, self.device = xp, device
+        self.meta, self.plan = layer_meta(chain, xp, device), _plan(chain, xp, device)
+        self.spec_size, self.local = [], []  # per layer: |spec|; (i0, i1, local indices)
+        for l, (r0, r1) in enumerate(rows, 1):
+            spec = _layer_plan(chain, l)[0]
+            cols = math.prod(chain.layer_shape(l)[1:])
+            i0, i1 = (int(i) for i in np.searchsorted(spec, [r0 * cols, r1 * cols]))
+            self.spec_size.append(spec.size)
+            self.local.append((i0, i1, xp.asarray(spec[i0:i1] - r0 * cols, device=device)))
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Each layer's local 3-D view ``(r1 - r0, n_{l-1}, k_l)``."""
+        return [(r1 - r0,) + self.chain.layer_shape(l)[1:]
+                for l, (r0, r1) in enumerate(self.rows, 1)]
+
+    def gather(self, W, G, M, C, vectors, refused: bool):
+        """The full vectors from every process's local pieces, by one ``reduce``.
+
+        ``W``, ``G``: local 3-D views; ``M``: lists (one per buffer) of local 3-D buffers;
+        ``C``: the sum of the local layer-1 gradients, then the local column sums of layers
+        ``2..L``; ``vectors``: lists (biases, their gradients and buffers) of local row
+        vectors or ``None``; ``refused``: this process cannot step in place. Returns the
+        special edges' values of ``W``, ``G`` and each buffer (per layer, in
+        ``plan[l].spec`` order), ``C`` summed, the full vectors, and whether any process
+        refused."""
+        xp, L = self.xp, self.chain.L
+        sizes = self.chain.sizes
+        parts, where = [], []  # (offset, length) of each piece in the flat vector
+        total = 1  # the number of processes that refused
+        for c in C:
+            where.append((total, c.shape[0] if c.ndim else 1))
+            total += where[-1][1]
+        for A in [W, G] + list(M):
+            for l in range(L):
+                where.append((total, self.spec_size[l]))
+                total += self.spec_size[l]
+        for vec in vectors:
+            for l in range(L):
+                n = 0 if vec[l] is None else sizes[l + 1]
+                where.append((total, n))
+                total += n
+        dtype = W[0].dtype
+        flat = xp.zeros(total, dtype=dtype, device=self.device)
+        flat[0] = 1.0 if refused else 0.0
+        k = 0
+        for c in C:
+            o, n = where[k]
+            flat[o:o + n] = xp.reshape(c, (-1,))
+            k += 1
+        for A in [W, G] + list(M):
+            for l, (i0, i1, idx) in enumerate(self.local):
+                if i1 > i0:
+                    flat[where[k][0] + i0:where[k][0] + i1] = xp.take(
+                        xp.reshape(A[l], (-1,)), idx)
+                k += 1
+        for vec in vectors:
+            for l, (r0, r1) in enumerate(self.rows):
+                if vec[l] is not None and r1 > r0:
+                    flat[where[k][0] + r0:where[k][0] + r1] = vec[l]
+                k += 1
+        flat = self.reduce(flat)
+        pieces = [flat[o:o + n] for o, n in where]
+        k = len(C)
+        C_full = [xp.reshape(p, ()) if c.ndim == 0 else p for p, c in zip(pieces[:k], C)]
+        special = []
+        for _ in range(2 + len(M)):
+            special.append(pieces[k:k + L])
+            k += L
+        full = []
+        for vec in vectors:
+            full.append([None if v is None else p for v, p in zip(vec, pieces[k:k + L])])
+            k += L
+        return special[0], special[1], special[2:], C_full, full, bool(flat[0] > 0)
+
+    def put_(self, kernels, W, values) -> None:
+        """Write each layer's new special-edge ``values`` (full, ``plan`` order) into the
+        local rows ``W``."""
+        for w, v, (i0, i1, idx) in zip(W, values, self.local):
+            if i1 > i0:
+                kernels.put_(w, idx, v[i0:i1])
+
+    def put_rows_(self, kernels, dst, full) -> None:
+        """Write the local rows of each full vector into ``dst`` (``None`` skipped)."""
+        for d, f, (r0, r1) in zip(dst, full, self.rows):
+            if d is not None and r1 > r0:
+                kernels.put_(d, None, f[r0:r1])
+
+    def column_sums(self, kernels, W, G) -> list:
+        """The sum of the local layer-1 gradients and the local ``colsum(W_l * grad_l)``,
+        ``l = 2..L`` (zeros for a layer with no local rows)."""
+        xp = self.xp
+        C = [xp.sum(G[0])]
+        for l in range(1, self.chain.L):
+            if W[l].shape[0]:
+                C.append(kernels.colsum(W[l], G[l]))
+            else:
+                C.append(xp.zeros(self.chain.sizes[l], dtype=W[l].dtype, device=self.device))
+        return C
+
+
+def _views(kernels, shard: RowShard, arrays, writable: bool = True):
+    """Local 3-D views, and whether every one could be made in place."""
+    out, ok = [], True
+    for a, s in zip(arrays, shard.shapes()):
+        v = kernels.view3(a, s, writable)
+        if v is None:  # gathered from a copy; the step is then handed back everywhere
+            v, ok = kernels.view3(a, s, writable=False), False
+        out.append(v)
+    return out, ok
+
+
+def _refuses(weights) -> bool:
+    """Half precision is computed in float32 by the core (DESIGN §6), not in place."""
+    dtype = weights[0].dtype
+    return not any(dtype == getattr(array_namespace(weights[0]), n) for n in
+                   ("float32", "float64"))
+
+
+def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weights, biases,
+                         grads, bias_grads, *, lr: float, momentum: float = 0.0,
+                         dampening: float = 0.0, nesterov: bool = False,
+                         weight_decay: float = 0.0) -> bool:
+    """:func:`gsgd_core.gsgd_update` on local rows, in place: ``weights`` etc. are this
+    process's rows of each layer (``shard.rows``), ``state``'s buffers too (its step count
+    is the caller's). Returns ``False``, with nothing written, on every process alike when
+    the step holds a non-finite value or cannot be done in place: the caller then takes it
+    on gathered full arrays."""
+    L, xp = shard.chain.L, shard.xp
+    with kernels.context():
+        M = state.momentum if state is not None and momentum else None
+        W, ok_w = _views(kernels, shard, weights)
+        G, _ = _views(kernels, shard, grads, writable=False)
+        Ms, ok_m = ([], True) if M is None else _views(kernels, shard, M)
+        b = list(biases) if biases is not None else [None] * L
+        Gb = list(bias_grads) if bias_grads is not None else [None] * L
+        Mb = list(state.bias_momentum) if M is not None else [None] * L
+        ws, gs, ms, C, (b_full, Gb_full, Mb_full), refused = shard.gather(
+            W, G, [Ms] if M is not None else [], shard.column_sums(kernels, W, G),
+            [b, Gb, Mb], _refuses(weights) or not (ok_w and ok_m))
+        if refused:
+            return False
+        h = None if not (weight_decay or momentum) else StepRule(
+            weight_decay or None, momentum or None, dampening, nesterov,
+            state.step == 0 if momentum else None)
+        v = special_vectors(kernels, shard.chain, shard.meta, shard.plan, ws, gs,
+                            ms[0] if ms else None, C, b_full, Gb_full, float(lr), shard.device,
+                            Mb_full, h)
+        if not bool(v.flags[0]):
+            return False
+        local_F = [None] + [f[r0:r1] for f, (r0, r1) in zip(v.F[1:], shard.rows)]
+        rows = [None if A is None else [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
+                for A in (W, G, Ms if M is not None else None)]
+        bulk_stage_(kernels, *rows, v._replace(F=local_F), float(lr), (False,) * L, h)
+        shard.put_(kernels, W, v.special)
+        shard.put_rows_(kernels, b, v.bias)
+        if M is not None:
+            shard.put_(kernels, Ms, v.special_m)
+            shard.put_rows_(kernels, Mb, v.bias_m)
+    return True
+
+
+def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state: RuleState,
+                         weights, biases, grads, bias_grads) -> bool:
+    """:func:`gsgd_core.path_update` of an elementwise ``rule`` on local rows, in place
+    (as :func:`sharded_gsgd_update_`; ``state``'s buffers are local rows, in the rule's
+    flat layout: layers, then biases; its count is the caller's)."""
+    L, xp, chain = shard.chain.L, shard.xp, shard.chain
+    with kernels.context():
+        b = list(biases) if biases is not None else [None] * L
+        Gb = list(bias_grads) if bias_grads is not None else [None] * L
+        W, ok = _views(kernels, shard, weights)
+        G, _ = _views(kernels, shard, grads, writable=False)
+        M = []
+        for bufs in state.buffers:
+            views, ok_m = _views(kernels, shard, bufs[:L])
+            M.append(views)
+            ok = ok and ok_m
+        rest = [iter(bufs[L:]) for bufs in state.buffers]
+        Mb = [[None if x is None else next(r) for x in b] for r in rest]
+        ws, gs, ms, C, full, refused = shard.gather(
+            W, G, M, shard.column_sums(kernels, W, G), [b, Gb] + Mb,
+            _refuses(weights) or not ok)
+        if refused:
+            return False
+        b_full, Gb_full, Mb_full = full[0], full[1], full[2:]
+        dtype = W[0].dtype
+        coef = rule.coefficients(xp, state.count, dtype)
+        plan, meta = shard.plan, shard.meta
+        T = _sums(kernels, plan, ws, gs, C[1:])
+        B, F = products_of_edges(
+            xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
+            [xp.take(ws[l], plan[l].free) for l in range(1, L)], dtype, shard.device)
+        if not bool(all_finite(xp, T[1:L] + Gb_full) & xp.isfinite(C[0])):
+            return False
+        special, special_m, rho = rule_step._special(xp, chain, meta, plan, rule, coef, ws,
+                                                     gs, ms, T, B, F, shard.device)
+        for l in range(L, 0, -1):
+            r0, r1 = shard.rows[l - 1]
+            if r1 > r0:
+                rule_step._bulk_(kernels, rule, coef, W[l - 1], G[l - 1],
+                                 [m[l - 1] for m in M], F[l][r0:r1], B[l - 1], rho[l - 1])
+        shard.put_(kernels, W, special)
+        for j, m in enumerate(M):
+            shard.put_(kernels, m, [s[j] for s in special_m])
+        new_b, new_mb = [None] * L, [[None] * L for _ in Mb]
+        for l in range(L):
+            if b_full[l] is not None:
+                new_b[l], mbs = rule_step._bias(xp, rule, coef, b_full[l], Gb_full[l], F[l + 1],
+                                                [m[l] for m in Mb_full])
+                for j, m in enumerate(mbs):
+                    new_mb[j][l] = m
+        shard.put_rows_(kernels, b, new_b)
+        for dst, new in zip(Mb, new_mb):
+            shard.put_rows_(kernels, dst, new)
+    return True

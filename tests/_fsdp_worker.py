@@ -1,0 +1,204 @@
+"""FSDP2 (``fully_shard``) training runs of the optimizers, for tests/test_fsdp.py.
+
+Spawned processes import this module; the test process builds the same models and runs
+them on one process to compare. Every run is float64 and deterministic: the same seed
+builds the same model everywhere, each process trains on its equal share of one batch
+(FSDP2 averages the gradients, so the step sees the full batch's gradient).
+"""
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gsgd_adapters.torch import GSGD, GAdam, GAdamW, PSISGD, PathSGD, skeleton_init_
+
+F64 = dict(dtype=torch.float64)
+BATCH = 12  # divisible by 2 and 3 processes
+STEPS = 10
+
+
+def mlp():
+    # Widths 8, 7, 3 split unevenly over 3 processes (3+3+2, 3+3+1, 1+1+1).
+    return nn.Sequential(nn.Linear(6, 8, **F64), nn.ReLU(), nn.Linear(8, 7, **F64), nn.ReLU(),
+                         nn.Linear(7, 3, **F64))
+
+
+def conv():
+    # Over 3 processes the 2 output rows leave the last process none.
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, **F64), nn.ReLU(),
+                         nn.Conv2d(4, 5, 3, padding=1, **F64), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(5 * 16, 2, **F64))
+
+
+def normed():
+    # Instance norm normalises each sample alone, so splitting the batch changes nothing.
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, **F64),
+                         nn.InstanceNorm2d(4, affine=True, **F64), nn.ReLU(),
+                         nn.Conv2d(4, 5, 3, padding=1, **F64), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(5 * 16, 2, **F64))
+
+
+def rescaled(model):
+    """``model`` (an :func:`mlp`) with its hidden units rescaled (same function)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for a, b in ((model[0], model[2]), (model[2], model[4])):
+            c = torch.exp(torch.randn(a.out_features, generator=g, **F64))
+            a.weight.mul_(c[:, None])
+            a.bias.mul_(c)
+            b.weight.div_(c[None, :])
+    return model
+
+
+#: name -> (model, optimizer, steps)
+SCENARIOS = {
+    "gsgd_mlp": (mlp, lambda m: GSGD(m, lr=0.05, momentum=0.9, nesterov=True,
+                                     weight_decay=1e-3), STEPS),
+    "gsgd_plain": (mlp, lambda m: GSGD(m, lr=0.05), STEPS),
+    "gsgd_twin": (mlp, lambda m: GSGD(m, lr=0.05, momentum=0.9,
+                                                          nesterov=True, weight_decay=1e-3),
+                  STEPS),
+    "gsgd_conv": (conv, lambda m: GSGD(m, lr=0.02, momentum=0.9), STEPS),
+    "gadam_mlp": (mlp, lambda m: GAdam(m, lr=1e-2, amsgrad=True), STEPS),
+    "gadamw_conv": (conv, lambda m: GAdamW(m, lr=1e-2), STEPS),
+    "pathsgd_mlp": (mlp, lambda m: PathSGD(m, lr=0.01), STEPS),
+    "psi_normed": (normed, lambda m: PSISGD(m, lr=0.05, momentum=0.9), STEPS),
+    "gsgd_normed": (normed, lambda m: GSGD(m, lr=0.05, momentum=0.9), STEPS),
+}
+
+
+def build(name: str):
+    """The scenario's model, seeded and skeleton-initialised (before any sharding)."""
+    torch.manual_seed(0)
+    model = SCENARIOS[name][0]()
+    skeleton_init_(model)
+    return rescaled(model) if name == "gsgd_twin" else model
+
+
+def data(model):
+    """One batch for ``model`` (an :func:`mlp` or a conv net)."""
+    g = torch.Generator().manual_seed(1)
+    dense = isinstance(model[0], nn.Linear)
+    return (torch.randn((BATCH, 6) if dense else (BATCH, 2, 4, 4), generator=g, **F64),
+            torch.randn(BATCH, 3 if dense else 2, generator=g, **F64))
+
+
+def train(model, opt, x, y, steps: int, poison=None) -> None:
+    """``steps`` steps of the mean squared error; ``poison(step)`` runs after backward."""
+    for step in range(steps):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if poison is not None:
+            poison(step)
+        opt.step()
+
+
+def shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state(model, opt) -> dict:
+    """Every parameter and optimizer tensor gathered whole, by parameter name."""
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+    out = {f"param/{n}": whole(p.detach()).clone() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"state/{names[id(p)]}/{k}"] = whole(v).clone()
+    return out
+
+
+def _local_batch(x, rank: int, world: int):
+    n = x.shape[0] // world
+    return x[rank * n:(rank + 1) * n]
+
+
+def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=90))
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (world,))
+        results = {}
+        for name, (_, make_opt, steps) in SCENARIOS.items():
+            model = shard(build(name), mesh)
+            opt = make_opt(model)
+            x, y = (_local_batch(t, rank, world) for t in data(model))
+            train(model, opt, x, y, steps)
+            results[name] = full_state(model, opt)
+        results["nan"] = _nan_run(rank, world, mesh)
+        if ckpt_dir:
+            results["checkpoint"] = _checkpoint_run(rank, world, mesh, ckpt_dir)
+        if rank == 0:
+            torch.save(results, os.path.join(out_dir, f"world{world}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _nan_run(rank, world, mesh) -> dict:
+    """A NaN in one process's local gradient at step 3: every process skips that step."""
+    model = shard(build("gsgd_mlp"), mesh)
+    opt = GSGD(model, lr=0.05, momentum=0.9)
+    x, y = (_local_batch(t, rank, world) for t in data(model))
+    before = {}
+
+    def poison(step):
+        if step == 3:
+            before.update(full_state(model, opt))
+            if rank == world - 1:
+                model[2].weight.grad.to_local()[0, 0] = float("nan")
+
+    def record(step):
+        poison(step)
+
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, opt, x, y, 4, poison=record)
+    after = full_state(model, opt)
+    skipped = torch.tensor([opt.describe().skipped], dtype=torch.int64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, skipped)
+    return dict(before=before, after=after, skipped=[int(c) for c in counts],
+                warned=any("skipped" in str(w.message) for w in caught))
+
+
+def _checkpoint_run(rank, world, mesh, ckpt_dir) -> dict:
+    """5 steps, a DCP save, 5 more; then a fresh model and optimizer loaded from the
+    checkpoint take the same 5 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    name = "gsgd_mlp"
+    model = shard(build(name), mesh)
+    x, y = (_local_batch(t, rank, world) for t in data(model))
+    opt = SCENARIOS[name][1](model)
+    train(model, opt, x, y, 5)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir)
+    saved = full_state(model, opt)
+    train(model, opt, x, y, 5)
+    straight = full_state(model, opt)
+
+    torch.manual_seed(123)  # a different model: everything must come from the checkpoint
+    fresh = shard(SCENARIOS[name][0](), mesh)
+    opt2 = SCENARIOS[name][1](fresh)
+    msd, osd = get_state_dict(fresh, opt2)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    set_state_dict(fresh, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    loaded = full_state(fresh, opt2)
+    train(fresh, opt2, x, y, 5)
+    return dict(saved=saved, straight=straight, loaded=loaded,
+                resumed=full_state(fresh, opt2))
