@@ -139,6 +139,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
             train(model, opt, x, y, steps)
             results[name] = full_state(model, opt)
         results["nan"] = _nan_run(rank, world, mesh)
+        results["errors"] = _errors(mesh)
         if ckpt_dir:
             results["checkpoint"] = _checkpoint_run(rank, world, mesh, ckpt_dir)
         if rank == 0:
@@ -202,3 +203,25 @@ def _checkpoint_run(rank, world, mesh, ckpt_dir) -> dict:
     train(fresh, opt2, x, y, 5)
     return dict(saved=saved, straight=straight, loaded=loaded,
                 resumed=full_state(fresh, opt2))
+
+
+def _errors(mesh) -> dict:
+    """What the optimizers say about layouts they cannot step."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    out = {}
+    model = build("gsgd_mlp")
+    fully_shard(model[0], mesh=mesh)  # the other layers stay plain tensors
+    try:
+        GSGD(model, lr=0.1)
+    except ValueError as exc:
+        out["mixed"] = str(exc)
+    model = build("gsgd_mlp")
+    for m in (model[0], model[2], model[4]):  # tensor parallel: columns split
+        m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(1)]))
+        m.bias = nn.Parameter(distribute_tensor(m.bias.detach(), mesh, [Shard(0)]))
+    try:
+        GSGD(model, lr=0.1)
+    except ValueError as exc:
+        out["columns"] = str(exc)
+    return out

@@ -78,6 +78,9 @@ def test_sharded_twins_coincide(runs, world):
     x = fw.data(fw.mlp())[0]
     a, b = _function(res["gsgd_mlp"], x), _function(res["gsgd_twin"], x)
     assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        start = fw.build("gsgd_mlp")(x)
+    assert not torch.allclose(a, start, atol=1e-3)  # training moved the function
     assert not torch.allclose(res["gsgd_mlp"]["param/0.weight"],
                               res["gsgd_twin"]["param/0.weight"], atol=1e-3)
 
@@ -91,6 +94,15 @@ def test_nan_on_one_process_skips_everywhere(runs, world):
     assert nan["warned"]
     for k, v in nan["before"].items():
         assert torch.equal(nan["after"][k], v), k
+
+
+def test_unsupported_layouts_are_refused(runs):
+    """A chain with some layers sharded and some not, or weights split by columns (tensor
+    parallelism), is refused when the optimizer is built, naming the parameter."""
+    errors = runs[0][2]["errors"]
+    assert "2.weight is a plain tensor in a chain" in errors["mixed"]
+    assert "0.weight is a DTensor placed (Shard(dim=1),)" in errors["columns"]
+    assert "tensor parallelism" in errors["columns"]
 
 
 def test_checkpoint_two_to_two_bit_for_bit(runs):

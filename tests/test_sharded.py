@@ -1,0 +1,216 @@
+"""gsgd_backends.sharded: steps of chains split by rows over simulated processes (threads
+that sum their vectors at a barrier) against the core's whole-chain steps, on drawn chains,
+skeletons and splits (uneven and empty shards included)."""
+
+import threading
+
+import numpy as np
+import pytest
+from array_api_compat import array_namespace
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsgd_backends as gb
+import gsgd_core as gc
+from gsgd_backends.sharded import RowShard, sharded_gsgd_update_, sharded_path_update_
+from _helpers import Problem, assert_close
+from _strategies import chains, seeds
+
+torch = pytest.importorskip("torch")
+
+LIBS = {"numpy": (lambda a: a.copy(), lambda a: np.asarray(a)),
+        "torch": (lambda a: torch.tensor(a), lambda a: a.numpy())}
+HYPER = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def run_processes(world: int, fn) -> list:
+    """``fn(rank, reduce)`` on ``world`` threads; ``reduce`` sums a vector over them. One
+    thread computes at a time (the kernels' scratch buffers are shared): a thread gives
+    way only while it waits for the others' vectors."""
+    barrier, lock = threading.Barrier(world), threading.Lock()
+    box, out, errors = [None] * world, [None] * world, []
+
+    def work(rank):
+        def reduce(v):
+            box[rank] = v + 0
+            lock.release()
+            try:
+                barrier.wait()
+                total = box[0]
+                for x in box[1:]:
+                    total = total + x
+                barrier.wait()
+            finally:
+                lock.acquire()
+            return total
+
+        try:
+            with lock:
+                out[rank] = fn(rank, reduce)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@st.composite
+def splits(draw, chain, world):
+    """Per process, per layer ``(r0, r1)``: contiguous rows, any sizes (empty allowed)."""
+    cuts = []
+    for l in range(1, chain.L + 1):
+        n = chain.sizes[l]
+        inner = sorted(draw(st.lists(st.integers(0, n), min_size=world - 1,
+                                     max_size=world - 1)))
+        cuts.append([0] + inner + [n])
+    return [[(c[r], c[r + 1]) for c in cuts] for r in range(world)]
+
+
+def _rows(arrays, rows, to):
+    return [None if a is None else to(a[r0:r1]) for a, (r0, r1) in zip(arrays, rows)]
+
+
+def _join(parts, from_):
+    return [None if parts[0][l] is None else np.concatenate([from_(p[l]) for p in parts])
+            for l in range(len(parts[0]))]
+
+
+@pytest.mark.parametrize("lib", list(LIBS))
+@settings(max_examples=15)
+@given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
+def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world):
+    """3 G-SGD steps (momentum, Nesterov, weight decay) on row shards equal the core's."""
+    to, from_ = LIBS[lib]
+    split = data.draw(splits(chain, world))
+    pb = Problem(chain, seed)
+    W, b, state = pb.W, pb.b, gc.gsgd_init(chain, pb.W, pb.b)
+    locs = [dict(W=_rows(W, r, to), b=_rows(b, r, to),
+                 st=gc.GSGDState(tuple(_rows([np.zeros_like(w) for w in W], r, to)),
+                                 tuple(_rows([None if x is None else np.zeros_like(x)
+                                              for x in b], r, to)), to(np.asarray(0))))
+            for r in split]
+    for _ in range(3):
+        G, Gb = pb.grads(W, b)
+        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **HYPER)
+
+        def step(rank, reduce):
+            loc, rows = locs[rank], split[rank]
+            shard = RowShard(chain, rows, reduce, array_namespace(loc["W"][0]), "cpu")
+            done = sharded_gsgd_update_(gb.kernels_for(loc["W"][0]), shard, loc["st"],
+                                        loc["W"], loc["b"], _rows(G, rows, to),
+                                        _rows(Gb, rows, to), **HYPER)
+            loc["st"] = loc["st"]._replace(step=loc["st"].step + 1)
+            return done
+
+        assert run_processes(world, step) == [True] * world
+    for got, want in ((_join([p["W"] for p in locs], from_), W),
+                      (_join([p["b"] for p in locs], from_), b),
+                      (_join([p["st"].momentum for p in locs], from_), state.momentum)):
+        for g, w in zip(got, want):
+            assert_close(g, w, 1e-12)
+
+
+@settings(max_examples=10)
+@given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
+def test_sharded_rule_equals_the_core(data, chain, seed, world):
+    """3 G-AdamW steps (amsgrad) on row shards equal the core's path_update, moments too."""
+    split = data.draw(splits(chain, world))
+    rule = gc.adamw_rule(0.01, weight_decay=0.1, amsgrad=True)
+    pb = Problem(chain, seed)
+    W, b = pb.W, pb.b
+    state = gc.path_init(chain, rule, W, b)
+    n_w = chain.L
+    locs = []
+    for rows in split:
+        bias_rows = [r for r, x in zip(rows, b) if x is not None]
+        bufs = tuple(tuple(_rows(list(buf[:n_w]), rows, np.copy)
+                           + _rows(list(buf[n_w:]), bias_rows, np.copy))
+                     for buf in state.buffers)
+        locs.append(dict(W=_rows(W, rows, np.copy), b=_rows(b, rows, np.copy),
+                         st=gc.RuleState(bufs, np.asarray(0, dtype=np.int32))))
+    for _ in range(3):
+        G, Gb = pb.grads(W, b)
+        W, b, state = gc.path_update(chain, rule, state, W, b, G, Gb)
+
+        def step(rank, reduce):
+            loc, rows = locs[rank], split[rank]
+            shard = RowShard(chain, rows, reduce, array_namespace(loc["W"][0]), "cpu")
+            done = sharded_path_update_(gb.kernels_for(loc["W"][0]), shard, rule, loc["st"],
+                                        loc["W"], loc["b"], _rows(G, rows, np.copy),
+                                        _rows(Gb, rows, np.copy))
+            loc["st"].count[...] += 1
+            return done
+
+        assert run_processes(world, step) == [True] * world
+    for l in range(chain.L):
+        assert_close(_join([p["W"] for p in locs], np.asarray)[l], W[l], 1e-12, f"W[{l}]")
+        assert_close(_join([p["b"] for p in locs], np.asarray)[l], b[l], 1e-12, f"b[{l}]")
+        for j, buf in enumerate(state.buffers):
+            got = np.concatenate([p["st"].buffers[j][l] for p in locs])
+            assert_close(got, buf[l], 1e-12, f"buffer {j} of layer {l}")
+
+
+def _declined(world, poison):
+    """One G-SGD step on 3 shards where ``poison(rank, local arrays)`` spoils one process's
+    arrays: every process must decline, with nothing written anywhere."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    pb = Problem(chain, 0)
+    G, Gb = pb.grads()
+    split = [[(r * n // world, (r + 1) * n // world) for n in chain.sizes[1:]]
+             for r in range(world)]
+    locs = [dict(W=_rows(pb.W, r, np.copy), b=_rows(pb.b, r, np.copy),
+                 G=_rows(G, r, np.copy), Gb=_rows(Gb, r, np.copy)) for r in split]
+    for rank, loc in enumerate(locs):
+        poison(rank, loc)
+    before = [{k: [None if a is None else a.copy() for a in v] for k, v in loc.items()}
+              for loc in locs]
+
+    def step(rank, reduce):
+        loc = locs[rank]
+        shard = RowShard(chain, split[rank], reduce, np, "cpu")
+        return sharded_gsgd_update_(gb.kernels_for(loc["W"][0]), shard, None, loc["W"],
+                                    loc["b"], loc["G"], loc["Gb"], lr=0.1)
+
+    assert run_processes(world, step) == [False] * world
+    for loc, old in zip(locs, before):
+        for k in ("W", "b"):
+            for a, o in zip(loc[k], old[k]):
+                assert np.array_equal(a, o, equal_nan=True)
+
+
+def test_a_nan_on_one_process_declines_everywhere():
+    def poison(rank, loc):
+        if rank == 2:
+            loc["G"][1][0, 0] = np.nan
+    _declined(3, poison)
+
+
+def test_one_process_unable_to_step_in_place_declines_everywhere():
+    def poison(rank, loc):  # a weight that is not contiguous cannot be viewed in place
+        if rank == 1:
+            loc["W"][0] = np.asfortranarray(loc["W"][0])
+    _declined(3, poison)
+
+
+def test_half_precision_declines_everywhere():
+    def poison(rank, loc):
+        for k in ("W", "G"):
+            loc[k] = [a.astype(np.float16) for a in loc[k]]
+    _declined(2, poison)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([(0, 6), (0, 5)], "one \\(start, stop\\) per layer"),
+    ([(0, 7), (0, 5), (0, 3)], "layer 1: rows \\[0, 7\\) outside its 6"),
+    ([(0, 6), (4, 2), (0, 3)], "layer 2: rows \\[4, 2\\)"),
+])
+def test_row_shard_refuses_bad_rows(rows, match):
+    with pytest.raises(ValueError, match=match):
+        RowShard(gc.Chain.mlp([4, 6, 5, 3]), rows, lambda v: v, np, "cpu")
