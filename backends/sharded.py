@@ -206,9 +206,9 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         h = None if not (weight_decay or momentum) else StepRule(
             weight_decay or None, momentum or None, dampening, nesterov,
             state.step == 0 if momentum else None)
-        v = special_vectors(kernels, shard.chain, shard.meta, shard.plan, ws, gs,
-                            ms[0] if ms else None, C, b_full, Gb_full, float(lr), shard.device,
-                            Mb_full, h)
+        v = kernels.stage(special_vectors, shard.chain)(
+            kernels, shard.chain, shard.meta, shard.plan, ws, gs, ms[0] if ms else None, C,
+            b_full, Gb_full, float(lr), shard.device, Mb_full, h)
         if not bool(v.flags[0]):
             return False
         local_F = [None] + [f[r0:r1] for f, (r0, r1) in zip(v.F[1:], shard.rows)]

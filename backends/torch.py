@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from gsgd_core.arrays import layer_meta
+from gsgd_core.gsgd import StepRule
 
 from . import numpy as numpy_kernels
-from .fast import _plan, exact_rows, recip_rows, recip_square, vector_stage
+from .fast import (_plan, exact_rows, recip_rows, recip_square, special_vectors,
+                   vector_stage)
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
@@ -75,7 +77,7 @@ class TorchKernels:
         and its limit of recompilations, per code object, so one shared ``fn`` would stop
         compiling after a handful of models."""
         if not self.compiled:
-            hosted = fn is vector_stage and self.small > 0
+            hosted = fn in (vector_stage, special_vectors) and self.small > 0
             return functools.partial(_vectors_on_numpy, fn) if hosted else fn
         key = ("torch-stage", fn.__name__)
         if key not in chain._cache:
@@ -193,21 +195,39 @@ class TorchKernels:
 
 
 def _vectors_on_numpy(fn, kernels, chain, meta, plan, *args):
-    """The eager vector stage of CPU tensors run by NumPy on zero-copy views of them: its
-    few hundred operations on node-sized vectors cost about 1 µs each there and 5-8 µs
-    each through ATen, most of a small model's step. The results come back as tensors
-    sharing NumPy's memory; a CUDA step stays with torch."""
-    W, G, C, b, Gb, lr, device, M, Mb, h = args
-    if device.type != "cpu":
+    """An eager vector stage (:func:`.fast.vector_stage`, :func:`.fast.special_vectors`) of
+    CPU tensors run by NumPy on zero-copy views of them: its few hundred operations on
+    node-sized vectors cost about 1 µs each there and 5-8 µs each through ATen, most of a
+    small model's step. The results come back as tensors sharing NumPy's memory; a CUDA
+    step stays with torch. ``args`` are the stage's own: arrays (or lists of them), the
+    device, the learning rate and the step rule."""
+    if _first_tensor(args).device.type != "cpu":
         return fn(kernels, chain, meta, plan, *args)
-    host = functools.partial(_map, lambda t: t.detach().numpy())
-    if h is not None and h.first is not None:
-        h = h._replace(first=bool(h.first))
+
+    def host(a):
+        if isinstance(a, (torch.device, str)):  # the stage's device argument
+            return "cpu"
+        if isinstance(a, StepRule):
+            return a if a.first is None else a._replace(first=bool(a.first))
+        return _map(lambda t: t.detach().numpy() if isinstance(t, torch.Tensor) else t, a)
+
     nk = numpy_kernels.KERNELS
     with nk.context():
         v = fn(nk, chain, layer_meta(chain, np_compat, "cpu"), _plan(chain, np_compat, "cpu"),
-               host(W), host(G), host(C), host(b), host(Gb), lr, "cpu", host(M), host(Mb), h)
+               *map(host, args))
     return type(v)(*_map(_from_numpy, list(v)))
+
+
+def _first_tensor(x):
+    """The first tensor in nested lists and tuples (``None`` if there is none)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            t = _first_tensor(y)
+            if t is not None:
+                return t
+    return None
 
 
 def _from_numpy(a) -> torch.Tensor:

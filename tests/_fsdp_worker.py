@@ -62,6 +62,7 @@ SCENARIOS = {
                                                           nesterov=True, weight_decay=1e-3),
                   STEPS),
     "gsgd_conv": (conv, lambda m: GSGD(m, lr=0.02, momentum=0.9), STEPS),
+    "gsgd_conv_root": (conv, lambda m: GSGD(m, lr=0.02, momentum=0.9), STEPS),  # root only
     "gadam_mlp": (mlp, lambda m: GAdam(m, lr=1e-2, amsgrad=True), STEPS),
     "gadamw_conv": (conv, lambda m: GAdamW(m, lr=1e-2), STEPS),
     "pathsgd_mlp": (mlp, lambda m: PathSGD(m, lr=0.01), STEPS),
@@ -96,10 +97,12 @@ def train(model, opt, x, y, steps: int, poison=None) -> None:
         opt.step()
 
 
-def shard(model, mesh):
+def shard(model, mesh, per_layer: bool = True):
+    """``fully_shard`` on each Linear/Conv layer (unless ``per_layer`` is false) and at the
+    root."""
     from torch.distributed.fsdp import fully_shard
     for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)):
+        if per_layer and isinstance(m, (nn.Linear, nn.Conv2d)):
             fully_shard(m, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -133,7 +136,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
         mesh = init_device_mesh("cpu", (world,))
         results = {}
         for name, (_, make_opt, steps) in SCENARIOS.items():
-            model = shard(build(name), mesh)
+            model = shard(build(name), mesh, per_layer=not name.endswith("_root"))
             opt = make_opt(model)
             x, y = (_local_batch(t, rank, world) for t in data(model))
             train(model, opt, x, y, steps)
