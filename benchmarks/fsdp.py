@@ -1,4 +1,5 @@
-"""``python -m benchmarks.fsdp``: G-SGD under FSDP2 (``fully_shard``) next to SGD.
+"""``python -m benchmarks.fsdp``: G-SGD and G-Adam under FSDP2 (``fully_shard``) next to SGD
+and Adam.
 
 Spawns ``--procs`` CPU processes (gloo, one thread each). Every model is sharded by
 ``fully_shard`` on each Linear/Conv layer and at the root, once per optimizer; then, for
@@ -10,8 +11,8 @@ each optimizer in turn (interleaved, medians over ``--reps`` rounds):
   input, all-gather output and reduce-scatter input while ``step()`` runs, and the same
   for a whole training step.
 
-G-SGD's step sends one vector of ``O(sum of widths)`` numbers (column sums, skeleton edges,
-biases); SGD's sends nothing; FSDP itself moves ``O(m)`` per training step. Writes
+G-SGD's (and G-Adam's) step sends one vector of ``O(sum of widths)`` numbers (column sums, skeleton edges,
+biases); SGD's and Adam's send nothing; FSDP itself moves ``O(m)`` per training step. Writes
 ``fsdp.md`` to ``--out``. Run it from the repository root.
 """
 
@@ -37,7 +38,8 @@ from .step_overhead import MODELS  # the same model builders
 SIZES = ("MLP 64-256-256-10", "MLP 256-640x3-10", "MLP 1024-2048x3-10", "CNN c=32",
          "CNN c=110")
 QUICK = ("MLP 64-256-256-10", "CNN c=32")
-OPTIMIZERS = ("SGD", "G-SGD", "SGD m=0.9", "G-SGD m=0.9")
+OPTIMIZERS = ("SGD", "G-SGD", "SGD m=0.9", "G-SGD m=0.9", "Adam", "G-Adam")
+BASELINE = {"G-SGD": "SGD", "G-SGD m=0.9": "SGD m=0.9", "G-Adam": "Adam"}
 LR = 1e-4
 
 
@@ -74,7 +76,10 @@ class Traffic:
 
 
 def _optimizer(kind: str, model):
-    from gsgd_adapters.torch import GSGD
+    from gsgd_adapters.torch import GSGD, GAdam
+    if kind.endswith("Adam"):
+        return GAdam(model, lr=LR) if kind == "G-Adam" else torch.optim.Adam(
+            model.parameters(), lr=LR, foreach=True)
     momentum = 0.9 if kind.endswith("m=0.9") else 0.0
     if kind.startswith("G-SGD"):
         return GSGD(model, lr=LR, momentum=momentum)
@@ -172,14 +177,15 @@ def _kb(n: int) -> str:
 def table(rows: dict, world: int) -> str:
     lines = [f"FSDP2 on {world} CPU processes (gloo, 1 thread each), float32, batch 64 per "
              "process; medians of interleaved runs. Step: `optimizer.step()` on fixed "
-             "gradients; train: forward + backward + step. Bytes: payload this process hands "
-             "to collectives.", "",
-             "| model | weights | optimizer | step ms | step / SGD's | train ms "
-             "| train / SGD's | step bytes | train-step bytes |",
+             "gradients; train: forward + backward + step; ratios against the baseline "
+             "(G-SGD: SGD with the same momentum; G-Adam: Adam(foreach)). Bytes: payload "
+             "this process hands to collectives.", "",
+             "| model | weights | optimizer | step ms | step ratio | train ms "
+             "| train ratio | step bytes | train-step bytes |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
         for k in OPTIMIZERS:
-            base = r["SGD m=0.9" if k.endswith("m=0.9") else "SGD"]
+            base = r[BASELINE.get(k, k)]
             lines.append(
                 f"| {name} | {r['weights']:,} | {k} | {r[k]['step'] * 1e3:.2f} "
                 f"| {r[k]['step'] / base['step']:.2f} | {r[k]['train'] * 1e3:.1f} "

@@ -88,3 +88,28 @@ def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
     assert "| torch cpu | MLP 64-64-64-10 |" in table and "| numpy | CNN c=32 |" in table
     assert "train step, batch 128" in table
     assert (tmp_path / "step_overhead.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_fsdp_benchmark_counts_what_each_step_sends(tmp_path):
+    """Two FSDP2 processes: G-SGD's step sends one small vector (the sum of the chain's
+    widths and skeleton edges, a few KiB), SGD's sends nothing, and a training step moves
+    the weights themselves (far more)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp", "--quick", "--reps", "1",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {}
+    for line in (tmp_path / "fsdp.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 9 and cells[0] == "MLP 64-256-256-10":
+            rows[cells[2]] = cells
+
+    def kib(cell):
+        value, unit = cell.split()
+        return float(value) * (1024 if unit == "MiB" else 1)
+
+    assert kib(rows["SGD"][7]) == 0 and kib(rows["Adam"][7]) == 0
+    # 64-256-256-10: column sums 256+256, skeleton edges, biases 256+256+10, 4 bytes each
+    assert 4 < kib(rows["G-SGD"][7]) < 40
+    assert kib(rows["G-SGD"][8]) > 20 * kib(rows["G-SGD"][7])
