@@ -143,6 +143,12 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
             results[name] = full_state(model, opt)
         results["nan"] = _nan_run(rank, world, mesh)
         results["errors"] = _errors(mesh)
+        results["check_finite"] = _check_finite_run(rank, world, mesh)
+        torch.manual_seed(0)
+        late = shard(conv(), mesh)
+        skeleton_init_(late)  # on the sharded model: the gathered layers, rows written back
+        results["init_after_sharding"] = {f"param/{n}": p.detach().full_tensor()
+                                          for n, p in late.named_parameters()}
         if ckpt_dir:
             results["checkpoint"] = _checkpoint_run(rank, world, mesh, ckpt_dir)
         if rank == 0:
@@ -227,4 +233,23 @@ def _errors(mesh) -> dict:
         GSGD(model, lr=0.1)
     except ValueError as exc:
         out["columns"] = str(exc)
+    return out
+
+
+def _check_finite_run(rank, world, mesh) -> list:
+    """check_finite=True with a NaN in the last process's rows: what each process raised."""
+    model = shard(build("gsgd_mlp"), mesh)
+    opt = GSGD(model, lr=0.1, check_finite=True)
+    x, y = (_local_batch(t, rank, world) for t in data(model))
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    if rank == world - 1:
+        model[2].weight.grad.to_local()[0, 0] = float("nan")
+    try:
+        opt.step()
+        message = ""
+    except ValueError as exc:
+        message = str(exc)
+    out = [None] * world
+    dist.all_gather_object(out, message)
     return out

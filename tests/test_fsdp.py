@@ -1,6 +1,10 @@
 """G-SGD and friends on models sharded by FSDP2 (``fully_shard``), 2 and 3 CPU processes
 over gloo: equal to one process, invariant, skipping together, checkpointed with DCP."""
 
+import os
+import pathlib
+import subprocess
+import sys
 import time
 import warnings
 
@@ -96,6 +100,17 @@ def test_nan_on_one_process_skips_everywhere(runs, world):
         assert torch.equal(nan["after"][k], v), k
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_skeleton_init_after_sharding(runs, world):
+    """skeleton_init_ on a sharded model initialises it as on the whole model."""
+    torch.manual_seed(0)
+    model = fw.conv()
+    fw.skeleton_init_(model)
+    got = runs[0][world]["init_after_sharding"]
+    for n, p in model.named_parameters():
+        assert torch.equal(got[f"param/{n}"], p.detach()), n
+
+
 def test_unsupported_layouts_are_refused(runs):
     """A chain with some layers sharded and some not, or weights split by columns (tensor
     parallelism), is refused when the optimizer is built, naming the parameter."""
@@ -103,6 +118,13 @@ def test_unsupported_layouts_are_refused(runs):
     assert "2.weight is a plain tensor in a chain" in errors["mixed"]
     assert "0.weight is a DTensor placed (Shard(dim=1),)" in errors["columns"]
     assert "tensor parallelism" in errors["columns"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_check_finite_raises_on_every_process(runs, world):
+    """check_finite=True and a NaN on one process: every process raises (none is left
+    waiting in a collective), naming the parameter."""
+    assert runs[0][world]["check_finite"] == ["non-finite gradient in 2.weight"] * world
 
 
 def test_checkpoint_two_to_two_bit_for_bit(runs):
@@ -135,3 +157,25 @@ def test_checkpoint_two_to_one(runs):
     x, y = fw.data(model)
     fw.train(model, opt, x, y, 5)
     _assert_close(fw.full_state(model, opt), ck["straight"])
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "docs" / "fsdp_example.py"
+
+
+def test_readme_shows_the_example_script():
+    """The README's FSDP2 block is docs/fsdp_example.py, word for word."""
+    readme = (ROOT / "README.md").read_text()
+    assert f"```py\n{EXAMPLE.read_text()}```" in readme
+
+
+def test_example_script_runs_on_two_processes(tmp_path):
+    """docs/fsdp_example.py under torchrun: trains, checkpoints, reloads, and finds the
+    chain on the sharded model."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", str(EXAMPLE)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 chain(s)" in proc.stdout and "skeleton initialised (he)" in proc.stdout
+    assert (tmp_path / "gsgd_checkpoint").is_dir()

@@ -25,7 +25,7 @@ import torch.nn as nn
 from gsgd_core import Chain
 
 from .discovery import ChainLayers, Discovery, discover, unwrap
-from .fsdp import is_sharded
+from .fsdp import is_sharded, local, row_range
 
 SKELETONS = ("he", "paper")
 
@@ -283,9 +283,12 @@ def skeleton_is_initialised(part: ChainPart) -> bool:
     paper = all(r == 1.0 for r in chain.skeleton_scale)
     with torch.no_grad():
         for l, w in enumerate(part.weights, start=1):
-            W = (w.full_tensor() if is_sharded(w) else w).detach().reshape(
-                chain.layer_shape(l))
-            mask = torch.as_tensor(chain.free_mask(l) | chain.tau_mask(l), device=W.device)
+            # A sharded layer is judged by this process's rows: describe() may then run
+            # on one process alone (no collective), as users print it.
+            r0, r1 = row_range(w, part.names[l - 1]) if is_sharded(w) else (0, w.shape[0])
+            W = local(w).detach().reshape((r1 - r0,) + chain.layer_shape(l)[1:])
+            mask = torch.as_tensor((chain.free_mask(l) | chain.tau_mask(l))[r0:r1],
+                                   device=W.device)
             edges = W[mask]
             r = torch.tensor(chain.skeleton_scale[l - 1], dtype=W.dtype)
             if not bool(torch.all((edges if paper else edges.abs()) == r.to(W.device))):

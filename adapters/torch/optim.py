@@ -26,7 +26,7 @@ from gsgd_backends.sharded import sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
 from .discovery import unwrap
-from .fsdp import ShardCache, check_chain, is_sharded, local, sharded_step
+from .fsdp import ShardCache, all_finite, check_chain, is_sharded, local, sharded_step
 from .groups import (ChainPart, Description, PartInfo, SGDPart, partition,
                      skeleton_is_initialised, sub_chain)
 from .model_ops import check_invariance
@@ -226,7 +226,7 @@ class ScaleInvariantOptimizer(Optimizer):
         """``p.grad`` as the update reads it (never modified): zeros if None, negated to
         maximise, checked for non-finite values on request."""
         g = torch.zeros_like(p) if p.grad is None else p.grad
-        if group.get("check_finite") and not bool(torch.isfinite(g).all()):
+        if group.get("check_finite") and not all_finite(g):
             raise ValueError(f"non-finite gradient in {name}")
         return -g if group.get("maximize") else g
 
@@ -418,6 +418,10 @@ class GSGD(ScaleInvariantOptimizer):
     Frozen parameters (``requires_grad=False``) are never in a chain: they split it, and the
     trainable runs on either side form chains. A layer whose ``.grad`` is ``None`` at a step
     is never written: its chain is stepped as the runs of layers that have gradients.
+
+    A model sharded by FSDP2 (``fully_shard``) is stepped on each process's rows, with one
+    all-reduce of ``O(sum of widths)`` numbers per chain and step (:mod:`.fsdp`); DDP
+    models step their replicas.
     """
 
     algorithm = "G-SGD"
