@@ -24,7 +24,8 @@ try:  # a torch built without distributed support has no DTensor: nothing is sha
 except ImportError:  # pragma: no cover - CPU wheels ship torch.distributed
     DTensor = None
 
-__all__ = ["is_sharded", "check_chain", "local", "ShardCache", "sharded_step"]
+__all__ = ["is_sharded", "all_finite", "check_chain", "local", "row_range", "ShardCache",
+           "sharded_step"]
 
 
 def is_sharded(t) -> bool:
@@ -36,6 +37,16 @@ def local(t):
     """The local rows of a DTensor (a view: writes reach the parameter); others as they
     are."""
     return t.to_local() if is_sharded(t) else t
+
+
+def all_finite(t) -> bool:
+    """Whether every entry of ``t`` is finite; for a DTensor, on every process (a
+    collective: every process gets the same answer, so all raise or step together)."""
+    if not is_sharded(t):
+        return bool(torch.isfinite(t).all())
+    flag = torch.isfinite(t.to_local()).all().to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=t.device_mesh.get_group())
+    return bool(flag)
 
 
 def check_chain(params, names) -> bool:
@@ -65,7 +76,7 @@ def check_chain(params, names) -> bool:
     return True
 
 
-def _rows(p, name: str) -> tuple[int, int]:
+def row_range(p, name: str) -> tuple[int, int]:
     """The global rows of ``p`` held by this process: FSDP2 splits dimension 0 as
     ``torch.chunk`` does (chunks of ``ceil(n / world)``, the last ones short or empty)."""
     mesh = p.device_mesh
@@ -86,7 +97,7 @@ class ShardCache:
         self._shards: dict = {}
 
     def get(self, chain, weights, names) -> RowShard:
-        rows = tuple(_rows(w, n) for w, n in zip(weights, names))
+        rows = tuple(row_range(w, n) for w, n in zip(weights, names))
         key = (chain, rows)
         if key not in self._shards:
             group = weights[0].device_mesh.get_group()
@@ -120,7 +131,7 @@ def _write_rows(dst, src) -> None:
             _write_rows(d, s)
     elif is_sharded(dst):
         loc = dst.to_local()
-        r0 = _rows(dst, "state")[0]
+        r0 = row_range(dst, "state")[0]
         with torch.no_grad():
             loc.copy_(src[r0:r0 + loc.shape[0]])
 
