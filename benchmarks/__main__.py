@@ -1,7 +1,11 @@
 """``python -m benchmarks``: the papers' experiments on scikit-learn's digits.
 
-Prints result tables and writes PNG plots and ``summary.md`` to ``--out`` (default
-``results/``). Nothing is downloaded: the digits ship inside scikit-learn.
+Run it from the repository root (``benchmarks`` is a folder of the checkout, not an
+installed package). Prints each result table as soon as it exists, under one progress bar
+over every planned run (with an estimate of the time left), and writes PNG plots and
+``summary.md`` to ``--out`` (default ``results/``). Nothing is downloaded: the digits ship
+inside scikit-learn. ``--update-docs`` also copies the summary to ``docs/results.md`` and
+regenerates the README's results excerpt from it.
 """
 
 from __future__ import annotations
@@ -9,55 +13,82 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import tempfile
 import time
 
 from . import report, threads
 from .digits import load
-from .experiments import DEFAULT, QUICK
+from .experiments import DEFAULT, QUICK, STATS_RULE, Runner
 from .suite import EXPERIMENTS
 
+PSI = "PSI-SGD paper: Yi et al., Accelerating Training of Batch Normalization"
 DESCRIPTIONS = {
-    "ratio": "invariant ratio: MLP 64-h-h-10 for h in 8..256, SGD vs G-SGD (paper §5.2)",
-    "unbalanced": "unbalanced init: one start rescaled by growing random factors (seed 004)",
-    "pathsgd": "Path-SGD: 5x64 MLP, SGD vs Path-SGD vs G-SGD (paper §5.3)",
-    "bn": "batch norm: SGD, Adam, PSI-SGD, PSI-SGDM (seed 004, Table 1)",
+    "ratio": "invariant ratio: MLP 64-h-h-10 for h in 8..256, SGD vs G-SGD (G-SGD paper §5.2)",
+    "unbalanced": f"unbalanced init: one start rescaled by growing random factors ({PSI}, "
+                  "Fig. 1)",
+    "pathsgd": "Path-SGD: 5x64 MLP, SGD vs Path-SGD vs G-SGD (G-SGD paper §5.3)",
+    "bn": f"batch norm: SGD, Adam, PSI-SGD, PSI-SGDM ({PSI}, Table 1)",
     "momentum": "momentum 0.9: SGD vs G-SGD with momentum in path space",
     "adam": "G-Adam vs Adam: balanced MLP and unbalanced starts (Adam in path space)",
+    "cnn": "plain CNN (no BN): G-SGD(M) vs SGD(M); with BN: PSI-SGDM vs SGD(M) (PlainNet)",
 }
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def planned_runs(names, budget) -> int:
+    """How many training runs the experiments ``names`` make (run dry, plots to a scratch
+    folder)."""
+    dry = Runner(None, dry=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            EXPERIMENTS[name](budget, dry, pathlib.Path(tmp))
+    return dry.count
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Reproduce the G-SGD and PSI-SGD papers' experiments on scikit-learn's "
-                    "digits (1,797 real 8x8 images).\n\nexperiments:\n" + "\n".join(
+                    "digits (1,797 real 8x8 images). Run from the repository root."
+                    "\n\nexperiments:\n" + "\n".join(
                         f"  {k:<11} {v}" for k, v in DESCRIPTIONS.items()))
     parser.add_argument("--quick", action="store_true", help="a small budget (under 60 s)")
     parser.add_argument("--out", default="results", help="output folder (default: results/)")
     parser.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME",
                         help="run only these experiments")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="copy summary.md to docs/results.md and regenerate the README's "
+                             "results excerpt from it (default budget, every experiment)")
     threads.add_argument(parser)
     args = parser.parse_args(argv)
+    if args.update_docs and (args.quick or args.only):
+        parser.error("--update-docs records the full default run: drop --quick and --only")
     n_threads = threads.use(args.threads)
     threads.announce(n_threads, args.threads)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budget = QUICK if args.quick else DEFAULT
-    data = load()
+    names = args.only or list(EXPERIMENTS)
+    runner = Runner(load(), total=planned_runs(names, budget))
     start, sections = time.perf_counter(), []
-    for name in args.only or list(EXPERIMENTS):
+    for k, name in enumerate(names, 1):
+        runner.stage(f"experiment {k}/{len(names)} ({name})")
         t0 = time.perf_counter()
-        section = EXPERIMENTS[name](budget, data, out)
+        section = EXPERIMENTS[name](budget, runner, out)
         sections.append(section)
-        print(f"\n## {section.title}  ({time.perf_counter() - t0:.0f} s)\n{section.text}")
-        for t in section.tables:
-            print(t)
+        runner.write(f"\n## {section.title}  ({time.perf_counter() - t0:.0f} s)\n"
+                     f"{section.text}\n\n" + "\n\n".join(section.tables))
+    runner.close()
     header = (f"# G-SGD on digits ({'quick' if args.quick else 'default'} budget)\n\n"
-              f"{budget.seeds} seeds, {budget.epochs} epochs, batch 64; learning rates chosen "
-              f"on a validation split (mean of two seeds); mean ± std over seeds. Total "
-              f"{time.perf_counter() - start:.0f} s on {n_threads} CPU thread(s).")
-    (out / "summary.md").write_text(report.markdown(sections, header))
+              f"{budget.seeds} seeds, {budget.epochs} epochs, batch 64. {STATS_RULE} Total "
+              f"{time.perf_counter() - start:.0f} s for {runner.count} runs on {n_threads} "
+              "CPU thread(s).")
+    summary = report.markdown(sections, header)
+    (out / "summary.md").write_text(summary)
     print(f"\nwrote {out / 'summary.md'} and {len(sections)} plot(s) in {out}/")
+    if args.update_docs:
+        report.update_docs(summary, out, ROOT)
+        print("updated docs/results.md, the README's excerpt and its plots")
     return 0
 
 

@@ -1,9 +1,10 @@
 """The six experiments: small analogues of the G-SGD and PSI-SGD papers' figures.
 
 Every optimizer family has its own learning-rate grid, searched on the validation split
-(two seeds); the chosen rate is then run on every seed and reported as mean ± std. Tables
-carry the "SGD, skeleton init" control (DESIGN §9) wherever G-SGD starts from a skeleton
-initialisation, so that the optimizer is not credited with the init.
+(two seeds); the chosen rate is then run on every seed; :data:`STATS_RULE` says how seeds
+are counted. Tables carry the "SGD, skeleton init" control (DESIGN §9) wherever G-SGD
+starts from a skeleton initialisation, so that the optimizer is not credited with the
+init.
 """
 
 from __future__ import annotations
@@ -47,19 +48,40 @@ class Arm:
     grid: tuple
 
 
+#: How every table, verdict and plot treats seeds (stated in the summary).
+STATS_RULE = (
+    "A run is *unstable* if its training loss became non-finite or ended above its value "
+    "before training. Means ± standard deviations (and plot bands) are over the stable runs "
+    "of a row; the unstable ones are counted in their own column, and a verdict names an "
+    "unstable optimizer before any win or tie. Learning rates are chosen on the validation "
+    "split of two selection seeds, among the rates stable on both (lowest mean validation "
+    "error, then training loss); the seeds reported include the selection seeds. Epoch cost: "
+    "CPU seconds of one epoch's training steps, relative to the baseline row of the same "
+    "table, all measured in the same run.")
+
+
 @dataclass
 class Outcome:
     arm: Arm
     lr: float
     runs: list            # one result dict per seed
-
-    def final(self, key):
-        vals = np.array([r[key][-1] if key == "loss" else r[key] for r in self.runs])
-        return vals
+    note: str = ""        # how the lr was chosen when no rate was stable
 
     @property
-    def diverged(self) -> int:
-        return sum(r["diverged"] for r in self.runs)
+    def stable(self) -> list:
+        return [r for r in self.runs if not r["unstable"]]
+
+    @property
+    def unstable(self) -> int:
+        return len(self.runs) - len(self.stable)
+
+    def final(self, key) -> np.ndarray:
+        """Final training loss (``"loss"``) or an error, of the stable runs."""
+        return np.array([r[key][-1] if key == "loss" else r[key] for r in self.stable])
+
+    @property
+    def epoch_seconds(self) -> float:
+        return float(np.mean([r["epoch_seconds"] for r in self.runs]))
 
 
 @dataclass
@@ -71,54 +93,105 @@ class Section:
     data: dict = field(default_factory=dict)
 
 
-def _progress(runs, desc, data):
-    return [train(r, data) for r in tqdm(runs, desc=desc, leave=False, unit="run")]
-
-
 GRID_SEEDS = 2
 
 
-def compare(arms, base: Run, budget: Budget, data: Data, desc: str) -> list[Outcome]:
-    """Grid-search each arm's lr on the first two seeds (mean validation error, then mean
-    training loss; a diverged run counts as 100% error), then run the other seeds at it."""
+class Runner:
+    """Trains runs on ``data`` under one overall progress bar (runs done of all planned,
+    with tqdm's estimate of the time left), or, ``dry``, returns placeholders at once: an
+    experiment run dry counts the runs it plans (their number does not depend on results).
+    """
+
+    def __init__(self, data: Data | None, total: int | None = None, dry: bool = False) -> None:
+        self.data, self.dry, self.count = data, dry, 0
+        self.bar = None if dry else tqdm(total=total, unit="run", dynamic_ncols=True,
+                                         desc="all experiments")
+
+    def stage(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description(text)
+
+    def __call__(self, runs, desc: str) -> list[dict]:
+        if self.bar is not None:
+            self.bar.set_postfix_str(desc)
+        out = []
+        for run in runs:
+            out.append(_placeholder(run) if self.dry else train(run, self.data))
+            self.count += 1
+            if self.bar is not None:
+                self.bar.update(1)
+        return out
+
+    def write(self, text: str) -> None:
+        """Print above the bar (or plainly when dry)."""
+        (tqdm.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _placeholder(run: Run) -> dict:
+    return dict(loss0=1.0, loss=[0.5] * run.epochs, val_err=0.5, test_err=0.5, diverged=False,
+                unstable=False, epoch_seconds=1.0)
+
+
+def compare(arms, base: Run, budget: Budget, runner, desc: str) -> list[Outcome]:
+    """Choose each arm's lr on the first two seeds (see :data:`STATS_RULE`), then run the
+    other seeds at it."""
     grid_seeds = range(min(GRID_SEEDS, budget.seeds))
     grid_runs = [replace(base, opt=a.opt, init=a.init, lr=lr, seed=s, epochs=budget.epochs)
                  for a in arms for lr in a.grid for s in grid_seeds]
-    results = dict(zip(grid_runs, _progress(grid_runs, f"{desc}: lr grid", data)))
+    results = dict(zip(grid_runs, runner(grid_runs, f"{desc}: lr grid")))
 
     def score(run):
         rs = [results[replace(run, seed=s)] for s in grid_seeds]
-        return (np.mean([r["val_err"] for r in rs]), np.mean([r["loss"][-1] for r in rs]))
+        return (sum(r["unstable"] for r in rs), np.mean([r["val_err"] for r in rs]),
+                np.mean([r["loss"][-1] for r in rs]))
 
-    chosen = [(a, min((replace(base, opt=a.opt, init=a.init, lr=lr, seed=0,
-                                epochs=budget.epochs) for lr in a.grid), key=score))
-              for a in arms]
-    seed_runs = [replace(best, seed=s) for _, best in chosen
+    chosen = []
+    for a in arms:
+        best = min((replace(base, opt=a.opt, init=a.init, lr=lr, seed=0, epochs=budget.epochs)
+                    for lr in a.grid), key=score)
+        note = "" if score(best)[0] == 0 else (
+            f"no lr of the grid was stable on both selection seeds; {best.lr:g} was unstable "
+            f"on {score(best)[0]}")
+        chosen.append((a, best, note))
+    seed_runs = [replace(best, seed=s) for _, best, _ in chosen
                  for s in range(len(grid_seeds), budget.seeds)]
-    results.update(zip(seed_runs, _progress(seed_runs, f"{desc}: seeds", data)))
-    return [Outcome(a, best.lr, [results[replace(best, seed=s)] for s in range(budget.seeds)])
-            for a, best in chosen]
+    results.update(zip(seed_runs, runner(seed_runs, f"{desc}: seeds")))
+    return [Outcome(a, best.lr, [results[replace(best, seed=s)] for s in range(budget.seeds)],
+                    note) for a, best, note in chosen]
 
 
 def _ms(vals, pct=False):
     vals = np.asarray(vals, dtype=float)
-    if not np.all(np.isfinite(vals)):
-        return "diverged"
+    if vals.size == 0:
+        return "—"
     k = 100.0 if pct else 1.0
     return f"{k * vals.mean():.3g} ± {k * vals.std():.2g}" + ("%" if pct else "")
 
 
-def table(outcomes, extra_cols=None) -> str:
-    head = "| " + " | ".join((extra_cols or []) + ["optimizer", "lr", "train loss",
-                                                   "test error", "NaN runs"]) + " |"
+def table(outcomes, extra_cols=None, baseline: str = "SGD") -> str:
+    """Rows ``(prefix, outcome)``; statistics by :data:`STATS_RULE`; the epoch cost is
+    relative to the first row of the same prefix whose label starts with ``baseline``."""
+    base = {}
+    for prefix, o in outcomes:
+        if o.arm.label.startswith(baseline):
+            base.setdefault(tuple(prefix), o.epoch_seconds)
+    head = "| " + " | ".join((extra_cols or []) + [
+        "optimizer", "lr", "train loss", "test error", "unstable",
+        f"epoch cost vs {baseline}"]) + " |"
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for prefix, o in outcomes:
-        ok = [r for r in o.runs if not r["diverged"]]
-        loss = _ms([r["loss"][-1] for r in ok]) if ok else "diverged"
-        err = _ms([r["test_err"] for r in ok], pct=True) if ok else "—"
-        rows.append("| " + " | ".join(list(prefix) + [o.arm.label, f"{o.lr:g}", loss, err,
-                                                      f"{o.diverged}/{len(o.runs)}"]) + " |")
-    return "\n".join(rows)
+        ref = base.get(tuple(prefix))
+        cost = f"{o.epoch_seconds / ref:.2f}" if ref else "—"
+        rows.append("| " + " | ".join(list(prefix) + [
+            o.arm.label, f"{o.lr:g}", _ms(o.final("loss")), _ms(o.final("test_err"), pct=True),
+            f"{o.unstable}/{len(o.runs)}", cost]) + " |")
+    notes = [f"- {o.arm.label}" + (f" ({', '.join(p)})" if p else "") + f": {o.note}"
+             for p, o in outcomes if o.note]
+    return "\n".join(rows + ([""] + notes if notes else []))
 
 
 def sgd_arms(b: Budget, gsgd: str = "gsgd", sgd: str = "sgd", grid=None):
@@ -128,8 +201,9 @@ def sgd_arms(b: Budget, gsgd: str = "gsgd", sgd: str = "sgd", grid=None):
 
 
 def verdict(rows, ours: str = "G-SGD") -> str:
-    """One line per table group: does the ``ours`` row beat the best other row on mean test
-    error, by more than the larger of the two standard deviations?"""
+    """One line per table group: an unstable ``ours`` row says so first; otherwise it wins,
+    loses or ties against the best stable other row on mean test error (by more than the
+    larger of the two standard deviations), and unstable other rows are named."""
     groups: dict = {}
     for prefix, o in rows:
         groups.setdefault(tuple(prefix), []).append(o)
@@ -139,13 +213,25 @@ def verdict(rows, ours: str = "G-SGD") -> str:
         others = [o for o in outs if not o.arm.label.startswith(ours)]
         if not mine or not others:
             continue
-        m = mine[0].final("test_err")
-        best = min(others, key=lambda o: o.final("test_err").mean())
+        me, where = mine[0], ", ".join(prefix) or "overall"
+        shaky = [f"{o.arm.label} unstable on {o.unstable}/{len(o.runs)} seeds"
+                 for o in others if o.unstable]
+        tail = f" ({'; '.join(shaky)})" if shaky else ""
+        if me.unstable:
+            lines.append(f"- {where}: {me.arm.label} is unstable on {me.unstable}/"
+                         f"{len(me.runs)} seeds{tail}")
+            continue
+        steady = [o for o in others if not o.unstable]
+        m = me.final("test_err")
+        if not steady:
+            lines.append(f"- {where}: {me.arm.label} is the only stable optimizer: "
+                         f"{100 * m.mean():.2f}% test error{tail}")
+            continue
+        best = min(steady, key=lambda o: o.final("test_err").mean())
         b = best.final("test_err")
         gap, noise = 100 * (m.mean() - b.mean()), 100 * max(m.std(), b.std())
         word = ("wins" if gap < -noise else "loses" if gap > noise else "ties (within noise)")
-        where = ", ".join(prefix) or "overall"
-        lines.append(f"- {where}: {mine[0].arm.label} {word}: {100 * m.mean():.2f}% test "
+        lines.append(f"- {where}: {me.arm.label} {word}: {100 * m.mean():.2f}% test "
                      f"error against {best.arm.label}'s {100 * b.mean():.2f}% "
-                     f"(std up to {noise:.2f})")
+                     f"(std up to {noise:.2f}){tail}")
     return "\n".join(lines)

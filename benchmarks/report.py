@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import pathlib
+import re
+import shutil
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+BAND = "band: min to max over the stable seeds"
+
+
 def curves(ax, outcomes, title):
-    """Mean training-loss curve (band: min..max over seeds) per outcome."""
+    """Mean training-loss curve of the stable runs per outcome, with a band from their
+    minimum to their maximum (an outcome unstable on every seed is named, not drawn)."""
     for o in outcomes:
-        L = np.array([r["loss"] for r in o.runs], dtype=float)
+        runs = o.stable
+        if not runs:
+            ax.plot([], [], label=f"{o.arm.label} (lr {o.lr:g}): unstable on every seed")
+            continue
+        L = np.array([r["loss"] for r in runs], dtype=float)
         ep = np.arange(1, L.shape[1] + 1)
-        with np.errstate(invalid="ignore"):
-            ax.plot(ep, np.nanmean(np.where(np.isfinite(L), L, np.nan), axis=0),
-                    label=f"{o.arm.label} (lr {o.lr:g})")
-            ax.fill_between(ep, np.nanmin(L, axis=0), np.nanmax(np.where(np.isfinite(L), L,
-                                                                         np.nan), axis=0),
-                            alpha=0.2)
+        line, = ax.plot(ep, L.mean(axis=0), label=f"{o.arm.label} (lr {o.lr:g})"
+                        + (f", {o.unstable} unstable seed(s) left out" if o.unstable else ""))
+        ax.fill_between(ep, L.min(axis=0), L.max(axis=0), alpha=0.2, color=line.get_color())
     ax.set_yscale("log")
     ax.set_xlabel("epoch")
     ax.set_ylabel("training loss")
-    ax.set_title(title)
+    ax.set_title(f"{title}\n({BAND})", fontsize=9)
     ax.legend(fontsize=7)
 
 
@@ -43,38 +51,69 @@ def curves_figure(out, name, outcomes, title) -> str:
 
 
 def ratio_figure(out, name, rows) -> str:
-    """rows: list of (H/m, label, losses, errors) -> train loss and test error vs H/m."""
+    """rows: list of (H/m, label, losses, errors) of the stable runs -> final training loss
+    and test error against H/m, mean with bars from the minimum to the maximum (so a bar
+    never leaves the axis's range, as mean ± std would below 0%)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for label in dict.fromkeys(r[1] for r in rows):
-        pts = sorted((r for r in rows if r[1] == label), key=lambda r: r[0])
+        pts = sorted((r for r in rows if r[1] == label and len(r[3])), key=lambda r: r[0])
         x = [p[0] for p in pts]
         for ax, k, scale in ((axes[0], 2, 1.0), (axes[1], 3, 100.0)):
-            m = [scale * np.mean(p[k]) for p in pts]
-            s = [scale * np.std(p[k]) for p in pts]
-            ax.errorbar(x, m, yerr=s, marker="o", capsize=3, label=label)
+            v = [scale * np.asarray(p[k], dtype=float) for p in pts]
+            m = np.array([a.mean() for a in v])
+            lo, hi = np.array([a.min() for a in v]), np.array([a.max() for a in v])
+            ax.errorbar(x, m, yerr=[m - lo, hi - m], marker="o", capsize=3, label=label)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("final training loss")
     axes[1].set_ylabel("test error (%)")
+    axes[1].set_ylim(bottom=0)
     for ax in axes:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels of a short log axis overlap
         ax.set_xlabel("invariant ratio H/m (smaller = wider MLP 64-h-h-10)")
         ax.legend(fontsize=8)
+    fig.suptitle("SGD and G-SGD against the invariant ratio: mean of the stable seeds, "
+                 "bars from their minimum to their maximum", fontsize=10)
     return save(fig, out, name)
 
 
-def spread_figure(out, name, per_spread) -> str:
-    """per_spread: {spread: {label: loss curve of seed 0}} -> one panel per optimizer."""
+def spread_figure(out, name, per_spread, ours: str, gap: float) -> str:
+    """per_spread: {spread: {label: loss curve of seed 0}} -> one panel per optimizer. The
+    loss axis stops at 10x the highest loss of ``ours`` (a curve above it is clipped and
+    its peak written on the panel); when the curves of ``ours`` coincide (relative gap
+    below 1e-9), the panel says that its lines lie on top of each other."""
     labels = list(next(iter(per_spread.values())))
+    finite = [v for c in (per_spread[s][ours] for s in per_spread) for v in c
+              if np.isfinite(v)]
+    top = 10 * max(finite) if finite else None
     fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), sharey=True)
     for ax, label in zip(np.atleast_1d(axes), labels):
+        notes = []
         for spread, by_label in per_spread.items():
-            ax.plot(np.arange(1, len(by_label[label]) + 1), by_label[label],
+            c = np.asarray(by_label[label], dtype=float)
+            ax.plot(np.arange(1, len(c) + 1), np.where(np.isfinite(c), c, np.nan),
                     label=f"spread {spread:g}", linestyle="-" if spread == 0 else "--")
+            peak = np.nanmax(np.where(np.isfinite(c), c, np.nan)) if np.isfinite(c).any() \
+                else np.inf
+            if not np.isfinite(c).all():
+                notes.append(f"spread {spread:g}: non-finite loss")
+            elif top is not None and peak > top:
+                notes.append(f"spread {spread:g}: clipped, peak {peak:.2g}")
+        if label == ours and gap < 1e-9:
+            notes.append(f"all {len(per_spread)} curves coincide (max relative\n"
+                         f"difference {gap:.1g}): one visible line")
+        if notes:
+            ax.text(0.03, 0.03, "\n".join(notes), transform=ax.transAxes, fontsize=8,
+                    va="bottom", bbox=dict(facecolor="white", alpha=0.8, edgecolor="none"))
         ax.set_yscale("log")
         ax.set_title(label)
         ax.set_xlabel("epoch")
         ax.legend(fontsize=8)
+    if top is not None:
+        np.atleast_1d(axes)[0].set_ylim(top=top)
     np.atleast_1d(axes)[0].set_ylabel("training loss (seed 0)")
+    fig.suptitle("One start rescaled per hidden unit by exp(spread·N(0,1)): same function, "
+                 "unbalanced weights", fontsize=10)
     return save(fig, out, name)
 
 
@@ -85,3 +124,37 @@ def markdown(sections, header: str) -> str:
         parts += s.tables
         parts += [f"![{cap}]({fig})" for fig, cap in s.figures]
     return "\n\n".join(parts) + "\n"
+
+
+START = ("<!-- results excerpt: generated from docs/results.md by "
+         "`python -m benchmarks --update-docs`; do not edit by hand -->")
+END = "<!-- end of results excerpt -->"
+
+
+def readme_excerpt(summary: str) -> str:
+    """The README's results excerpt from a ``summary.md``: the run's size and time, then
+    every section's verdicts (and notes), as written there."""
+    total = re.search(r"Total \d+ s for \d+ runs on \d+ CPU thread\(s\)\.", summary)
+    lines = [f"From `docs/results.md` (`python -m benchmarks`, default budget; "
+             f"{total.group(0) if total else 'time not recorded.'}) Verdicts, per "
+             "experiment:"]
+    for block in summary.split("\n## ")[1:]:
+        title, _, body = block.partition("\n")
+        bullets = [ln for ln in body.splitlines() if ln.startswith("- ")]
+        if bullets:
+            lines += ["", f"**{title.strip()}**", ""] + bullets
+    return "\n".join(lines)
+
+
+def update_docs(summary: str, out: pathlib.Path, root: pathlib.Path) -> None:
+    """``summary`` (and the plots it links) into ``docs/``, and the README's excerpt
+    (between :data:`START` and :data:`END`) regenerated from it."""
+    docs = root / "docs"
+    for png in re.findall(r"\]\(([\w.-]+\.png)\)", summary):
+        shutil.copyfile(out / png, docs / png)
+    (docs / "results.md").write_text(summary)
+    readme = root / "README.md"
+    text = readme.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{readme_excerpt(summary)}\n{END}{tail}")
