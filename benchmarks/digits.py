@@ -178,4 +178,10 @@ def train(run: Run, data: Data) -> dict:
                         epoch_seconds=cpu / (len(losses) + 1))
         losses.append(loss)
     return dict(loss0=loss0, loss=losses, val_err=val_err, test_err=test_err, diverged=False,
-                unstable=not losses[-1] <= loss0, epoch_seconds=cpu / run.epochs)
+                unstable=unstable(loss0, losses[-1]), epoch_seconds=cpu / run.epochs)
+
+
+def unstable(loss0: float, final: float) -> bool:
+    """A run failed if its final training loss is not finite or above its loss before
+    training (written so that NaN counts as a failure)."""
+    return not (math.isfinite(final) and final <= loss0)

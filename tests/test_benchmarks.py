@@ -212,3 +212,11 @@ def test_readme_excerpt_is_generated_from_the_committed_results():
     assert block.strip() == report.readme_excerpt(
         (ROOT / "docs" / "results.md").read_text()).strip()
     assert "**7. Plain CNN" in block
+
+
+@pytest.mark.parametrize("final, expected", [(0.1, False), (2.3, False), (2.31, True),
+                                             (float("inf"), True), (float("nan"), True)])
+def test_a_run_is_unstable_when_its_loss_ends_above_the_start(final, expected):
+    _bench()
+    from benchmarks.digits import unstable
+    assert unstable(2.3, final) is expected
