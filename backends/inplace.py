@@ -13,11 +13,12 @@ from array_api_compat import array_namespace
 
 import gsgd_core
 from gsgd_core import Chain, GSGDState
-from gsgd_core.arrays import all_finite, quiet_fp
+from gsgd_core.arrays import all_finite, check_hyper, quiet_fp
 from gsgd_core.gsgd import check_update_hypers
 
-from ._dispatch import assign, kernels_for
+from ._dispatch import assign, kernels_for, library
 from .fast import fast_step_
+from .psi import psi_step_
 from .rule_step import rule_step_
 
 __all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicalize_",
@@ -174,7 +175,29 @@ def path_sgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr) -> None
 
 
 def psi_update_(state: gsgd_core.PSIState, weights, grads, **hyper) -> None:
-    """:func:`gsgd_core.psi_update` applied in place to ``weights`` and ``state``."""
+    """:func:`gsgd_core.psi_update` applied in place to ``weights`` and ``state``; torch
+    tensors take :func:`gsgd_backends.psi.psi_step_` (multi-tensor, in place), which hands
+    back a step it cannot take exactly (non-finite gradients, half precision, a possible
+    overflow)."""
+    if _fast_psi(state, weights, grads, hyper):
+        return
     W, new_state = gsgd_core.psi_update(state, weights, grads, **hyper)
     _write(weights, W)
     _write(state.momentum, new_state.momentum)
+
+
+def _fast_psi(state, weights, grads, hyper) -> bool:
+    if not (isinstance(state, gsgd_core.PSIState) and isinstance(weights, (list, tuple))
+            and weights and library(weights[0]) == "torch"
+            and set(hyper) <= {"lr", "momentum", "max_norm"}):
+        return False
+    h = dict(dict(momentum=0.0, max_norm=1e4), **hyper)
+    for k in ("lr", "momentum", "max_norm"):  # the core's own checks and messages
+        check_hyper(k, h.get(k))
+    if not all(isinstance(h[k], numbers.Real) for k in h) or not (
+            len(weights) == len(grads) == len(state.momentum)) or any(
+            tuple(w.shape) != tuple(g.shape) or tuple(w.shape) != tuple(u.shape) or w.ndim < 2
+            for w, g, u in zip(weights, grads, state.momentum)):
+        return False  # the core raises its errors
+    return psi_step_(list(weights), list(grads), list(state.momentum), lr=float(h["lr"]),
+                     momentum=float(h["momentum"]), max_norm=float(h["max_norm"]))

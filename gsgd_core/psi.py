@@ -9,6 +9,7 @@ the retraction ``W + Xi`` (eq. 8).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
@@ -59,7 +60,8 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     (output units), as ``torch.nn.Linear``/``Conv`` store them. The buffer holds no
     learning rate (``torch.optim.SGD``'s convention): at a constant ``lr`` this is
     Algorithm 1's ``u <- momentum*u - lr*||w||^2 g; w <- w + u`` with ``u`` scaled by
-    ``-lr``, and a change of ``lr`` acts at once.
+    ``-lr``, and a change of ``lr`` acts at once. With ``momentum = 0`` (PSI-SGD) the
+    buffers are returned unchanged: PSI-SGD keeps none.
 
     Returns ``(weights, state)``; the iterates commute with per-row rescaling of ``(W, u)``
     (seed 004 Theorem 1) as long as no row is renormalised.
@@ -72,6 +74,9 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     _check_pairs(weights, grads, "grads")
     _check_pairs(weights, state.momentum, "momentum buffers")
     xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
+    # PSI-SGD keeps no buffer (torch.optim.SGD's convention): momentum switched on later
+    # starts from u = 0, i.e. from ||w||^2 g, as torch's first momentum step does.
+    plain = isinstance(momentum, numbers.Real) and momentum == 0
     new_w, new_u = [], []
     for w, g, u in zip(weights, grads, state.momentum):
         if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:
@@ -90,5 +95,6 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
         ok = xp.all(xp.isfinite(g2) & xp.isfinite(w_new) & xp.isfinite(u_new), axis=1,
                     keepdims=True)
         new_w.append(xp.astype(xp.reshape(xp.where(ok, w_new, w2), w.shape), w.dtype))
-        new_u.append(xp.astype(xp.reshape(xp.where(ok, u_new, u2), w.shape), w.dtype))
+        new_u.append(u if plain else
+                     xp.astype(xp.reshape(xp.where(ok, u_new, u2), w.shape), w.dtype))
     return new_w, PSIState(tuple(new_u))

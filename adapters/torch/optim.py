@@ -238,8 +238,7 @@ class ScaleInvariantOptimizer(Optimizer):
         # PSI acts on each row (output unit) alone: FSDP2's local rows are stepped as they are.
         W = [local(p) for p, _ in live]
         G = [local(self._grad(p, group, f"{n}.weight")) for p, n in live]
-        U = [local(self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)))
-             for p, _ in live]
+        U = [local(_buffer(self.state[p], p)) for p, _ in live]
         psi_update_(PSIState(tuple(U)), W, G, lr=_number(group["lr"]),
                     momentum=_number(group["momentum"]), max_norm=group["max_norm"])
 
@@ -328,6 +327,14 @@ class ScaleInvariantOptimizer(Optimizer):
                     "NaN or Inf, so the step was skipped (weights and momentum unchanged); "
                     "later skips are counted in describe() without a warning",
                     SkippedStepWarning, stacklevel=4)
+
+
+def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
+    """``state["momentum_buffer"]``, zeros like ``p`` when missing (allocated only then:
+    ``setdefault`` would build a full-size default every step)."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(p)
+    return state["momentum_buffer"]
 
 
 def _user_stacklevel() -> int:
@@ -448,7 +455,7 @@ class GSGD(ScaleInvariantOptimizer):
         st = None
         if momentum != 0:
             for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
-                state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                _buffer(state[p], p)
             first = state[W[0]]
             first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
             st = GSGDState(tuple(state[w]["momentum_buffer"] for w in W),

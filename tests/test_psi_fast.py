@@ -1,0 +1,108 @@
+"""The multi-tensor PSI-SGD(M) step of torch tensors (gsgd_backends.psi) against the core's
+psi_update: the same numbers on drawn layer shapes, renormalised rows, and the steps it hands
+back (non-finite gradients, possible overflows, half precision)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsgd_core as gc
+from gsgd_backends import psi_update_
+from gsgd_backends.psi import psi_step_
+
+torch = pytest.importorskip("torch")
+
+SHAPES = st.lists(st.one_of(
+    st.tuples(st.integers(0, 5), st.integers(1, 6)),                      # Linear
+    st.tuples(st.integers(1, 5), st.integers(1, 3), st.integers(1, 3),    # Conv2d
+              st.integers(1, 3))), min_size=1, max_size=4)
+
+
+def _problem(shapes, seed, dtype, scale=1.0):
+    rng = np.random.default_rng(seed)
+    W = [torch.tensor(rng.standard_normal(s) * scale, dtype=dtype) for s in shapes]
+    U = [torch.tensor(rng.standard_normal(s) * 0.1, dtype=dtype) for s in shapes]
+    G = [torch.tensor(rng.standard_normal(s) * 0.1, dtype=dtype) for s in shapes]
+    return W, G, U
+
+
+def _both(W, G, U, **hyper):
+    """(fast in place, whether it ran fast) and the core's result, from the same start."""
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    ran = psi_step_(Wf, G, Uf, **hyper)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, **hyper)
+    return (Wf, Uf), ran, (We, list(state.momentum))
+
+
+def _assert_close(got, want, rtol):
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.allclose(a, b, rtol=rtol, atol=rtol), float((a - b).abs().max())
+
+
+@settings(max_examples=25)
+@given(shapes=SHAPES, seed=st.integers(0, 2**16), momentum=st.sampled_from([0.0, 0.9]),
+       dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_fast_psi_equals_the_core(shapes, seed, momentum, dtype):
+    W, G, U = _problem(shapes, seed, dtype)
+    hyper = dict(lr=0.1, momentum=momentum, max_norm=1e4)
+    (Wf, Uf), ran, (We, Ue) = _both(W, G, U, **hyper)
+    assert ran
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    _assert_close(Wf, We, rtol)
+    _assert_close(Uf, Ue, rtol)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_rows_past_max_norm_are_renormalised_as_the_core_does(momentum):
+    W, G, U = _problem([(4, 3), (3, 2, 3, 3)], 0, torch.float64, scale=3.0)
+    (Wf, Uf), ran, (We, Ue) = _both(W, G, U, lr=0.5, momentum=momentum, max_norm=2.0)
+    assert ran
+    assert any(bool((torch.linalg.vector_norm(w.reshape(len(w), -1), dim=1) > 2.0).any())
+               for w in W)  # the case is exercised: rows did pass max_norm
+    _assert_close(Wf, We, 1e-12)
+    _assert_close(Uf, Ue, 1e-12)
+
+
+def test_psi_sgd_keeps_no_buffer():
+    W, G, U = _problem([(4, 3)], 1, torch.float64)
+    (_, Uf), ran, (_, Ue) = _both(W, G, U, lr=0.1, momentum=0.0, max_norm=1e4)
+    assert ran and torch.equal(Uf[0], U[0]) and torch.equal(Ue[0], U[0])
+
+
+@pytest.mark.parametrize("spoil", ["nan", "inf", "overflow"])
+def test_steps_it_cannot_take_exactly_are_handed_back_and_the_core_takes_them(spoil):
+    """A NaN/Inf gradient (its row keeps its values) or a gradient whose update would
+    overflow float32: the fast path declines with nothing written, and psi_update_ gives
+    the core's result."""
+    W, G, U = _problem([(4, 3), (2, 3)], 2, torch.float32)
+    G[0][1, 2] = {"nan": float("nan"), "inf": float("inf"), "overflow": 3e38}[spoil]
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    assert not psi_step_(Wf, G, Uf, lr=0.1, momentum=0.9, max_norm=1e4)
+    assert all(torch.equal(a, b) for a, b in zip(Wf + Uf, W + U))
+    psi_update_(gc.PSIState(tuple(Uf)), Wf, G, lr=0.1, momentum=0.9)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1, momentum=0.9)
+    _assert_close(Wf, We, 0)
+    _assert_close(Uf, list(state.momentum), 0)
+    assert all(bool(torch.isfinite(w).all()) for w in Wf + Uf)
+    assert torch.equal(Wf[0][1], W[0][1])  # the spoilt row kept its values
+
+
+def test_half_precision_goes_to_the_core():
+    W, G, U = _problem([(4, 3)], 3, torch.bfloat16)
+    assert not psi_step_([w.clone() for w in W], G, [u.clone() for u in U], lr=0.1,
+                         momentum=0.9, max_norm=1e4)
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    psi_update_(gc.PSIState(tuple(Uf)), Wf, G, lr=0.1, momentum=0.9)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1, momentum=0.9)
+    _assert_close(Wf, We, 0)
+
+
+def test_bad_input_still_gets_the_cores_errors():
+    W, G, U = _problem([(4, 3)], 4, torch.float64)
+    with pytest.raises(ValueError, match="lr"):
+        psi_update_(gc.PSIState(tuple(U)), W, G, lr=-0.1)
+    with pytest.raises(ValueError):
+        psi_update_(gc.PSIState(tuple(U)), W, [torch.zeros(3, 4, dtype=torch.float64)],
+                    lr=0.1)
