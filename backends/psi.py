@@ -63,7 +63,8 @@ def _bounds(W, G, U, sq, lr, momentum, max_norm) -> tuple[bool, bool]:
     top = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in sq])
     new_u = momentum * u + top * g          # >= max |u'| of each weight
     new_w = top.sqrt() + lr * new_u         # >= the largest row norm of each new weight
-    flags = torch.stack([torch.isfinite(g).all() & (new_u < big).all() & (new_w < big).all(),
+    # A NaN or Inf gradient makes its bounds NaN or Inf, which fail the comparison.
+    flags = torch.stack([(new_u < big).all() & (new_w < big).all(),
                          (new_w > max_norm).any()]).tolist()
     return bool(flags[0]), bool(flags[1])
 
