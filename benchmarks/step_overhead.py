@@ -8,7 +8,8 @@ Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs f
 
 - torch (CPU float32, or CUDA when available): ``torch.optim.SGD(foreach=True)`` against
   ``GSGD`` (eager fast path), ``GSGD(compile=True)``, and both with momentum 0.9 against
-  ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` against ``torch.optim.Adam(foreach=True)``.
+  ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` against ``torch.optim.Adam(foreach=True)``;
+  ResNet-18 with batch norm, where ``GSGD`` is PSI-SGD(M) on every conv weight.
 - NumPy: ``w -= lr * g`` and a preallocated in-place SGD against ``gsgd_step_``.
 - CuPy (GPU only): ``w -= lr * g`` against ``gsgd_step_``.
 """
@@ -35,6 +36,7 @@ import gsgd_core as gc
 from gsgd_adapters.torch import GSGD, GAdam, SkeletonWarning
 
 from . import threads
+from .resnet import resnet18
 
 LR = 1e-4
 
@@ -142,6 +144,42 @@ def torch_rows(name, device, reps, compile_):
         variants["momentum 0.9 compiled"] = (*sgdm, t["gsgdmc"])
     variants["G-Adam"] = ("Adam(foreach)", t["adam"], t["gadam"])
     return Row(f"torch {device.type}", name, m, variants)
+
+
+def psi_row(device, reps):
+    """ResNet-18 with batch norm: ``GSGD`` (PSI on every conv weight, SGD's rule on the rest)
+    against SGD(foreach), plain and with momentum 0.9, interleaved."""
+    torch.manual_seed(0)
+    base = resnet18().to(device)
+    kinds = ("sgd", "psi", "sgdm", "psim")
+    copies = {k: resnet18().to(device) for k in kinds}
+    grads = [torch.randn_like(p) * 1e-3 for p in base.parameters()]
+    for m in copies.values():
+        m.load_state_dict(base.state_dict())
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g.clone()
+    opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
+            "psi": GSGD(copies["psi"], lr=LR),
+            "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
+                                    foreach=True),
+            "psim": GSGD(copies["psim"], lr=LR, momentum=0.9)}
+
+    def stepper(opt):
+        def f():
+            opt.step()
+            _sync(device)
+        return f
+
+    t = {}
+    for group in (("sgd", "psi"), ("sgdm", "psim")):
+        t.update(interleaved({k: stepper(opts[k]) for k in group}, reps))
+    m = sum(p.numel() for p in base.parameters())
+    return Row(f"torch {device.type}", PSI_MODEL, m, {
+        "PSI-SGD (GSGD, bn='psi')": ("SGD(foreach)", t["sgd"], t["psi"]),
+        "PSI-SGDM 0.9": ("SGD(momentum=0.9, foreach)", t["sgdm"], t["psim"])})
+
+
+PSI_MODEL = "ResNet-18 (BN: PSI)"
 
 
 def _chain_arrays(name, xp, dtype):
@@ -302,6 +340,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch CPU threads (default 2: the timings in docs/ used 2)")
     ap.add_argument("--no-compile", action="store_true", help="skip GSGD(compile=True)")
+    ap.add_argument("--only", nargs="+", metavar="MODEL",
+                    help=f"only these models (names as in the table, e.g. {PSI_MODEL!r})")
     args = ap.parse_args(argv)
     threads.use(args.threads)
     # Timing only: the models keep their default init, whatever the skeleton.
@@ -320,8 +360,14 @@ def main(argv=None) -> int:
         print("CuPy: skipped (not installed or no GPU)")
     jobs = [("torch", n) for n in names] + [(xp, n) for xp in xps for n in names]
     jobs += [("e2e", n) for n in (E2E[:1] if args.quick else E2E)]
+    jobs += [] if args.quick else [("psi", PSI_MODEL)]
+    if args.only:
+        jobs = [(k, n) for k, n in jobs if n in args.only]
     rows = []
     for kind, name in tqdm(jobs, desc="step overhead"):
+        if kind == "psi":
+            rows.append(psi_row(device, 40))
+            continue
         size = sum(p.numel() for p in MODELS[name][0](MODELS[name][1]).parameters())
         if kind == "torch":
             rows.append(torch_rows(name, device, reps(size), not args.no_compile))
