@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import threading
 
 import numpy as np
 
@@ -31,7 +32,9 @@ class ArrayKernels:
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
         self.xp = importlib.import_module(f"array_api_compat.{mod.__name__}")
-        self._buffers: dict = {}
+        # Scratch buffers per thread: kernel sets are shared module objects, and two
+        # optimizers stepping in two threads must not write into one buffer.
+        self._local = threading.local()
 
     def context(self):
         """Overflows inside the step are detected and handled, not warnings."""
@@ -79,11 +82,16 @@ class ArrayKernels:
         n = W.shape[0]
         return n if self.chunk is None else max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
+    def _scratch_buffers(self) -> dict:
+        if not hasattr(self._local, "buffers"):
+            self._local.buffers = {}
+        return self._local.buffers
+
     def scratch(self, like, size: int):
         """A reused flat buffer of at least ``size`` elements of ``like``'s dtype."""
-        buf = self._buffers.get(like.dtype)
+        buf = self._scratch_buffers().get(like.dtype)
         if buf is None or buf.size < size:
-            buf = self._buffers[like.dtype] = self.mod.empty(size, dtype=like.dtype)
+            buf = self._scratch_buffers()[like.dtype] = self.mod.empty(size, dtype=like.dtype)
         return buf
 
     def bulk_(self, W, G, f, beta, rho, lr: float, recips=None) -> None:
