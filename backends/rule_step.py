@@ -22,8 +22,8 @@ from .fast import _finite, _flat, _kept, _per_column, _plan, _prepared, _sums
 __all__ = ["rule_step_"]
 
 #: Elements per block of a CPU bulk update. A rule's block makes some twenty passes over
-#: its temporaries, so blocks stay well inside L2 (measured on the 2-core VM, G-Adam on a
-#: 1.6M-weight MLP: 11 ms a step with 2^15, 12 ms with 2^17, 30 ms with 2^19).
+#: its temporaries, so blocks stay well inside L2 (chosen by timing G-Adam's step against
+#: larger blocks with ``python -m benchmarks.step_overhead``).
 BLOCK = 1 << 15
 
 

@@ -37,9 +37,9 @@ from .fast import (_plan, exact_rows, recip_rows, recip_square, special_vectors,
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
-#: Eager CPU layers up to this size take NumPy's kernels on zero-copy views: ATen's few
-#: microseconds per operation outweigh its second thread below about 150k weights (measured
-#: on a 2-core VM: a 4k-weight layer's update 2.7x faster, 74k 1.7x, 400k 0.7x).
+#: Eager CPU layers up to this size take NumPy's kernels on zero-copy views: below it, the
+#: cost of an ATen call outweighs its second thread (chosen by timing layer updates on
+#: both sides of it).
 SMALL = 1 << 17
 
 
@@ -205,8 +205,8 @@ class TorchKernels:
 def _vectors_on_numpy(fn, kernels, chain, meta, plan, *args):
     """An eager vector stage (:func:`.fast.vector_stage`, :func:`.fast.special_vectors`) of
     CPU tensors run by NumPy on zero-copy views of them: its few hundred operations on
-    node-sized vectors cost about 1 µs each there and 5-8 µs each through ATen, most of a
-    small model's step. The results come back as tensors sharing NumPy's memory; a CUDA
+    node-sized vectors cost several times less there than through ATen, and they are most
+    of a small model's step. The results come back as tensors sharing NumPy's memory; a CUDA
     step stays with torch. ``args`` are the stage's own: arrays (or lists of them), the
     device, the learning rate and the step rule."""
     if _first_tensor(args).device.type != "cpu":
