@@ -37,7 +37,7 @@ def invariant_ratio(b, runner, out) -> Section:
 
 
 def _spreads(b, runner, chosen: dict, base: Run, ours: str):
-    """Every chosen arm from the balanced start rescaled by each spread (seed 004, Fig. 1):
+    """Every chosen arm from the balanced start rescaled by each spread (PSI-SGD paper, Fig. 1):
     table rows, loss curves of seed 0, and the largest relative gap between a curve of
     ``ours`` and the same seed's balanced curve."""
     rows, curves, gaps = [], {}, []
