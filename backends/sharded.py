@@ -89,7 +89,7 @@ class RowShard:
         refused."""
         xp, L = self.xp, self.chain.L
         sizes = self.chain.sizes
-        parts, where = [], []  # (offset, length) of each piece in the flat vector
+        where = []  # (offset, length) of each piece in the flat vector
         total = 1  # the number of processes that refused
         for c in C:
             where.append((total, c.shape[0] if c.ndim else 1))
@@ -212,7 +212,8 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         if not bool(v.flags[0]):
             return False
         local_F = [None] + [f[r0:r1] for f, (r0, r1) in zip(v.F[1:], shard.rows)]
-        rows = [None if A is None else [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
+        rows = [None if A is None else
+                [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
                 for A in (W, G, Ms if M is not None else None)]
         bulk_stage_(kernels, *rows, v._replace(F=local_F), float(lr), (False,) * L, h)
         shard.put_(kernels, W, v.special)

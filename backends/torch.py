@@ -130,7 +130,8 @@ class TorchKernels:
         key = (like.dtype, like.device)
         buf = self._scratch_buffers().get(key)
         if buf is None or buf.numel() < size:
-            buf = self._scratch_buffers()[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+            buf = self._scratch_buffers()[key] = torch.empty(size, dtype=like.dtype,
+                                                             device=like.device)
         return buf
 
     def colsum(self, W, G):

@@ -11,9 +11,9 @@ each optimizer in turn (interleaved, medians over ``--reps`` rounds):
   input, all-gather output and reduce-scatter input while ``step()`` runs, and the same
   for a whole training step.
 
-G-SGD's (and G-Adam's) step sends one vector of ``O(sum of widths)`` numbers (column sums, skeleton edges,
-biases); SGD's and Adam's send nothing; FSDP itself moves ``O(m)`` per training step. Writes
-``fsdp.md`` to ``--out``. Run it from the repository root.
+G-SGD's (and G-Adam's) step sends one vector of ``O(sum of widths)`` numbers (column sums,
+skeleton edges, biases); SGD's and Adam's send nothing; FSDP itself moves ``O(m)`` per
+training step. Writes ``fsdp.md`` to ``--out``. Run it from the repository root.
 """
 
 from __future__ import annotations
