@@ -7,7 +7,7 @@ bulk of each layer with one formula and the special edges as short vectors, gath
 - **Column sums** ``colsum_{0,2}(W_l * grad_l)``, ``l = 2..L`` (the one pass over the
   weights before the update; layer 1's is never needed, ``T_0`` is unused).
 - **Vector stage** (:func:`vector_stage`): the special edges gathered, the backward sweep
-  (``l = L..2``, :func:`_sums`)::
+  (``l = L..2``, :func:`backward_sums`)::
 
       T_{l-1} = colsum_{0,2}(W_l * grad_l) - P_l[free edges] + scatter(T_l[free tau edges])
 
@@ -60,7 +60,7 @@ class _Layer(NamedTuple):
     carry_src: Any    # their tau sources in layer l-1
 
 
-def _layer_plan(chain: Chain, l: int) -> tuple:
+def layer_plan(chain: Chain, l: int) -> tuple:
     tau_idx, free_idx = chain.tau_index(l), chain.free_index(l)
     spec = np.union1d(tau_idx, free_idx).astype(np.int64)
     tau, free = np.searchsorted(spec, tau_idx), np.searchsorted(spec, free_idx)
@@ -73,17 +73,17 @@ def _layer_plan(chain: Chain, l: int) -> tuple:
     return spec, tau, free, node, moved, carry_nodes, carry_src
 
 
-def _plan(chain: Chain, xp, device) -> tuple[_Layer, ...]:
+def step_plan(chain: Chain, xp, device) -> tuple[_Layer, ...]:
     key = ("fast", xp.__name__, str(device))
     plan = chain._cache.get(key)
     if plan is None:
         plan = chain._cache[key] = tuple(
-            _Layer(*(xp.asarray(a, device=device) for a in _layer_plan(chain, l)))
+            _Layer(*(xp.asarray(a, device=device) for a in layer_plan(chain, l)))
             for l in range(1, chain.L + 1))
     return plan
 
 
-def _flat(xp, a):
+def flat(xp, a):
     return xp.reshape(a, (-1,))
 
 
@@ -114,7 +114,7 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, st
 def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) -> bool:
     wd, mu, damp, nesterov = hyper
     M = state.momentum if state is not None and mu else None
-    p = _prepared(chain, weights, biases, grads, bias_grads, state if M else None)
+    p = prepared(chain, weights, biases, grads, bias_grads, state if M else None)
     xp, L = kernels.xp, chain.L
     if p.dtype != p.store:
         return False
@@ -127,7 +127,7 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     Mb = list(state.bias_momentum) if M is not None else [None] * L
-    plan = _plan(chain, p.xp, p.device)
+    plan = step_plan(chain, p.xp, p.device)
     # Layer 1's gradients are checked through their sum (ATen's sum outruns inductor's).
     C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
 
@@ -159,7 +159,7 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
     return True
 
 
-def _prepared(chain: Chain, weights, biases, grads, bias_grads, state):
+def prepared(chain: Chain, weights, biases, grads, bias_grads, state):
     """:func:`gsgd_core.arrays.prepare` (with ``state``'s buffers), memoised on the arrays'
     signature (type, shape, dtype and device of each): a training loop passes the same
     signature every step, and validating it anew costs as much as updating a small layer."""
@@ -179,7 +179,7 @@ def _prepared(chain: Chain, weights, biases, grads, bias_grads, state):
     return p
 
 
-def _sums(kernels, plan, ws, gs, C):
+def backward_sums(kernels, plan, ws, gs, C):
     """``T_1..T_{L-1}`` as ``T[l]`` from the column sums
     ``C[l-2] = colsum(W_l * grad_l)``, ``l = 2..L`` (the backward sweep above)."""
     xp, L = kernels.xp, len(plan)
@@ -219,9 +219,9 @@ def vector_stage(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, 
     layer ``l`` may use :func:`recip_rows` (tested only for kernels that use it,
     ``kernels.recip``, on plain steps)."""
     xp = kernels.xp
-    ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
-    gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
-    ms = None if M is None else [xp.take(_flat(xp, m), s.spec) for m, s in zip(M, plan)]
+    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, plan)]
+    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, plan)]
+    ms = None if M is None else [xp.take(flat(xp, m), s.spec) for m, s in zip(M, plan)]
     return special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device, Mb,
                            h)
 
@@ -231,7 +231,7 @@ def special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device
     ``ms``: weights, gradients and momentum buffers at each layer's ``plan.spec``), wherever
     they were gathered from (:mod:`.sharded` sums them over processes)."""
     xp, L = kernels.xp, chain.L
-    T = _sums(kernels, plan, ws, gs, C[1:])
+    T = backward_sums(kernels, plan, ws, gs, C[1:])
     B, F = products_of_edges(
         xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
         [xp.take(ws[l], plan[l].free) for l in range(1, L)], ws[0].dtype, device)
@@ -243,7 +243,7 @@ def special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device
     ok = all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])
     tame, recips, columns = [], None, None
     if h is not None:
-        columns = [tuple(_per_column(xp, v, chain.layer_shape(l)[2])
+        columns = [tuple(per_column(xp, v, chain.layer_shape(l)[2])
                          for v in (B[l - 1], rho[l - 1])) for l in range(1, L + 1)]
     elif kernels.recip:
         tame = [_tame(xp, F[l], True) & _tame(xp, B[l - 1], True) & _tame(xp, rho[l - 1], False)
@@ -333,7 +333,7 @@ def _momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> bool:
     return True
 
 
-def _finite(x):
+def finite_mask(x):
     """``isfinite(x)`` in two operations: ``x - x`` is exactly 0 for a finite ``x`` and NaN
     otherwise. The bulk tests every entry twice, and a compiled ``isfinite`` costs about
     six vector instructions, so the two-operation test makes the compiled bulk faster
@@ -342,9 +342,9 @@ def _finite(x):
     return (x - x) == 0
 
 
-def _kept(xp, new, old):
+def kept(xp, new, old):
     """``new`` where finite, else ``old`` (the core's guard); ``None`` stays."""
-    return None if new is None else xp.where(_finite(new), new, old)
+    return None if new is None else xp.where(finite_mask(new), new, old)
 
 
 def _bias(xp, b, Gb, F, Mb, lr, h):
@@ -352,7 +352,7 @@ def _bias(xp, b, Gb, F, Mb, lr, h):
     weight decay and momentum applied to ``Db`` (``Vb = b F``); returns ``b'`` and ``Mb'``."""
     Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
     step_dir, Mb_new = direction(xp, Db, Mb, b * F, h)
-    return _kept(xp, b - lr * safe_div(xp, step_dir, F), b), _kept(xp, Mb_new, Mb)
+    return kept(xp, b - lr * safe_div(xp, step_dir, F), b), kept(xp, Mb_new, Mb)
 
 
 def _tame(xp, v, zero_ok: bool):
@@ -377,7 +377,7 @@ def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
         m_free = None
         if ms is not None:  # free edges carry no path: D = 0 there (icr3)
             zero = xp.zeros_like(ms[l - 1])
-            m_free = _kept(xp, direction(xp, zero, ms[l - 1], zero, h)[1], ms[l - 1])
+            m_free = kept(xp, direction(xp, zero, ms[l - 1], zero, h)[1], ms[l - 1])
         if l == chain.L:
             special.append(w)
             if ms is not None:
@@ -404,7 +404,7 @@ def _tau_edges(xp, m, w, g, M, T, B_prev, F, rho, lr, eps, h):
     step_dir, M_new = direction(xp, D, M, V, h)
     R = 1.0 - lr * safe_div(xp, step_dir, V)
     R = xp.where(R == 0, eps, R)
-    return (_kept(xp, w * (R / rho_src), w), _kept(xp, M_new, M),
+    return (kept(xp, w * (R / rho_src), w), kept(xp, M_new, M),
             xp.where(m.tau_free, rho_src, R))
 
 
@@ -414,11 +414,11 @@ def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
     are not tame."""
     n, p, k = W.shape
     new, _ = rows_by_rules(xp, xp.reshape(W, (n, p * k)), xp.reshape(G, (n, p * k)), None, F,
-                           _per_column(xp, B_prev, k), _per_column(xp, rho, k), lr, None)
+                           per_column(xp, B_prev, k), per_column(xp, rho, k), lr, None)
     return xp.reshape(new, (n, p, k))
 
 
-def _per_column(xp, v, k: int):
+def per_column(xp, v, k: int):
     """A node vector of layer ``l-1`` repeated ``k`` times: one entry per column of the
     layer seen as ``(n, p*k)``."""
     return xp.reshape(xp.broadcast_to(v[:, None], (v.shape[0], k)), (-1,))
@@ -426,10 +426,10 @@ def _per_column(xp, v, k: int):
 
 def reciprocals(xp, F, B_prev, rho, k: int) -> tuple:
     """``(1/F, 1/B_prev, 1/rho)``, ``0`` for a zero ``F`` or ``B_prev`` (the core's
-    ``safe_div``: a frozen path), the last two per column (:func:`_per_column`): the node
+    ``safe_div``: a frozen path), the last two per column (:func:`per_column`): the node
     vectors that :func:`recip_rows` takes."""
-    return (safe_div(xp, 1.0, F), _per_column(xp, safe_div(xp, 1.0, B_prev), k),
-            _per_column(xp, 1.0 / rho, k))
+    return (safe_div(xp, 1.0, F), per_column(xp, safe_div(xp, 1.0, B_prev), k),
+            per_column(xp, 1.0 / rho, k))
 
 
 def rows_by_rules(xp, W, G, M, F, B_cols, rho_cols, lr, rule) -> tuple:
@@ -442,7 +442,7 @@ def rows_by_rules(xp, W, G, M, F, B_cols, rho_cols, lr, rule) -> tuple:
     D = frozen_if_overflow(xp, safe_div(xp, G, fb), G)
     step_dir, M_new = direction(xp, D, M, fb * W, rule)
     new = (W - lr * safe_div(xp, step_dir, fb)) / rho_cols[None, :]
-    return _kept(xp, new, W), _kept(xp, M_new, M)
+    return kept(xp, new, W), kept(xp, M_new, M)
 
 
 def recip_rows(xp, W, G, recips, lr) -> Any:
@@ -455,6 +455,6 @@ def recip_rows(xp, W, G, recips, lr) -> Any:
     u, v, r = recips
     c = u[:, None] * v[None, :]
     D = G * c
-    D = xp.where(_finite(D), D, 0.0)
+    D = xp.where(finite_mask(D), D, 0.0)
     new = (W - lr * (D * c)) * r[None, :]
-    return xp.where(_finite(new), new, W)
+    return xp.where(finite_mask(new), new, W)

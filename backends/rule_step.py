@@ -17,7 +17,7 @@ from gsgd_core import Chain, ElementwiseRule, RuleState
 from gsgd_core.arrays import all_finite, safe_div
 from gsgd_core.sweeps import frozen_if_overflow, products_of_edges
 
-from .fast import _finite, _flat, _kept, _per_column, _plan, _prepared, _sums
+from .fast import finite_mask, flat, kept, per_column, step_plan, prepared, backward_sums
 
 __all__ = ["rule_step_"]
 
@@ -50,7 +50,7 @@ def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, w
 
 def _step(kernels, chain, rule, state, weights, biases, grads, bias_grads) -> bool:
     L = chain.L
-    p = _prepared(chain, weights, biases, grads, bias_grads, None)
+    p = prepared(chain, weights, biases, grads, bias_grads, None)
     xp = kernels.xp
     b = list(biases) if biases is not None else [None] * L
     n_paths = L + sum(x is not None for x in b)
@@ -65,29 +65,29 @@ def _step(kernels, chain, rule, state, weights, biases, grads, bias_grads) -> bo
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     rest = [iter(bufs[L:]) for bufs in state.buffers]
     Mb = [[None if x is None else next(r) for x in b] for r in rest]
-    plan = _plan(chain, p.xp, p.device)
+    plan = step_plan(chain, p.xp, p.device)
     coef = rule.coefficients(xp, state.count, p.dtype)
     C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
-    ws = [xp.take(_flat(xp, w), s.spec) for w, s in zip(W, plan)]
-    gs = [xp.take(_flat(xp, g), s.spec) for g, s in zip(G, plan)]
-    ms = [[xp.take(_flat(xp, m), s.spec) for m, s in zip(ml, plan)] for ml in M]
-    T = _sums(kernels, plan, ws, gs, C[1:])
+    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, plan)]
+    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, plan)]
+    ms = [[xp.take(flat(xp, m), s.spec) for m, s in zip(ml, plan)] for ml in M]
+    T = backward_sums(kernels, plan, ws, gs, C[1:])
     B, F = products_of_edges(
         xp, chain, p.meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
         [xp.take(ws[l], plan[l].free) for l in range(1, L)], p.dtype, p.device)
     if not bool(all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])):  # the one sync
         return False
-    special, special_m, rho = _special(xp, chain, p.meta, plan, rule, coef, ws, gs, ms, T, B, F,
+    special, special_m, rho = rule_special(xp, chain, p.meta, plan, rule, coef, ws, gs, ms, T, B, F,
                                        p.device)
     for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
-        _bulk_(kernels, rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], F[l],
+        rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], F[l],
                B[l - 1], rho[l - 1])
     for l in range(L):
         kernels.put_(W[l], plan[l].spec, special[l])
         for m, new in zip(M, special_m[l]):
             kernels.put_(m[l], plan[l].spec, new)
         if b[l] is not None:
-            new_b, new_mb = _bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
+            new_b, new_mb = rule_bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
             kernels.put_(b[l], None, new_b)
             for m, new in zip(Mb, new_mb):
                 kernels.put_(m[l], None, new)
@@ -98,10 +98,10 @@ def _apply(xp, rule, coef, D, V, bufs):
     """The rule's step and buffers on some paths; a step that is not finite is 0 (the path
     keeps its value) and a buffer that is not finite keeps its old value (the core's rules)."""
     delta, new = rule.apply(xp, D, V, tuple(bufs), coef)
-    return xp.where(_finite(delta), delta, 0.0), [_kept(xp, n, o) for n, o in zip(new, bufs)]
+    return xp.where(finite_mask(delta), delta, 0.0), [kept(xp, n, o) for n, o in zip(new, bufs)]
 
 
-def _special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device):
+def rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device):
     """New values of each layer's special edges (tau edges moved, free edges kept), of the
     rule's buffers there (per layer, a list per buffer), and ``rho_0..rho_{L-1}``."""
     dtype = ws[0].dtype
@@ -124,7 +124,7 @@ def _special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device):
         delta, m_tau = _apply(xp, rule, coef, D, V, [xp.take(a, s.tau) for a in bufs])
         R = 1.0 - safe_div(xp, delta, V)
         R = xp.where(R == 0, eps, R)
-        tau_new = _kept(xp, w_tau * (R / rho_src), w_tau)
+        tau_new = kept(xp, w_tau * (R / rho_src), w_tau)
         special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
         special_m.append([xp.where(s.moved, xp.take(a, s.node), f)
                           for a, f in zip(m_tau, m_free)])
@@ -132,14 +132,14 @@ def _special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device):
     return special, special_m, rho
 
 
-def _bias(xp, rule, coef, b, Gb, F, bufs):
+def rule_bias(xp, rule, coef, b, Gb, F, bufs):
     """``b' = b - Delta / F`` with ``Delta`` the rule's step at ``Db = Gb / F``, ``Vb = b F``."""
     Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
     delta, new = _apply(xp, rule, coef, Db, b * F, bufs)
-    return _kept(xp, b - safe_div(xp, delta, F), b), new
+    return kept(xp, b - safe_div(xp, delta, F), b), new
 
 
-def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
+def rule_bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
     """Every edge of a layer by the rule, in blocks of rows, in place: ``D = G/(F B)``,
     ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges are
     overwritten afterwards. Each block is computed without the per-entry guards and checked
@@ -153,7 +153,7 @@ def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
         W, G, F, B_prev, rho = map(view, (W, G, F, B_prev, rho))
         M = [view(m) for m in M]
         with kernels.context():
-            return _bulk_(kernels, rule, _host_coef(coef, view), W, G, M, F, B_prev, rho)
+            return rule_bulk_(kernels, rule, _host_coef(coef, view), W, G, M, F, B_prev, rho)
     xp = kernels.xp
     n, p, k = W.shape
     rows = kernels.block_rows(W)
@@ -161,7 +161,7 @@ def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
         rows = min(rows, max(1, BLOCK // (p * k)))
     W, G = W.reshape(n, p * k), G.reshape(n, p * k)
     M = [m.reshape(n, p * k) for m in M]
-    B_cols, rho_cols = _per_column(xp, B_prev, k), _per_column(xp, rho, k)
+    B_cols, rho_cols = per_column(xp, B_prev, k), per_column(xp, rho, k)
     for i in range(0, n, rows):
         sl = slice(i, min(n, i + rows))
         fb = F[sl][:, None] * B_cols[None, :]
@@ -173,7 +173,7 @@ def _bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
         if not bool(xp.all(xp.isfinite(sums))):
             D = frozen_if_overflow(xp, safe_div(xp, g, fb), g)
             delta, new = _apply(xp, rule, coef, D, fb * w, bufs)
-            w_new = _kept(xp, (w - safe_div(xp, delta, fb)) / rho_cols[None, :], w)
+            w_new = kept(xp, (w - safe_div(xp, delta, fb)) / rho_cols[None, :], w)
         kernels.put_(w, None, w_new)
         for m, a in zip(bufs, new):
             kernels.put_(m, None, a)

@@ -32,7 +32,7 @@ from gsgd_core.arrays import all_finite, layer_meta
 from gsgd_core.gsgd import StepRule
 from gsgd_core.sweeps import products_of_edges
 
-from .fast import _layer_plan, _plan, _sums, bulk_stage_, special_vectors
+from .fast import layer_plan, step_plan, backward_sums, bulk_stage_, special_vectors
 from . import rule_step
 
 __all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
@@ -63,10 +63,10 @@ class RowShard:
                                  f"{chain.sizes[l]} output units")
         self.chain, self.rows, self.reduce = chain, rows, reduce
         self.xp, self.device = xp, device
-        self.meta, self.plan = layer_meta(chain, xp, device), _plan(chain, xp, device)
+        self.meta, self.plan = layer_meta(chain, xp, device), step_plan(chain, xp, device)
         self.spec_size, self.local = [], []  # per layer: |spec|; (i0, i1, local indices)
         for l, (r0, r1) in enumerate(rows, 1):
-            spec = _layer_plan(chain, l)[0]
+            spec = layer_plan(chain, l)[0]
             cols = math.prod(chain.layer_shape(l)[1:])
             i0, i1 = (int(i) for i in np.searchsorted(spec, [r0 * cols, r1 * cols]))
             self.spec_size.append(spec.size)
@@ -251,18 +251,18 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
         dtype = W[0].dtype
         coef = rule.coefficients(xp, state.count, dtype)
         plan, meta = shard.plan, shard.meta
-        T = _sums(kernels, plan, ws, gs, C[1:])
+        T = backward_sums(kernels, plan, ws, gs, C[1:])
         B, F = products_of_edges(
             xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
             [xp.take(ws[l], plan[l].free) for l in range(1, L)], dtype, shard.device)
         if not bool(all_finite(xp, T[1:L] + Gb_full) & xp.isfinite(C[0])):
             return False
-        special, special_m, rho = rule_step._special(xp, chain, meta, plan, rule, coef, ws,
+        special, special_m, rho = rule_step.rule_special(xp, chain, meta, plan, rule, coef, ws,
                                                      gs, ms, T, B, F, shard.device)
         for l in range(L, 0, -1):
             r0, r1 = shard.rows[l - 1]
             if r1 > r0:
-                rule_step._bulk_(kernels, rule, coef, W[l - 1], G[l - 1],
+                rule_step.rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1],
                                  [m[l - 1] for m in M], F[l][r0:r1], B[l - 1], rho[l - 1])
         shard.put_(kernels, W, special)
         for j, m in enumerate(M):
@@ -270,7 +270,7 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
         new_b, new_mb = [None] * L, [[None] * L for _ in Mb]
         for l in range(L):
             if b_full[l] is not None:
-                new_b[l], mbs = rule_step._bias(xp, rule, coef, b_full[l], Gb_full[l], F[l + 1],
+                new_b[l], mbs = rule_step.rule_bias(xp, rule, coef, b_full[l], Gb_full[l], F[l + 1],
                                                 [m[l] for m in Mb_full])
                 for j, m in enumerate(mbs):
                     new_mb[j][l] = m

@@ -32,7 +32,7 @@ from gsgd_core.arrays import layer_meta
 from gsgd_core.gsgd import StepRule
 
 from . import numpy as numpy_kernels
-from .fast import (_plan, exact_rows, recip_rows, recip_square, special_vectors,
+from .fast import (step_plan, exact_rows, recip_rows, recip_square, special_vectors,
                    vector_stage)
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
@@ -222,7 +222,7 @@ def _vectors_on_numpy(fn, kernels, chain, meta, plan, *args):
 
     nk = numpy_kernels.KERNELS
     with nk.context():
-        v = fn(nk, chain, layer_meta(chain, np_compat, "cpu"), _plan(chain, np_compat, "cpu"),
+        v = fn(nk, chain, layer_meta(chain, np_compat, "cpu"), step_plan(chain, np_compat, "cpu"),
                *map(host, args))
     return type(v)(*_map(_from_numpy, list(v)))
 
