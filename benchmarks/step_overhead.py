@@ -100,18 +100,31 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def torch_rows(name, device, reps, compile_):
-    build, arg = MODELS[name]
+def _stepper(opt, device):
+    def f():
+        opt.step()
+        _sync(device)
+    return f
+
+
+def _copies(make, kinds, device):
+    """One model per kind, all with the same weights and the same fixed gradients."""
     torch.manual_seed(0)
-    base = build(arg).to(device)
-    kinds = ("sgd", "gsgd", "sgdm", "gsgdm", "adam", "gadam") + (
-        ("gsgdc", "gsgdmc") if compile_ else ())
-    copies = {k: build(arg).to(device) for k in kinds}
+    base = make().to(device)
+    copies = {k: make().to(device) for k in kinds}
     grads = [torch.randn_like(p) * 1e-3 for p in base.parameters()]
     for m in copies.values():
         m.load_state_dict(base.state_dict())
         for p, g in zip(m.parameters(), grads):
             p.grad = g.clone()
+    return copies, sum(p.numel() for p in base.parameters())
+
+
+def torch_rows(name, device, reps, compile_):
+    build, arg = MODELS[name]
+    kinds = ("sgd", "gsgd", "sgdm", "gsgdm", "adam", "gadam") + (
+        ("gsgdc", "gsgdmc") if compile_ else ())
+    copies, m = _copies(lambda: build(arg), kinds, device)
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
             "gsgd": GSGD(copies["gsgd"], lr=LR),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
@@ -123,18 +136,11 @@ def torch_rows(name, device, reps, compile_):
         opts["gsgdc"] = GSGD(copies["gsgdc"], lr=LR, compile=True)
         opts["gsgdmc"] = GSGD(copies["gsgdmc"], lr=LR, momentum=0.9, compile=True)
 
-    def stepper(opt):
-        def f():
-            opt.step()
-            _sync(device)
-        return f
-
     # Plain and momentum steps interleave within their own group: each ratio compares
     # optimizers that ran in turn, on equally warm caches.
     t = {}
     for group in (("sgd", "gsgd", "gsgdc"), ("sgdm", "gsgdm", "gsgdmc"), ("adam", "gadam")):
-        t.update(interleaved({k: stepper(opts[k]) for k in group if k in opts}, reps))
-    m = sum(p.numel() for p in base.parameters())
+        t.update(interleaved({k: _stepper(opts[k], device) for k in group if k in opts}, reps))
     sgd, sgdm = ("SGD(foreach)", t["sgd"]), ("SGD(momentum=0.9, foreach)", t["sgdm"])
     variants = {"G-SGD": (*sgd, t["gsgd"])}
     if compile_:
@@ -149,31 +155,16 @@ def torch_rows(name, device, reps, compile_):
 def psi_row(device, reps):
     """ResNet-18 with batch norm: ``GSGD`` (PSI on every conv weight, SGD's rule on the rest)
     against SGD(foreach), plain and with momentum 0.9, interleaved."""
-    torch.manual_seed(0)
-    base = resnet18().to(device)
-    kinds = ("sgd", "psi", "sgdm", "psim")
-    copies = {k: resnet18().to(device) for k in kinds}
-    grads = [torch.randn_like(p) * 1e-3 for p in base.parameters()]
-    for m in copies.values():
-        m.load_state_dict(base.state_dict())
-        for p, g in zip(m.parameters(), grads):
-            p.grad = g.clone()
+    copies, m = _copies(resnet18, ("sgd", "psi", "sgdm", "psim"), device)
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
             "psi": GSGD(copies["psi"], lr=LR),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
                                     foreach=True),
             "psim": GSGD(copies["psim"], lr=LR, momentum=0.9)}
 
-    def stepper(opt):
-        def f():
-            opt.step()
-            _sync(device)
-        return f
-
     t = {}
     for group in (("sgd", "psi"), ("sgdm", "psim")):
-        t.update(interleaved({k: stepper(opts[k]) for k in group}, reps))
-    m = sum(p.numel() for p in base.parameters())
+        t.update(interleaved({k: _stepper(opts[k], device) for k in group}, reps))
     return Row(f"torch {device.type}", PSI_MODEL, m, {
         "PSI-SGD (GSGD, bn='psi')": ("SGD(foreach)", t["sgd"], t["psi"]),
         "PSI-SGDM 0.9": ("SGD(momentum=0.9, foreach)", t["sgdm"], t["psim"])})
