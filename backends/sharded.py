@@ -88,52 +88,28 @@ class RowShard:
         ``plan[l].spec`` order), ``C`` summed, the full vectors, and whether any process
         refused."""
         xp, L = self.xp, self.chain.L
-        sizes = self.chain.sizes
-        where = []  # (offset, length) of each piece in the flat vector
-        total = 1  # the number of processes that refused
-        for c in C:
-            where.append((total, c.shape[0] if c.ndim else 1))
-            total += where[-1][1]
+        # (length of the piece, where the local values start in it, the local values)
+        parts = [(1, 0, None)]  # the count of processes that refused, set below
+        parts += [(c.shape[0] if c.ndim else 1, 0, xp.reshape(c, (-1,))) for c in C]
         for A in [W, G] + list(M):
-            for l in range(L):
-                where.append((total, self.spec_size[l]))
-                total += self.spec_size[l]
+            parts += [(self.spec_size[l], i0,
+                       xp.take(xp.reshape(A[l], (-1,)), idx) if i1 > i0 else None)
+                      for l, (i0, i1, idx) in enumerate(self.local)]
         for vec in vectors:
-            for l in range(L):
-                n = 0 if vec[l] is None else sizes[l + 1]
-                where.append((total, n))
-                total += n
-        dtype = W[0].dtype
-        flat = xp.zeros(total, dtype=dtype, device=self.device)
+            parts += [(0 if v is None else self.chain.sizes[l], r0, v if r1 > r0 else None)
+                      for l, (v, (r0, r1)) in enumerate(zip(vec, self.rows), 1)]
+        flat = xp.zeros(sum(n for n, _, _ in parts), dtype=W[0].dtype, device=self.device)
         flat[0] = 1.0 if refused else 0.0
-        k = 0
-        for c in C:
-            o, n = where[k]
-            flat[o:o + n] = xp.reshape(c, (-1,))
-            k += 1
-        for A in [W, G] + list(M):
-            for l, (i0, i1, idx) in enumerate(self.local):
-                if i1 > i0:
-                    flat[where[k][0] + i0:where[k][0] + i1] = xp.take(
-                        xp.reshape(A[l], (-1,)), idx)
-                k += 1
-        for vec in vectors:
-            for l, (r0, r1) in enumerate(self.rows):
-                if vec[l] is not None and r1 > r0:
-                    flat[where[k][0] + r0:where[k][0] + r1] = vec[l]
-                k += 1
+        offsets = np.cumsum([0] + [n for n, _, _ in parts]).tolist()
+        for (n, start, values), o in zip(parts, offsets):
+            if values is not None:
+                flat[o + start:o + start + values.shape[0]] = values
         flat = self.reduce(flat)
-        pieces = [flat[o:o + n] for o, n in where]
-        k = len(C)
-        C_full = [xp.reshape(p, ()) if c.ndim == 0 else p for p, c in zip(pieces[:k], C)]
-        special = []
-        for _ in range(2 + len(M)):
-            special.append(pieces[k:k + L])
-            k += L
-        full = []
-        for vec in vectors:
-            full.append([None if v is None else p for v, p in zip(vec, pieces[k:k + L])])
-            k += L
+        pieces = iter([flat[o:o + n] for (n, _, _), o in zip(parts, offsets)][1:])
+        C_full = [xp.reshape(next(pieces), ()) if c.ndim == 0 else next(pieces) for c in C]
+        special = [[next(pieces) for _ in range(L)] for _ in range(2 + len(M))]
+        full = [[None if v is None else p for v, p in zip(vec, [next(pieces) for _ in vec])]
+                for vec in vectors]
         return special[0], special[1], special[2:], C_full, full, bool(flat[0] > 0)
 
     def put_(self, kernels, W, values) -> None:
