@@ -164,8 +164,9 @@ def worker(rank: int, world: int, init_file: str, result: str, names, reps: int)
             it = tqdm(names, desc=f"FSDP2 on {world} processes", unit="model")
         for name in it:
             rows[name] = _measure(name, mesh, rank, reps, traffic)
-        if rank == 0:
-            torch.save(rows, result)
+        if rank == 0:  # written whole, then renamed: the parent waits for it
+            torch.save(rows, result + ".part")
+            os.replace(result + ".part", result)
     finally:
         dist.destroy_process_group()
 
@@ -194,6 +195,19 @@ def table(rows: dict, world: int) -> str:
     return "\n".join(lines)
 
 
+def _join(ctx, result: str) -> None:
+    """Wait for the workers; once ``result`` exists, give them 30 s to end and then stop
+    them (gloo's ``destroy_process_group`` now and then hangs after the work is done)."""
+    grace = None
+    while not ctx.join(timeout=2):
+        if grace is None and os.path.exists(result):
+            grace = time.monotonic() + 30
+        if grace is not None and time.monotonic() > grace:
+            for p in ctx.processes:
+                p.kill()
+            return
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,8 +223,10 @@ def main(argv=None) -> int:
     reps = min(args.reps, 5) if args.quick else args.reps
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rows.pt")
-        mp.start_processes(worker, args=(args.procs, os.path.join(tmp, "init"), result, names,
-                                         reps), nprocs=args.procs, start_method="spawn")
+        ctx = mp.start_processes(worker, args=(args.procs, os.path.join(tmp, "init"), result,
+                                               names, reps), nprocs=args.procs, join=False,
+                                 start_method="spawn")
+        _join(ctx, result)
         rows = torch.load(result, weights_only=True)
     text = table(rows, args.procs)
     print(text)

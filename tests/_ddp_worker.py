@@ -37,7 +37,8 @@ def worker(rank: int, world: int, init_file: str, out_file: str) -> None:
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = GSGD(ddp, lr=0.05, momentum=0.9)
         train(ddp, opt, x[rank::world], y[rank::world])
-        if rank == 0:
-            torch.save(model.state_dict(), out_file)
+        if rank == 0:  # written whole, then renamed: the test reads it once it exists
+            torch.save(model.state_dict(), out_file + ".part")
+            os.replace(out_file + ".part", out_file)
     finally:
         dist.destroy_process_group()

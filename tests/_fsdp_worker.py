@@ -151,8 +151,10 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
                                           for n, p in late.named_parameters()}
         if ckpt_dir:
             results["checkpoint"] = _checkpoint_run(rank, world, mesh, ckpt_dir)
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, f"world{world}.pt"))
+        if rank == 0:  # written whole, then renamed: the test reads it once it exists
+            path = os.path.join(out_dir, f"world{world}.pt")
+            torch.save(results, path + ".part")
+            os.replace(path + ".part", path)
     finally:
         dist.destroy_process_group()
 

@@ -40,3 +40,28 @@ class Problem:
         _, G, Gb = loss_and_grads(self.chain, self.W if W is None else W,
                                   self.b if b is None else b, self.x, self.y)
         return G, Gb
+
+
+def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes until they end, or until
+    ``result`` (a path the workers write atomically when done) exists and they have had
+    30 s more: gloo's teardown (``destroy_process_group``) now and then hangs in a process
+    whose work is finished, and the result is what the test checks. Fails the test after
+    ``limit`` seconds without a result, or if a worker raised."""
+    import time
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline, grace = time.monotonic() + limit, None
+    while not ctx.join(timeout=2):
+        now = time.monotonic()
+        if grace is None and result.exists():
+            grace = now + 30
+        if now > deadline or (grace is not None and now > grace):
+            for p in ctx.processes:
+                p.kill()
+            if grace is None:
+                pytest.fail(f"{nprocs} worker processes wrote no result within {limit:.0f} s")
+            return

@@ -5,7 +5,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -14,22 +13,15 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed missing")
 
-import torch.multiprocessing as mp  # noqa: E402
 
 import _fsdp_worker as fw  # noqa: E402
+from _helpers import spawn_workers  # noqa: E402
 
 
 def _spawn(world: int, tmp, ckpt: str = "") -> dict:
-    init = tmp / f"init{world}"
-    ctx = mp.start_processes(fw.worker, args=(world, str(init), str(tmp), ckpt), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"FSDP workers ({world} processes) did not finish within 300 s")
-    return torch.load(tmp / f"world{world}.pt", weights_only=True)
+    out = tmp / f"world{world}.pt"
+    spawn_workers(fw.worker, (world, str(tmp / f"init{world}"), str(tmp), ckpt), world, out)
+    return torch.load(out, weights_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,17 @@
 """DDP + GSGD on two CPU processes equals one process on the same global batch."""
 
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from _ddp_worker import model_and_data, train, worker
+from _helpers import spawn_workers
 from gsgd_adapters.torch import GSGD
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
 def test_ddp_two_processes_equal_one_process(tmp_path):
     init, out = tmp_path / "init", tmp_path / "weights.pt"
-    ctx = mp.start_processes(worker, args=(2, str(init), str(out)), nprocs=2, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("DDP workers did not finish within 120 s")
+    spawn_workers(worker, (2, str(init), str(out)), 2, out, limit=120)
     model, x, y = model_and_data()
     train(model, GSGD(model, lr=0.05, momentum=0.9), x, y)
     ddp_state = torch.load(out, weights_only=True)
