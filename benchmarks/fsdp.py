@@ -168,6 +168,7 @@ def worker(rank: int, world: int, init_file: str, result: str, names, reps: int)
             torch.save(rows, result + ".part")
             os.replace(result + ".part", result)
     finally:
+        dist.barrier()  # no process tears gloo down while another still talks
         dist.destroy_process_group()
 
 

@@ -41,4 +41,5 @@ def worker(rank: int, world: int, init_file: str, out_file: str) -> None:
             torch.save(model.state_dict(), out_file + ".part")
             os.replace(out_file + ".part", out_file)
     finally:
+        dist.barrier()  # no process tears gloo down while another still talks
         dist.destroy_process_group()

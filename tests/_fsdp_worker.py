@@ -156,6 +156,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
             torch.save(results, path + ".part")
             os.replace(path + ".part", path)
     finally:
+        dist.barrier()  # no process tears gloo down while another still talks
         dist.destroy_process_group()
 
 

@@ -45,9 +45,10 @@ class Problem:
 def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
     """Run ``fn(rank, *args)`` in ``nprocs`` spawned processes until they end, or until
     ``result`` (a path the workers write atomically when done) exists and they have had
-    30 s more: gloo's teardown (``destroy_process_group``) now and then hangs in a process
-    whose work is finished, and the result is what the test checks. Fails the test after
-    ``limit`` seconds without a result, or if a worker raised."""
+    30 s more: gloo's teardown (``destroy_process_group``) now and then hangs, or aborts,
+    in a process whose work is finished, and the result is what the test checks. Fails the
+    test after ``limit`` seconds without a result, if a worker raised, or if one died
+    before the result existed."""
     import time
 
     import pytest
@@ -55,7 +56,18 @@ def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
 
     ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline, grace = time.monotonic() + limit, None
-    while not ctx.join(timeout=2):
+    while True:
+        try:
+            if ctx.join(timeout=2):
+                return
+        except mp.ProcessExitedException:
+            # Killed by a signal or exiting non-zero without a Python exception: after the
+            # result was written, that is gloo's teardown aborting (SIGABRT); before, an error.
+            if not result.exists():
+                raise
+            for p in ctx.processes:
+                p.kill()
+            return
         now = time.monotonic()
         if grace is None and result.exists():
             grace = now + 30
