@@ -20,6 +20,14 @@ from .fast import exact_rows, recip_square
 CHUNK = 1 << 16
 
 
+class Scratch(threading.local):
+    """Scratch buffers of one kernel set, per thread: kernel sets are shared module objects,
+    and two optimizers stepping in two threads must not write into one buffer."""
+
+    def __init__(self) -> None:
+        self.buffers: dict = {}
+
+
 class ArrayKernels:
     """The fast step's kernels over a NumPy-compatible module (``numpy``; ``cupy`` reuses
     them with whole-layer blocks, see :mod:`.cupy`)."""
@@ -32,9 +40,7 @@ class ArrayKernels:
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
         self.xp = importlib.import_module(f"array_api_compat.{mod.__name__}")
-        # Scratch buffers per thread: kernel sets are shared module objects, and two
-        # optimizers stepping in two threads must not write into one buffer.
-        self._local = threading.local()
+        self._scratch = Scratch()
 
     def context(self):
         """Overflows inside the step are detected and handled, not warnings."""
@@ -82,16 +88,11 @@ class ArrayKernels:
         n = W.shape[0]
         return n if self.chunk is None else max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
-    def _scratch_buffers(self) -> dict:
-        if not hasattr(self._local, "buffers"):
-            self._local.buffers = {}
-        return self._local.buffers
-
     def scratch(self, like, size: int):
         """A reused flat buffer of at least ``size`` elements of ``like``'s dtype."""
-        buf = self._scratch_buffers().get(like.dtype)
+        buf = self._scratch.buffers.get(like.dtype)
         if buf is None or buf.size < size:
-            buf = self._scratch_buffers()[like.dtype] = self.mod.empty(size, dtype=like.dtype)
+            buf = self._scratch.buffers[like.dtype] = self.mod.empty(size, dtype=like.dtype)
         return buf
 
     def bulk_(self, W, G, f, beta, rho, lr: float, recips=None) -> None:

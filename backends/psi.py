@@ -18,6 +18,8 @@ pass ``max_norm`` is settled by the renormalisation itself (no further synchroni
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["psi_step_"]
@@ -34,7 +36,7 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
             a.dtype != dtype or a.device != device or (a is not g and not a.is_contiguous())
             for w, g, u in zip(weights, grads, buffers) for a in (w, g, u)):
         return False
-    rows = [(w.shape[0], w[0].numel() if w.shape[0] else 0) for w in weights]
+    rows = [(w.shape[0], math.prod(w.shape[1:])) for w in weights]
     W = [w.detach().view(r) for w, r in zip(weights, rows)]
     G = [g.detach().reshape(r) for g, r in zip(grads, rows)]
     U = [u.detach().view(r) for u, r in zip(buffers, rows)]

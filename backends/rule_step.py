@@ -13,6 +13,8 @@ cannot be done in place is handed back before anything is written.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from gsgd_core import Chain, ElementwiseRule, RuleState
 from gsgd_core.arrays import all_finite, safe_div
 from gsgd_core.sweeps import frozen_if_overflow, products_of_edges
@@ -71,27 +73,61 @@ def _step(kernels, chain, rule, state, weights, biases, grads, bias_grads) -> bo
     ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, plan)]
     gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, plan)]
     ms = [[xp.take(flat(xp, m), s.spec) for m, s in zip(ml, plan)] for ml in M]
-    T = backward_sums(kernels, plan, ws, gs, C[1:])
-    B, F = products_of_edges(
-        xp, chain, p.meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
-        [xp.take(ws[l], plan[l].free) for l in range(1, L)], p.dtype, p.device)
-    if not bool(all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])):  # the one sync
+    v = rule_vectors(kernels, chain, p.meta, plan, rule, coef, ws, gs, ms, C, b, Gb, Mb,
+                     p.device)
+    if v is None:
         return False
-    special, special_m, rho = rule_special(xp, chain, p.meta, plan, rule, coef, ws, gs, ms, T, B, F,
-                                       p.device)
     for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
-        rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], F[l],
-               B[l - 1], rho[l - 1])
+        rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], v.F[l],
+                   v.B[l - 1], v.rho[l - 1])
     for l in range(L):
-        kernels.put_(W[l], plan[l].spec, special[l])
-        for m, new in zip(M, special_m[l]):
+        kernels.put_(W[l], plan[l].spec, v.special[l])
+        for m, new in zip(M, v.special_m[l]):
             kernels.put_(m[l], plan[l].spec, new)
         if b[l] is not None:
-            new_b, new_mb = rule_bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
-            kernels.put_(b[l], None, new_b)
-            for m, new in zip(Mb, new_mb):
-                kernels.put_(m[l], None, new)
+            kernels.put_(b[l], None, v.bias[l])
+            for m, new in zip(Mb, v.bias_m):
+                kernels.put_(m[l], None, new[l])
     return True
+
+
+class RuleVectors(NamedTuple):
+    """What a rule step computes on node vectors: new special edges (per layer) and rule
+    buffers there (per layer, a list per buffer), ``rho``, ``B``, ``F``, and new biases and
+    their buffers (``bias[l]``, ``bias_m[j][l]``; ``None`` for a layer without bias)."""
+
+    special: list
+    special_m: list
+    rho: list
+    B: list
+    F: list
+    bias: list
+    bias_m: list
+
+
+def rule_vectors(kernels, chain, meta, plan, rule, coef, ws, gs, ms, C, b, Gb, Mb,
+                 device) -> RuleVectors | None:
+    """The node-vector part of a rule step from the special edges' values (``ws``, ``gs``,
+    ``ms`` at each layer's ``plan.spec``), the column sums ``C`` (layer 1's gradient sum
+    first) and the biases ``b``, their gradients and buffers, wherever they were gathered
+    from (:mod:`.sharded` sums them over processes); ``None`` when a backward sum, a bias
+    gradient or layer 1's gradients are not finite (the step's one host synchronisation)."""
+    xp, L = kernels.xp, chain.L
+    T = backward_sums(kernels, plan, ws, gs, C[1:])
+    B, F = products_of_edges(
+        xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
+        [xp.take(ws[l], plan[l].free) for l in range(1, L)], ws[0].dtype, device)
+    if not bool(all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])):
+        return None
+    special, special_m, rho = rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T,
+                                           B, F, device)
+    bias, bias_m = [None] * L, [[None] * L for _ in Mb]
+    for l in range(L):
+        if b[l] is not None:
+            bias[l], new = rule_bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
+            for j, m in enumerate(new):
+                bias_m[j][l] = m
+    return RuleVectors(special, special_m, rho, B, F, bias, bias_m)
 
 
 def _apply(xp, rule, coef, D, V, bufs):

@@ -28,11 +28,10 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from gsgd_core import Chain, ElementwiseRule, GSGDState, RuleState
-from gsgd_core.arrays import all_finite, layer_meta
+from gsgd_core.arrays import layer_meta
 from gsgd_core.gsgd import StepRule
-from gsgd_core.sweeps import products_of_edges
 
-from .fast import layer_plan, step_plan, backward_sums, bulk_stage_, special_vectors
+from .fast import layer_plan, step_plan, bulk_stage_, special_vectors
 from . import rule_step
 
 __all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
@@ -223,34 +222,21 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
             _refuses(weights) or not ok)
         if refused:
             return False
-        b_full, Gb_full, Mb_full = full[0], full[1], full[2:]
-        dtype = W[0].dtype
-        coef = rule.coefficients(xp, state.count, dtype)
-        plan, meta = shard.plan, shard.meta
-        T = backward_sums(kernels, plan, ws, gs, C[1:])
-        B, F = products_of_edges(
-            xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
-            [xp.take(ws[l], plan[l].free) for l in range(1, L)], dtype, shard.device)
-        if not bool(all_finite(xp, T[1:L] + Gb_full) & xp.isfinite(C[0])):
+        coef = rule.coefficients(xp, state.count, W[0].dtype)
+        v = rule_step.rule_vectors(kernels, chain, shard.meta, shard.plan, rule, coef, ws, gs,
+                                   ms, C, full[0], full[1], full[2:], shard.device)
+        if v is None:
             return False
-        special, special_m, rho = rule_step.rule_special(xp, chain, meta, plan, rule, coef, ws,
-                                                     gs, ms, T, B, F, shard.device)
         for l in range(L, 0, -1):
             r0, r1 = shard.rows[l - 1]
             if r1 > r0:
                 rule_step.rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1],
-                                 [m[l - 1] for m in M], F[l][r0:r1], B[l - 1], rho[l - 1])
-        shard.put_(kernels, W, special)
+                                     [m[l - 1] for m in M], v.F[l][r0:r1], v.B[l - 1],
+                                     v.rho[l - 1])
+        shard.put_(kernels, W, v.special)
         for j, m in enumerate(M):
-            shard.put_(kernels, m, [s[j] for s in special_m])
-        new_b, new_mb = [None] * L, [[None] * L for _ in Mb]
-        for l in range(L):
-            if b_full[l] is not None:
-                new_b[l], mbs = rule_step.rule_bias(xp, rule, coef, b_full[l], Gb_full[l], F[l + 1],
-                                                [m[l] for m in Mb_full])
-                for j, m in enumerate(mbs):
-                    new_mb[j][l] = m
-        shard.put_rows_(kernels, b, new_b)
-        for dst, new in zip(Mb, new_mb):
+            shard.put_(kernels, m, [s[j] for s in v.special_m])
+        shard.put_rows_(kernels, b, v.bias)
+        for dst, new in zip(Mb, v.bias_m):
             shard.put_rows_(kernels, dst, new)
     return True

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 import types
 
 import array_api_compat.numpy as np_compat
@@ -66,9 +65,7 @@ class TorchKernels:
         # CPU layers up to this size, and the vector stage unless it is 0, go to NumPy.
         self.small = 0 if compiled else SMALL
         self.xp = compat if compiled else _Namespace()
-        # Scratch buffers per thread: kernel sets are shared module objects, and two
-        # optimizers stepping in two threads must not write into one buffer.
-        self._local = threading.local()
+        self._scratch = numpy_kernels.Scratch()
 
     def context(self):
         """Parameters are written in place, outside autograd."""
@@ -120,17 +117,12 @@ class TorchKernels:
         """Rows per block of a bulk update: all of them when compiled (one fused loop)."""
         return W.shape[0] if self.compiled else self._rows(W)
 
-    def _scratch_buffers(self) -> dict:
-        if not hasattr(self._local, "buffers"):
-            self._local.buffers = {}
-        return self._local.buffers
-
     def scratch(self, like, size: int):
         """A reused flat buffer of at least ``size`` elements of ``like``'s dtype and device."""
         key = (like.dtype, like.device)
-        buf = self._scratch_buffers().get(key)
+        buf = self._scratch.buffers.get(key)
         if buf is None or buf.numel() < size:
-            buf = self._scratch_buffers()[key] = torch.empty(size, dtype=like.dtype,
+            buf = self._scratch.buffers[key] = torch.empty(size, dtype=like.dtype,
                                                              device=like.device)
         return buf
 

@@ -129,8 +129,9 @@ class ScaleInvariantOptimizer(Optimizer):
         self._parts, self._names, self._reasons = found.parts, found.names, found.reasons
         for part in self._parts:
             if part.kind == "chain":
-                check_chain(*zip(*[(p, self._name(p)) for i in range(len(part.weights))
-                                   for p in (part.weights[i], part.biases[i]) if p is not None]))
+                params = [p for w, x in zip(part.weights, part.biases) for p in (w, x)
+                          if p is not None]
+                check_chain(params, [self._name(p) for p in params])
         self._skeleton = skeleton
         self._skipped = 0
 
