@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from gsgd_backends import gsgd_update_, skeleton_init_
+from gsgd_backends import gsgd_update_, skeleton_init_, step_plan
 from gsgd_core import Chain, gsgd_init
 from gsgd_core.arrays import prepare
 from gsgd_core.gsgd import check_update_hypers
@@ -40,6 +40,8 @@ class GSGD:
         self.lr, self.momentum, self.dampening = lr, momentum, dampening
         self.nesterov, self.weight_decay = nesterov, weight_decay
         self.state = gsgd_init(chain, self.weights, self.biases) if momentum else None
+        #: The chain's step plan (:func:`gsgd_backends.step_plan`), built once.
+        self.plan = step_plan(chain, self.weights)
 
     def skeleton_init(self) -> None:
         """Set the skeleton weights to ``+1`` (paper §11.2), in place."""
@@ -49,7 +51,7 @@ class GSGD:
         """One G-SGD step in place from the gradients of the weights (and biases)."""
         gsgd_update_(self.chain, self.state, self.weights, self.biases, grads, bias_grads,
                      lr=self.lr, momentum=self.momentum, dampening=self.dampening,
-                     nesterov=self.nesterov, weight_decay=self.weight_decay)
+                     nesterov=self.nesterov, weight_decay=self.weight_decay, plan=self.plan)
 
     def __repr__(self) -> str:
         return (f"GSGD({self.chain}, lr={self.lr}, momentum={self.momentum}, "

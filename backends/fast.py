@@ -36,51 +36,12 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from gsgd_core import Chain
-from gsgd_core.arrays import all_finite, prepare, safe_div
-from gsgd_core.gsgd import StepRule, direction
-from gsgd_core.sweeps import frozen_if_overflow, products_of_edges
+from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finite_or_zero, kept,
+                             path_gradient, safe_div, tau_ratio)
+from gsgd_core.sweeps import products_of_edges
 
-
-class _Layer(NamedTuple):
-    """Where layer ``l``'s special edges lie, as index arrays of one namespace and device.
-
-    The tau and free edges sit one per row, all over the layer, so each access misses the
-    cache: they are gathered once per step (``spec``) and written back once.
-    """
-
-    spec: Any         # sorted flat indices of the layer's tau and free edges
-    tau: Any          # position in ``spec`` of each node's tau edge (none for l = L)
-    free: Any         # position in ``spec`` of each free edge (one per node of l-1)
-    node: Any         # per position in ``spec``: the node whose tau edge it is (0 if none)
-    moved: Any        # per position in ``spec``: a tau edge that is not free (gets a new value)
-    carry_nodes: Any  # nodes of layer l whose tau edge is free (T_l is carried down them)
-    carry_src: Any    # their tau sources in layer l-1
-
-
-def layer_plan(chain: Chain, l: int) -> tuple:
-    tau_idx, free_idx = chain.tau_index(l), chain.free_index(l)
-    spec = np.union1d(tau_idx, free_idx).astype(np.int64)
-    tau, free = np.searchsorted(spec, tau_idx), np.searchsorted(spec, free_idx)
-    tau_free = chain.free_masks[l - 1].reshape(-1)[tau_idx]
-    node, moved = np.zeros(spec.size, np.int64), np.zeros(spec.size, bool)
-    node[tau] = np.arange(tau.size)
-    moved[tau[~tau_free]] = True
-    carry_nodes = np.flatnonzero(tau_free)
-    carry_src = np.asarray(chain.tau[l - 1] if l < chain.L else [], np.int64)[carry_nodes]
-    return spec, tau, free, node, moved, carry_nodes, carry_src
-
-
-def step_plan(chain: Chain, xp, device) -> tuple[_Layer, ...]:
-    key = ("fast", xp.__name__, str(device))
-    plan = chain._cache.get(key)
-    if plan is None:
-        plan = chain._cache[key] = tuple(
-            _Layer(*(xp.asarray(a, device=device) for a in layer_plan(chain, l)))
-            for l in range(1, chain.L + 1))
-    return plan
+from .plan import StepPlan
 
 
 def flat(xp, a):
@@ -94,52 +55,73 @@ def recip_square(xp, f):
     return xp.where(f == 0, 0.0, 1.0 / xp.where(f == 0, 1.0, f * f))
 
 
+def plan_for(kernels, chain: Chain, weights, plan: StepPlan | None) -> StepPlan:
+    """``plan`` if given (it must fit ``chain`` and the weights), else a new plan of
+    ``kernels`` (built for this call only: pass a plan to reuse one)."""
+    if plan is None:
+        return kernels.plan(chain, weights[0])
+    if not plan.fits(chain, weights[0]):
+        raise ValueError(f"{plan} does not fit this step: chain {chain}, weights of dtype "
+                         f"{weights[0].dtype} on {getattr(weights[0], 'device', 'cpu')}")
+    return plan
+
+
 def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, state=None, *,
-               momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-               weight_decay: float = 0.0) -> bool:
+               plan: StepPlan | None = None, momentum: float = 0.0, dampening: float = 0.0,
+               nesterov: bool = False, weight_decay: float = 0.0) -> bool:
     """One G-SGD step in place through ``kernels``; ``False`` if the core must take it.
 
     ``state`` (a :class:`gsgd_core.GSGDState`, needed with momentum) has its buffers
-    updated in place; its step count is the caller's. Returns ``False`` before writing
-    anything when the weights or buffers cannot be updated in place (not contiguous, half
-    precision) or when a gradient or a backward sum is not finite (the core then skips the
-    step or freezes the paths concerned, DESIGN §6). Otherwise the weights, biases and
-    buffers hold :func:`gsgd_core.gsgd_update`'s result (to rounding).
+    updated in place; its step count is the caller's. ``plan`` (:meth:`Kernels.plan` of
+    the chain) is reused across steps; without one a plan is built for this call. Returns
+    ``False`` before writing anything when the weights or buffers cannot be updated in place
+    (not contiguous, half precision) or when a gradient or a backward sum is not finite (the
+    core then skips the step or freezes the paths concerned, DESIGN §6). Otherwise the
+    weights, biases and buffers hold :func:`gsgd_core.gsgd_update`'s result (to rounding).
     """
-    with kernels.context():
-        return _step(kernels, chain, weights, biases, grads, bias_grads, lr, state,
-                     (float(weight_decay), float(momentum), float(dampening), bool(nesterov)))
+    plan = plan_for(kernels, chain, weights, plan)
+    with plan.kernels.context():
+        return _step(plan, weights, biases, grads, bias_grads, lr,
+                     state if state is not None and momentum else None,
+                     StepRule(float(weight_decay), float(momentum), float(dampening),
+                              bool(nesterov), None))
 
 
-def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) -> bool:
-    wd, mu, damp, nesterov = hyper
-    M = state.momentum if state is not None and mu else None
-    p = prepared(chain, weights, biases, grads, bias_grads, state if M else None)
-    xp, L = kernels.xp, chain.L
+def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) -> bool:
+    chain, kernels, xp, L = plan.chain, plan.kernels, plan.xp, plan.chain.L
+    extra = () if state is None else (("momentum", state.momentum),
+                                      ("bias_momentum", state.bias_momentum))
+    p = plan.prepared(weights, biases, grads, bias_grads, extra)
     if p.dtype != p.store:
         return False
-    shapes = [chain.layer_shape(l) for l in range(1, L + 1)]
-    W = [kernels.view3(w, s) for w, s in zip(weights, shapes)]
-    M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, shapes)]
-    if any(w is None for w in W + (M or [])):
-        return False
-    G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, shapes)]
+    M = Mb = step = None
+    if state is not None:
+        M, Mb, step = state.momentum, state.bias_momentum, state.step
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
-    Mb = list(state.bias_momentum) if M is not None else [None] * L
-    plan = step_plan(chain, p.xp, p.device)
+    Mb = list(Mb) if Mb is not None else [None] * L
+    if plan.view is not None:  # the arrays the plan computes on (NumPy views of tensors)
+        weights, grads, b, Gb, Mb = ([None if a is None else plan.view(a) for a in A]
+                                     for A in (weights, grads, b, Gb, Mb))
+        M, step = (None, None) if M is None else ([plan.view(m) for m in M], plan.view(step))
+    W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
+    M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, plan.shapes)]
+    if any(w is None for w in W + (M or [])):
+        return False
+    G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, plan.shapes)]
     # Layer 1's gradients are checked through their sum (ATen's sum outruns inductor's).
-    C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
-
-    def scalar(value):
-        return kernels.scalar(value, p.dtype, p.device)
-
+    C = [xp.sum(G[0])] + [plan.layer_kernels[l].colsum(W[l], G[l], plan.scratch)
+                          for l in range(1, L)]
+    wd, mu = hyper.weight_decay, hyper.momentum
+    scalar = kernels.scalar
     h = None if not (wd or mu) else StepRule(
-        scalar(wd) if wd else None, scalar(mu) if mu else None, scalar(damp), nesterov,
-        state.step == 0 if mu else None)
-    lr = scalar(float(lr))
-    v = kernels.stage(vector_stage, chain)(kernels, chain, p.meta, plan, W, G, C, b, Gb, lr,
-                                           p.device, M, Mb, h)
+        scalar(wd, W[0].dtype, plan.step_device) if wd else None,
+        scalar(mu, W[0].dtype, plan.step_device) if mu else None,
+        scalar(hyper.dampening, W[0].dtype, plan.step_device), hyper.nesterov,
+        step == 0 if M is not None else None)
+    lr = scalar(float(lr), W[0].dtype, plan.step_device)
+    v = plan.stage(vector_stage)(kernels, chain, plan.meta, plan.layers, W=W, G=G, C=C, b=b,
+                                 Gb=Gb, lr=lr, device=plan.step_device, M=M, Mb=Mb, h=h)
     flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
         return False
@@ -148,44 +130,26 @@ def _step(kernels, chain, weights, biases, grads, bias_grads, lr, state, hyper) 
     # and writes its input itself (mutating a view of an input, inductor stages a copy).
     rows = [None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
             for A in (W, G, M)]
-    kernels.stage(bulk_stage_, chain)(kernels, *rows, v, lr, tame, h)
+    plan.stage(bulk_stage_)(plan.layer_kernels, *rows, v=v, lr=lr, tame=tame, h=h,
+                            scratch=None if kernels.traced else plan.scratch)
     for l in range(L):
-        kernels.put_(W[l], plan[l].spec, v.special[l])
+        spec = plan.layers[l].spec
+        kernels.put_(W[l], spec, v.special[l])
         if M is not None:
-            kernels.put_(M[l], plan[l].spec, v.special_m[l])
+            kernels.put_(M[l], spec, v.special_m[l])
         for dst, new in ((b[l], v.bias[l]), (Mb[l], v.bias_m[l])):
             if dst is not None:
                 kernels.put_(dst, None, new)
     return True
 
 
-def prepared(chain: Chain, weights, biases, grads, bias_grads, state):
-    """:func:`gsgd_core.arrays.prepare` (with ``state``'s buffers), memoised on the arrays'
-    signature (type, shape, dtype and device of each): a training loop passes the same
-    signature every step, and validating it anew costs as much as updating a small layer."""
-    extra = () if state is None else (("momentum", state.momentum),
-                                      ("bias_momentum", state.bias_momentum))
-    lists = (weights, biases, grads, bias_grads) + tuple(v for _, v in extra)
-    if not all(v is None or isinstance(v, (list, tuple)) for v in lists):
-        return prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
-    sig = tuple(None if v is None else tuple(
-        None if a is None else (type(a), tuple(a.shape), a.dtype, getattr(a, "device", None))
-        for a in v) for v in lists)
-    hit = chain._cache.get("fast-prepared")
-    if hit is not None and hit[0] == sig:
-        return hit[1]
-    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
-    chain._cache["fast-prepared"] = (sig, p)
-    return p
-
-
-def backward_sums(kernels, plan, ws, gs, C):
+def backward_sums(kernels, layers, ws, gs, C):
     """``T_1..T_{L-1}`` as ``T[l]`` from the column sums
     ``C[l-2] = colsum(W_l * grad_l)``, ``l = 2..L`` (the backward sweep above)."""
-    xp, L = kernels.xp, len(plan)
+    xp, L = kernels.xp, len(layers)
     T = [None] * (L + 1)
     for l in range(L, 1, -1):
-        s = plan[l - 1]
+        s = layers[l - 1]
         below = C[l - 2] - xp.take(ws[l - 1], s.free) * xp.take(gs[l - 1], s.free)
         if l < L:
             below = kernels.scatter_add(below, s.carry_src, xp.take(T[l], s.carry_nodes))
@@ -193,7 +157,7 @@ def backward_sums(kernels, plan, ws, gs, C):
     return T
 
 
-class _Vectors(NamedTuple):
+class Vectors(NamedTuple):
     """What the vector stage hands on: node vectors for the bulk, the special edges' and the
     biases' new values (weights and momentum buffers), and the flags."""
 
@@ -209,34 +173,35 @@ class _Vectors(NamedTuple):
     flags: Any        # [ok, tame_1..tame_L]
 
 
-def vector_stage(kernels, chain, meta, plan, W, G, C, b, Gb, lr, device, M, Mb, h):
-    """Everything of the step that lives on node vectors, as one function (compiled whole by
-    :data:`gsgd_backends.torch.COMPILED`): the special edges gathered, the backward sums
-    ``T``, chain products ``B``, ``F``, new special edges and momentum buffers there,
-    ``rho``, new biases, and the flags ``[ok, tame_1..tame_L]``. ``C`` holds the sum of
-    layer 1's gradients, then the column sums ``colsum(W_l * grad_l)``, ``l = 2..L``.
-    ``ok``: every backward sum, bias gradient and layer-1 gradient is finite; ``tame_l``:
-    layer ``l`` may use :func:`recip_rows` (tested only for kernels that use it,
-    ``kernels.recip``, on plain steps)."""
+def vector_stage(kernels, chain, meta, layers, *, W, G, C, b, Gb, lr, device, M, Mb, h):
+    """Everything of the step that lives on node vectors, as one function (compiled whole
+    by traced kernels): the special edges gathered, then :func:`special_vectors`. ``C``
+    holds the sum of layer 1's gradients, then the column sums ``colsum(W_l * grad_l)``,
+    ``l = 2..L``."""
     xp = kernels.xp
-    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, plan)]
-    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, plan)]
-    ms = None if M is None else [xp.take(flat(xp, m), s.spec) for m, s in zip(M, plan)]
-    return special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device, Mb,
-                           h)
+    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, layers)]
+    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, layers)]
+    ms = None if M is None else [xp.take(flat(xp, m), s.spec) for m, s in zip(M, layers)]
+    return special_vectors(kernels, chain, meta, layers, ws=ws, gs=gs, ms=ms, C=C, b=b, Gb=Gb,
+                           lr=lr, device=device, Mb=Mb, h=h)
 
 
-def special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device, Mb, h):
-    """:func:`vector_stage` from the special edges' values already gathered (``ws``, ``gs``,
-    ``ms``: weights, gradients and momentum buffers at each layer's ``plan.spec``), wherever
-    they were gathered from (:mod:`.sharded` sums them over processes)."""
+def special_vectors(kernels, chain, meta, layers, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
+                    h) -> Vectors:
+    """The vector stage from the special edges' values already gathered (``ws``, ``gs``,
+    ``ms``: weights, gradients and momentum buffers at each layer's ``spec``), wherever they
+    were gathered from (:mod:`.sharded` sums them over processes): the backward sums ``T``,
+    chain products ``B``, ``F``, new special edges and momentum buffers there, ``rho``, new
+    biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias
+    gradient and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use
+    :func:`recip_rows` (tested for traced kernels on plain steps)."""
     xp, L = kernels.xp, chain.L
-    T = backward_sums(kernels, plan, ws, gs, C[1:])
+    T = backward_sums(kernels, layers, ws, gs, C[1:])
     B, F = products_of_edges(
-        xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
-        [xp.take(ws[l], plan[l].free) for l in range(1, L)], ws[0].dtype, device)
-    special, special_m, rho = _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h,
-                                       device)
+        xp, chain, meta, [xp.take(ws[l - 1], layers[l - 1].tau) for l in range(1, L)],
+        [xp.take(ws[l], layers[l].free) for l in range(1, L)], ws[0].dtype, device)
+    special, special_m, rho = _special(xp, chain, meta, layers, ws, gs, ms, T=T, B=B, F=F,
+                                       lr=lr, h=h, device=device)
     bias, bias_m = zip(*[(None, None) if bl is None else _bias(xp, bl, g, f, m, lr, h)
                          for bl, g, f, m in zip(b, Gb, F[1:], Mb)])
     # T_1..T_{L-1} sum every weight gradient above layer 1.
@@ -245,51 +210,43 @@ def special_vectors(kernels, chain, meta, plan, ws, gs, ms, C, b, Gb, lr, device
     if h is not None:
         columns = [tuple(per_column(xp, v, chain.layer_shape(l)[2])
                          for v in (B[l - 1], rho[l - 1])) for l in range(1, L + 1)]
-    elif kernels.recip:
+    elif kernels.traced:
         tame = [_tame(xp, F[l], True) & _tame(xp, B[l - 1], True) & _tame(xp, rho[l - 1], False)
                 for l in range(1, L + 1)]
         recips = [reciprocals(xp, F[l], B[l - 1], rho[l - 1], chain.layer_shape(l)[2])
                   for l in range(1, L + 1)]
-    return _Vectors(B, F, rho, recips, columns, special, special_m, list(bias), list(bias_m),
-                    xp.stack([ok] + tame))
+    return Vectors(B, F, rho, recips, columns, special, special_m, list(bias), list(bias_m),
+                   xp.stack([ok] + tame))
 
 
-def bulk_stage_(kernels, W, G, M, v: _Vectors, lr, tame, h) -> None:
-    """Every layer's bulk update, ``W``, ``G`` (and ``M``) as ``(n, p*k)`` (one compiled
-    stage: the special edges are written after it, outside, since a scatter inside would
-    make the compiler stage the layer in a copy). A plain step of a tame layer gets its node
-    vectors' reciprocals for :func:`recip_rows`; weight decay or momentum take
-    :func:`rows_by_rules`."""
+def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> None:
+    """Every layer's bulk update through its kernels, ``W``, ``G`` (and ``M``) as
+    ``(n, p*k)`` (one compiled stage for traced kernels: the special edges are written
+    after it, outside, since a scatter inside would make the compiler stage the layer in a
+    copy). A plain step of a tame layer gets its node vectors' reciprocals for
+    :func:`recip_rows`; weight decay or momentum take :func:`rows_by_rules`."""
     for l in range(len(W), 0, -1):  # the column sums ended on the top layers' first rows
         if W[l - 1].shape[0] == 0:  # a process that holds no rows of the layer (.sharded)
             continue
+        k = layer_kernels[l - 1]
         if h is not None:
-            _momentum_bulk_(kernels, W[l - 1], G[l - 1], None if M is None else M[l - 1],
-                            v.F[l], *v.columns[l - 1], lr, h)
+            k.rows_bulk_(W[l - 1], G[l - 1], None if M is None else M[l - 1], v.F[l],
+                         *v.columns[l - 1], lr, h, scratch)
         else:
-            kernels.bulk_(W[l - 1], G[l - 1], v.F[l], v.B[l - 1], v.rho[l - 1], lr,
-                          v.recips[l - 1] if tame[l - 1] else None)
+            k.bulk_(W[l - 1], G[l - 1], v.F[l], v.B[l - 1], v.rho[l - 1], lr,
+                    v.recips[l - 1] if tame[l - 1] else None, scratch)
 
 
-def _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> None:
-    """:func:`rows_by_rules` over blocks of rows (``kernels.block_rows``), written in place:
-    traced whole by a compiler, else by :func:`_momentum_block_`, which falls back to the
-    functional rules for a block it cannot take."""
-    host = kernels.host(W)
-    if host is not None:  # other kernels, on views of the same memory (``kernels.host``)
-        kernels, view = host
-        W, G, M, F, B_cols, rho_cols = (None if a is None else view(a)
-                                        for a in (W, G, M, F, B_cols, rho_cols))
-        with kernels.context():
-            return _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h)
+def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> None:
+    """:func:`rows_by_rules` over blocks of rows (``kernels.block_rows``), written in place
+    by :func:`momentum_block_`, which falls back to the functional rules for a block it
+    cannot take (the eager kernels' ``rows_bulk_``)."""
     n = W.shape[0]
     rows = kernels.block_rows(W)
     for i in range(0, n, rows):
-        # A whole layer stays unsliced: a compiler writes a view of an input through a copy.
-        sl = slice(None) if rows >= n else slice(i, min(n, i + rows))
+        sl = slice(i, min(n, i + rows))
         blocks = [None if a is None else a[sl] for a in (W, G, M)]
-        if kernels.inplace and _momentum_block_(kernels, *blocks, F[sl], B_cols, rho_cols,
-                                                lr, h):
+        if momentum_block_(kernels, *blocks, F[sl], B_cols, rho_cols, lr, h, scratch):
             continue
         w, m = rows_by_rules(kernels.xp, *blocks, F[sl], B_cols, rho_cols, lr, h)
         kernels.put_(blocks[0], None, w)
@@ -297,15 +254,15 @@ def _momentum_bulk_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> None:
             kernels.put_(blocks[2], None, m)
 
 
-def _momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> bool:
+def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> bool:
     """:func:`rows_by_rules` on one ``(r, p*k)`` block through four block-sized scratch
-    buffers (``kernels.scratch``) and no other temporary: the core's operations in its
-    order, so the results are bit-identical. Writes ``W`` and ``M`` and returns ``True``
-    when every new value is finite; otherwise writes nothing and returns ``False`` (a zero
-    or overflowing ``F B``, or an overflow: the per-entry rules treat those specially)."""
+    buffers and no other temporary: the core's operations in its order, so the results are
+    bit-identical. Writes ``W`` and ``M`` and returns ``True`` when every new value is
+    finite; otherwise writes nothing and returns ``False`` (a zero or overflowing ``F B``,
+    or an overflow: the per-entry rules treat those specially)."""
     mod = kernels.mod
     r, m = W.shape
-    buf = kernels.scratch(W, 4 * r * m)
+    buf = kernels.scratch(scratch, W, 4 * r * m)
     fb, D, Mn, T = (mod.reshape(buf[j * r * m:(j + 1) * r * m], (r, m)) for j in range(4))
     mod.multiply(F[:, None], B_cols[None, :], out=fb)
     mod.divide(G, fb, out=D)
@@ -333,25 +290,10 @@ def _momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h) -> bool:
     return True
 
 
-def finite_mask(x):
-    """``isfinite(x)`` in two operations: ``x - x`` is exactly 0 for a finite ``x`` and NaN
-    otherwise. The bulk tests every entry twice, and a compiled ``isfinite`` costs about
-    six vector instructions, so the two-operation test makes the compiled bulk faster
-    (compilers keep ``x - x``: inductor builds with ``-fno-finite-math-only``, and a test
-    holds it to that)."""
-    return (x - x) == 0
-
-
-def kept(xp, new, old):
-    """``new`` where finite, else ``old`` (the core's guard); ``None`` stays."""
-    return None if new is None else xp.where(finite_mask(new), new, old)
-
-
 def _bias(xp, b, Gb, F, Mb, lr, h):
     """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow),
     weight decay and momentum applied to ``Db`` (``Vb = b F``); returns ``b'`` and ``Mb'``."""
-    Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
-    step_dir, Mb_new = direction(xp, Db, Mb, b * F, h)
+    step_dir, Mb_new = direction(xp, path_gradient(xp, Gb, F, Gb), Mb, b * F, h)
     return kept(xp, b - lr * safe_div(xp, step_dir, F), b), kept(xp, Mb_new, Mb)
 
 
@@ -365,7 +307,7 @@ def _tame(xp, v, zero_ok: bool):
     return xp.all((inside | (a == 0)) if zero_ok else inside)
 
 
-def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
+def _special(xp, chain, meta, layers, ws, gs, ms, *, T, B, F, lr, h, device):
     """New values of each layer's special edges (new tau edges, free edges unchanged), of
     the momentum buffers there (``None`` without momentum), and ``rho_0..rho_{L-1}``."""
     dtype = ws[0].dtype
@@ -373,7 +315,7 @@ def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
     rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
     special, special_m = [], None if ms is None else []
     for l in range(1, chain.L + 1):
-        s, w = plan[l - 1], ws[l - 1]
+        s, w = layers[l - 1], ws[l - 1]
         m_free = None
         if ms is not None:  # free edges carry no path: D = 0 there (icr3)
             zero = xp.zeros_like(ms[l - 1])
@@ -385,8 +327,8 @@ def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
             break
         tau_new, m_tau, rho_next = _tau_edges(
             xp, meta[l - 1], xp.take(w, s.tau), xp.take(gs[l - 1], s.tau),
-            None if ms is None else xp.take(ms[l - 1], s.tau), T[l], B[l - 1], F[l],
-            rho[-1], lr, eps, h)
+            None if ms is None else xp.take(ms[l - 1], s.tau), T=T[l], B_prev=B[l - 1],
+            F=F[l], rho=rho[-1], lr=lr, eps=eps, h=h)
         special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
         if ms is not None:
             special_m.append(xp.where(s.moved, xp.take(m_tau, s.node), m_free))
@@ -394,16 +336,15 @@ def _special(xp, chain, meta, plan, ws, gs, ms, T, B, F, lr, h, device):
     return special, special_m, rho
 
 
-def _tau_edges(xp, m, w, g, M, T, B_prev, F, rho, lr, eps, h):
+def _tau_edges(xp, m, w, g, M, *, T, B_prev, F, rho, lr, eps, h):
     """New tau-edge weights and momentum buffers and ``rho_l``, by the rules of
-    :func:`gsgd_core.sweeps.allocate3`: ``D = (P - T_l)/V`` (then :func:`gsgd_core.gsgd.direction`),
-    ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``."""
+    :func:`gsgd_core.sweeps.allocate3`: ``D = (P - T_l)/V`` (then
+    :func:`gsgd_core.rules.direction`), ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge
+    ``W * R / rho_{l-1}``."""
     rho_src = xp.take(rho, m.tau_src)
     V = (F * xp.take(B_prev, m.tau_src)) * w
-    D = frozen_if_overflow(xp, safe_div(xp, w * g - T, V), g)
-    step_dir, M_new = direction(xp, D, M, V, h)
-    R = 1.0 - lr * safe_div(xp, step_dir, V)
-    R = xp.where(R == 0, eps, R)
+    step_dir, M_new = direction(xp, path_gradient(xp, w * g - T, V, g), M, V, h)
+    R = tau_ratio(xp, lr * safe_div(xp, step_dir, V), eps)
     return (kept(xp, w * (R / rho_src), w), kept(xp, M_new, M),
             xp.where(m.tau_free, rho_src, R))
 
@@ -435,12 +376,11 @@ def reciprocals(xp, F, B_prev, rho, k: int) -> tuple:
 def rows_by_rules(xp, W, G, M, F, B_cols, rho_cols, lr, rule) -> tuple:
     """The bulk update by the core's per-entry rules, ``W``, ``G``, ``M`` as ``(n, p*k)``
     with ``B`` and ``rho`` per column: ``D = G/(F B)`` (0 if that overflows: frozen path),
-    weight decay and momentum (:func:`gsgd_core.gsgd.direction`, ``V = F B W``),
+    weight decay and momentum (:func:`gsgd_core.rules.direction`, ``V = F B W``),
     ``W' = (W - lr*direction/(F B))/rho``. Returns ``W'`` and ``M'`` (``None`` without
     momentum); an entry that is not finite keeps its value."""
     fb = F[:, None] * B_cols[None, :]
-    D = frozen_if_overflow(xp, safe_div(xp, G, fb), G)
-    step_dir, M_new = direction(xp, D, M, fb * W, rule)
+    step_dir, M_new = direction(xp, path_gradient(xp, G, fb, G), M, fb * W, rule)
     new = (W - lr * safe_div(xp, step_dir, fb)) / rho_cols[None, :]
     return kept(xp, new, W), kept(xp, M_new, M)
 
@@ -454,7 +394,5 @@ def recip_rows(xp, W, G, recips, lr) -> Any:
     that a compiled loop runs over contiguous columns without a division per entry."""
     u, v, r = recips
     c = u[:, None] * v[None, :]
-    D = G * c
-    D = xp.where(finite_mask(D), D, 0.0)
-    new = (W - lr * (D * c)) * r[None, :]
+    new = (W - lr * (finite_or_zero(xp, G * c) * c)) * r[None, :]
     return xp.where(finite_mask(new), new, W)

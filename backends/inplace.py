@@ -13,16 +13,18 @@ from array_api_compat import array_namespace
 
 import gsgd_core
 from gsgd_core import Chain, GSGDState
-from gsgd_core.arrays import all_finite, check_hyper, quiet_fp
+from gsgd_core.arrays import check_hyper, quiet_fp
 from gsgd_core.gsgd import check_update_hypers
+from gsgd_core.rules import all_finite
 
 from ._dispatch import assign, kernels_for, library
 from .fast import fast_step_
+from .plan import StepPlan
 from .psi import psi_step_
 from .rule_step import rule_step_
 
 __all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicalize_",
-           "skeleton_init_", "path_sgd_step_", "psi_update_"]
+           "skeleton_init_", "path_sgd_step_", "psi_update_", "step_plan"]
 
 
 def _write(dsts, srcs) -> None:
@@ -50,27 +52,37 @@ def _write_tree(dst, src) -> None:
         assign(dst, src)
 
 
+def step_plan(chain: Chain, weights, *, kernels=None) -> StepPlan | None:
+    """The :class:`~gsgd_backends.plan.StepPlan` of ``chain`` for arrays like ``weights``
+    (their library's kernels, or ``kernels``), to pass to :func:`gsgd_update_` and
+    :func:`path_update_` step after step; ``None`` when the library has no fast path."""
+    kernels = kernels_for(weights[0]) if kernels is None else kernels
+    return None if kernels is None else kernels.plan(chain, weights[0])
+
+
 def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, bias_grads,
-                 *, kernels=None, **hyper) -> bool:
+                 *, kernels=None, plan: StepPlan | None = None, **hyper) -> bool:
     """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``.
 
     A step of NumPy, PyTorch or CuPy arrays with hyperparameters given as Python numbers
     runs :func:`gsgd_backends.fast.fast_step_` (momentum buffers updated in place too),
     which hands the step back when it holds a non-finite value or cannot be done in place.
     A step whose gradients hold a NaN or Inf is then skipped here, as the core would skip
-    it, without the core's full computation; any other step goes to the core. ``kernels``
-    picks other kernels for the library (``gsgd_backends.torch.COMPILED``); by default
-    :func:`kernels_for` chooses.
+    it, without the core's full computation; any other step goes to the core. ``plan``
+    (:func:`step_plan`) is what the fast path reuses from step to step; without one a plan
+    is built for the call, of ``kernels`` (``gsgd_backends.torch.COMPILED``, ...) or of the
+    kernels :func:`kernels_for` chooses.
 
     Returns ``False`` when the step was skipped for a non-finite gradient (nothing written),
     ``True`` otherwise.
     """
-    if kernels is None and isinstance(weights, (list, tuple)) and weights:
+    if kernels is None and plan is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
     h = _fast_hypers(hyper, state)
     finite = None  # known once the fast path has declined the step
-    if kernels is not None and h is not None:
-        if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state, **h):
+    if (kernels is not None or plan is not None) and h is not None:
+        if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state,
+                      plan=plan, **h):
             if state is not None:
                 assign(state.step, state.step + 1)
             return True
@@ -111,22 +123,24 @@ def _fast_hypers(hyper: dict, state) -> dict | None:
     return h if numbers_only and (h["momentum"] == 0 or state is not None) else None
 
 
-def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads) -> bool:
+def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads, *,
+                 plan: StepPlan | None = None) -> bool:
     """:func:`gsgd_core.path_update` applied in place to ``weights``, ``biases`` and every
     array of ``state`` (which must be mutable arrays, as the rule's ``init`` makes them).
 
     An elementwise rule (:class:`gsgd_core.ElementwiseRule`, e.g. Adam) on NumPy, PyTorch
     or CuPy arrays takes the fast path of :mod:`.rule_step`, which hands the step back when
     it holds a non-finite value or cannot be done in place; a step whose gradients hold a
-    NaN or Inf is then skipped here, and any other goes to the core.
+    NaN or Inf is then skipped here, and any other goes to the core. ``plan`` as for
+    :func:`gsgd_update_`.
 
     Returns ``False`` when the step was skipped for a non-finite gradient, ``True``
     otherwise.
     """
-    kernels = kernels_for(weights[0]) if isinstance(weights, (list, tuple)) and weights \
-        else None
-    if kernels is not None and rule_step_(kernels, chain, rule, state, weights, biases, grads,
-                                          bias_grads):
+    kernels = kernels_for(weights[0]) if plan is None and isinstance(
+        weights, (list, tuple)) and weights else None
+    if (kernels is not None or plan is not None) and rule_step_(
+            kernels, chain, rule, state, weights, biases, grads, bias_grads, plan=plan):
         assign(state.count, state.count + 1)
         return True
     if not _finite(grads, bias_grads):

@@ -10,43 +10,39 @@ from __future__ import annotations
 
 import importlib
 import math
-import threading
 
 import numpy as np
 
-from .fast import exact_rows, recip_square
+from .fast import exact_rows, momentum_rows_, recip_square
+from .plan import StepPlan
+from .rule_step import rule_bulk_
 
 #: Elements per block of the bulk update (512 KiB of float64: well inside a 1 MiB L2).
 CHUNK = 1 << 16
 
 
-class Scratch(threading.local):
-    """Scratch buffers of one kernel set, per thread: kernel sets are shared module objects,
-    and two optimizers stepping in two threads must not write into one buffer."""
-
-    def __init__(self) -> None:
-        self.buffers: dict = {}
-
-
 class ArrayKernels:
-    """The fast step's kernels over a NumPy-compatible module (``numpy``; ``cupy`` reuses
-    them with whole-layer blocks, see :mod:`.cupy`)."""
+    """The fast step's kernels (:class:`gsgd_backends.kernels.Kernels`) over a
+    NumPy-compatible module (``numpy``; ``cupy`` reuses them with whole-layer blocks, see
+    :mod:`.cupy`)."""
 
-    #: The bulk checks its blocks itself: no tame test of the node vectors (:mod:`.fast`).
-    recip = False
-    #: Blocks are updated by in-place ufuncs (``out=``) on scratch buffers.
-    inplace = True
+    #: Eager: blocks are updated by in-place ufuncs (``out=``) and checked as they go.
+    traced = False
 
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
         self.xp = importlib.import_module(f"array_api_compat.{mod.__name__}")
-        self._scratch = Scratch()
+
+    def plan(self, chain, array) -> StepPlan:
+        """Every layer on these kernels."""
+        return StepPlan(chain, self, xp=self.xp, device=getattr(array, "device", "cpu"),
+                        dtype=array.dtype, layer_kernels=[self] * chain.L)
 
     def context(self):
         """Overflows inside the step are detected and handled, not warnings."""
         return np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore")
 
-    def stage(self, fn, chain):
+    def compile(self, fn):
         """Steps run eagerly: ``fn`` itself."""
         return fn
 
@@ -63,11 +59,7 @@ class ArrayKernels:
             return None
         return w.reshape(shape)
 
-    def host(self, W):
-        """Other kernels for layer ``W``: none (see :meth:`.torch.TorchKernels.host`)."""
-        return None
-
-    def colsum(self, W, G):
+    def colsum(self, W, G, scratch=None):
         """``sum(W * G, axis=(0, 2))``."""
         return self.mod.einsum("bak,bak->a", W, G)
 
@@ -88,22 +80,19 @@ class ArrayKernels:
         n = W.shape[0]
         return n if self.chunk is None else max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
-    def scratch(self, like, size: int):
-        """A reused flat buffer of at least ``size`` elements of ``like``'s dtype."""
-        buf = self._scratch.buffers.get(like.dtype)
-        if buf is None or buf.size < size:
-            buf = self._scratch.buffers[like.dtype] = self.mod.empty(size, dtype=like.dtype)
-        return buf
+    def scratch(self, scratch, like, size: int):
+        """A flat buffer of at least ``size`` elements of ``like``'s dtype from ``scratch``."""
+        return scratch.get(like, size, lambda n: self.mod.empty(n, dtype=like.dtype))
 
-    def bulk_(self, W, G, f, beta, rho, lr: float, recips=None) -> None:
+    def bulk_(self, W, G, f, beta, rho, lr: float, recips=None, scratch=None) -> None:
         """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, block by block; a
-        block with a non-finite result is recomputed by :func:`.fast.exact_rows` (these
-        kernels never get ``recips``: ``recip = False``). ``W``, ``G`` come as ``(n, p*k)``."""
+        block with a non-finite result is recomputed by :func:`.fast.exact_rows` (eager
+        kernels never get ``recips``). ``W``, ``G`` come as ``(n, p*k)``."""
         xp, mod = self.xp, self.mod
         W, G = W.reshape(W.shape[0], beta.shape[0], -1), G.reshape(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
         rows = self.block_rows(W)
-        buf = self.scratch(W, rows * p * (k + 1))
+        buf = self.scratch(scratch, W, rows * p * (k + 1))
         u = recip_square(xp, f)
         v3, rho3 = mod.reshape(recip_square(xp, beta), (1, p, 1)), mod.reshape(rho, (1, p, 1))
         for i in range(0, n, rows):
@@ -119,6 +108,13 @@ class ArrayKernels:
                 W[i:j] = block
             else:
                 W[i:j] = exact_rows(xp, W[i:j], G[i:j], f[i:j], beta, rho, lr)
+
+    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
+        """:func:`.fast.momentum_rows_`: in-place blocks, bit-identical to the core."""
+        momentum_rows_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch)
+
+    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
+        rule_bulk_(self, rule, coef, W, G, M, F, B, rho)
 
 
 KERNELS = ArrayKernels(np, CHUNK)

@@ -16,10 +16,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gsgd_core import Chain, ElementwiseRule, RuleState
-from gsgd_core.arrays import all_finite, safe_div
-from gsgd_core.sweeps import frozen_if_overflow, products_of_edges
+from gsgd_core.rules import (all_finite, finite_or_zero, kept, path_gradient, safe_div,
+                             tau_ratio)
+from gsgd_core.sweeps import products_of_edges
 
-from .fast import finite_mask, flat, kept, per_column, step_plan, prepared, backward_sums
+from .fast import backward_sums, flat, per_column, plan_for
+from .plan import StepPlan
 
 __all__ = ["rule_step_"]
 
@@ -30,60 +32,59 @@ BLOCK = 1 << 15
 
 
 def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, weights, biases,
-               grads, bias_grads) -> bool:
-    """One step of ``rule`` in place through ``kernels``; ``False`` if the core must take
-    it (nothing written then). ``state``'s buffers are updated in place; its count is the
-    caller's."""
+               grads, bias_grads, *, plan: StepPlan | None = None) -> bool:
+    """One step of ``rule`` in place through ``kernels`` (or ``plan``, reused across
+    steps); ``False`` if the core must take it (nothing written then). ``state``'s buffers
+    are updated in place; its count is the caller's."""
     if not isinstance(rule, ElementwiseRule) or not isinstance(state, RuleState):
         return False
-    hosted = [kernels.host(w) for w in weights]
-    if hosted and all(h is not None for h in hosted):
-        # A chain of small CPU layers runs on NumPy views of its tensors: its vector work
-        # is a few hundred operations, each several times dearer through ATen.
-        kernels, view = hosted[0][0], _detached(hosted[0][1])
-        weights, biases, grads, bias_grads = (
-            None if a is None else [view(x) for x in a]
-            for a in (weights, biases, grads, bias_grads))
-        state = RuleState(tuple(tuple(view(x) for x in bufs) for bufs in state.buffers),
-                          view(state.count))
-    with kernels.context():
-        return _step(kernels, chain, rule, state, weights, biases, grads, bias_grads)
+    plan = plan_for(kernels, chain, weights, plan)
+    with plan.kernels.context():
+        return _step(plan, rule, state, weights, biases, grads, bias_grads)
 
 
-def _step(kernels, chain, rule, state, weights, biases, grads, bias_grads) -> bool:
-    L = chain.L
-    p = prepared(chain, weights, biases, grads, bias_grads, None)
-    xp = kernels.xp
+def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bool:
+    chain, kernels, xp, L = plan.chain, plan.kernels, plan.xp, plan.chain.L
+    p = plan.prepared(weights, biases, grads, bias_grads)
     b = list(biases) if biases is not None else [None] * L
     n_paths = L + sum(x is not None for x in b)
     if p.dtype != p.store or any(len(bufs) != n_paths for bufs in state.buffers):
         return False
-    shapes = [chain.layer_shape(l) for l in range(1, L + 1)]
-    W = [kernels.view3(w, s) for w, s in zip(weights, shapes)]
-    M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], shapes)] for bufs in state.buffers]
-    if any(a is None or a.dtype != p.dtype for a in W + [m for ms in M for m in ms]):
+    if any(m.dtype != p.dtype for bufs in state.buffers for m in bufs if m is not None):
         return False
-    G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, shapes)]
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
-    rest = [iter(bufs[L:]) for bufs in state.buffers]
+    buffers, count = state.buffers, state.count
+    if plan.view is not None:  # the arrays the plan computes on (NumPy views of tensors)
+        weights, grads, b, Gb = ([None if a is None else plan.view(a) for a in A]
+                                 for A in (weights, grads, b, Gb))
+        buffers = [[None if m is None else plan.view(m) for m in bufs] for bufs in buffers]
+        count = plan.view(count)
+    W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
+    M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], plan.shapes)] for bufs in buffers]
+    if any(a is None for a in W + [m for ms in M for m in ms]):
+        return False
+    G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, plan.shapes)]
+    rest = [iter(bufs[L:]) for bufs in buffers]
     Mb = [[None if x is None else next(r) for x in b] for r in rest]
-    plan = step_plan(chain, p.xp, p.device)
-    coef = rule.coefficients(xp, state.count, p.dtype)
-    C = [xp.sum(G[0])] + [kernels.colsum(W[l], G[l]) for l in range(1, L)]
-    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, plan)]
-    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, plan)]
-    ms = [[xp.take(flat(xp, m), s.spec) for m, s in zip(ml, plan)] for ml in M]
-    v = rule_vectors(kernels, chain, p.meta, plan, rule, coef, ws, gs, ms, C, b, Gb, Mb,
-                     p.device)
+    layers = plan.layers
+    coef = rule.coefficients(xp, count, W[0].dtype)
+    C = [xp.sum(G[0])] + [plan.layer_kernels[l].colsum(W[l], G[l], plan.scratch)
+                          for l in range(1, L)]
+    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, layers)]
+    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, layers)]
+    ms = [[xp.take(flat(xp, m), s.spec) for m, s in zip(ml, layers)] for ml in M]
+    v = rule_vectors(kernels, chain, plan.meta, layers, rule=rule, coef=coef, ws=ws, gs=gs,
+                     ms=ms, C=C, b=b, Gb=Gb, Mb=Mb, device=plan.step_device)
     if v is None:
         return False
     for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
-        rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], v.F[l],
-                   v.B[l - 1], v.rho[l - 1])
+        plan.layer_kernels[l - 1].rule_bulk_(rule, coef, W[l - 1], G[l - 1],
+                                             [m[l - 1] for m in M], v.F[l], v.B[l - 1],
+                                             v.rho[l - 1])
     for l in range(L):
-        kernels.put_(W[l], plan[l].spec, v.special[l])
+        kernels.put_(W[l], layers[l].spec, v.special[l])
         for m, new in zip(M, v.special_m[l]):
-            kernels.put_(m[l], plan[l].spec, new)
+            kernels.put_(m[l], layers[l].spec, new)
         if b[l] is not None:
             kernels.put_(b[l], None, v.bias[l])
             for m, new in zip(Mb, v.bias_m):
@@ -105,22 +106,22 @@ class RuleVectors(NamedTuple):
     bias_m: list
 
 
-def rule_vectors(kernels, chain, meta, plan, rule, coef, ws, gs, ms, C, b, Gb, Mb,
+def rule_vectors(kernels, chain, meta, layers, *, rule, coef, ws, gs, ms, C, b, Gb, Mb,
                  device) -> RuleVectors | None:
     """The node-vector part of a rule step from the special edges' values (``ws``, ``gs``,
-    ``ms`` at each layer's ``plan.spec``), the column sums ``C`` (layer 1's gradient sum
-    first) and the biases ``b``, their gradients and buffers, wherever they were gathered
-    from (:mod:`.sharded` sums them over processes); ``None`` when a backward sum, a bias
+    ``ms`` at each layer's ``spec``), the column sums ``C`` (layer 1's gradient sum first)
+    and the biases ``b``, their gradients and buffers, wherever they were gathered from
+    (:mod:`.sharded` sums them over processes); ``None`` when a backward sum, a bias
     gradient or layer 1's gradients are not finite (the step's one host synchronisation)."""
     xp, L = kernels.xp, chain.L
-    T = backward_sums(kernels, plan, ws, gs, C[1:])
+    T = backward_sums(kernels, layers, ws, gs, C[1:])
     B, F = products_of_edges(
-        xp, chain, meta, [xp.take(ws[l - 1], plan[l - 1].tau) for l in range(1, L)],
-        [xp.take(ws[l], plan[l].free) for l in range(1, L)], ws[0].dtype, device)
+        xp, chain, meta, [xp.take(ws[l - 1], layers[l - 1].tau) for l in range(1, L)],
+        [xp.take(ws[l], layers[l].free) for l in range(1, L)], ws[0].dtype, device)
     if not bool(all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])):
         return None
-    special, special_m, rho = rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T,
-                                           B, F, device)
+    special, special_m, rho = rule_special(xp, chain, meta, layers, ws, gs, ms, rule=rule,
+                                           coef=coef, T=T, B=B, F=F, device=device)
     bias, bias_m = [None] * L, [[None] * L for _ in Mb]
     for l in range(L):
         if b[l] is not None:
@@ -134,10 +135,10 @@ def _apply(xp, rule, coef, D, V, bufs):
     """The rule's step and buffers on some paths; a step that is not finite is 0 (the path
     keeps its value) and a buffer that is not finite keeps its old value (the core's rules)."""
     delta, new = rule.apply(xp, D, V, tuple(bufs), coef)
-    return xp.where(finite_mask(delta), delta, 0.0), [kept(xp, n, o) for n, o in zip(new, bufs)]
+    return finite_or_zero(xp, delta), [kept(xp, n, o) for n, o in zip(new, bufs)]
 
 
-def rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device):
+def rule_special(xp, chain, meta, layers, ws, gs, ms, *, rule, coef, T, B, F, device):
     """New values of each layer's special edges (tau edges moved, free edges kept), of the
     rule's buffers there (per layer, a list per buffer), and ``rho_0..rho_{L-1}``."""
     dtype = ws[0].dtype
@@ -145,7 +146,7 @@ def rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device)
     rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
     special, special_m = [], []
     for l in range(1, chain.L + 1):
-        s, w, bufs = plan[l - 1], ws[l - 1], [m[l - 1] for m in ms]
+        s, w, bufs = layers[l - 1], ws[l - 1], [m[l - 1] for m in ms]
         zero = xp.zeros_like(w)  # free edges own no path: D = V = 0 there (icr3)
         _, m_free = _apply(xp, rule, coef, zero, zero, bufs)
         if l == chain.L:
@@ -156,10 +157,9 @@ def rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device)
         w_tau, g_tau = xp.take(w, s.tau), xp.take(gs[l - 1], s.tau)
         rho_src = xp.take(rho[-1], src)
         V = (F[l] * xp.take(B[l - 1], src)) * w_tau
-        D = frozen_if_overflow(xp, safe_div(xp, w_tau * g_tau - T[l], V), g_tau)
+        D = path_gradient(xp, w_tau * g_tau - T[l], V, g_tau)
         delta, m_tau = _apply(xp, rule, coef, D, V, [xp.take(a, s.tau) for a in bufs])
-        R = 1.0 - safe_div(xp, delta, V)
-        R = xp.where(R == 0, eps, R)
+        R = tau_ratio(xp, safe_div(xp, delta, V), eps)
         tau_new = kept(xp, w_tau * (R / rho_src), w_tau)
         special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
         special_m.append([xp.where(s.moved, xp.take(a, s.node), f)
@@ -170,26 +170,19 @@ def rule_special(xp, chain, meta, plan, rule, coef, ws, gs, ms, T, B, F, device)
 
 def rule_bias(xp, rule, coef, b, Gb, F, bufs):
     """``b' = b - Delta / F`` with ``Delta`` the rule's step at ``Db = Gb / F``, ``Vb = b F``."""
-    Db = frozen_if_overflow(xp, safe_div(xp, Gb, F), Gb)
-    delta, new = _apply(xp, rule, coef, Db, b * F, bufs)
+    delta, new = _apply(xp, rule, coef, path_gradient(xp, Gb, F, Gb), b * F, bufs)
     return kept(xp, b - safe_div(xp, delta, F), b), new
 
 
-def rule_bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
+def rule_bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho, *, checked: bool = True) -> None:
     """Every edge of a layer by the rule, in blocks of rows, in place: ``D = G/(F B)``,
     ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges are
-    overwritten afterwards. Each block is computed without the per-entry guards and checked
-    through the sums of ``D``, ``W'`` and the new buffers: where every sum is finite the
-    guards would have changed nothing (a zero ``F B`` or an overflow makes ``D`` or ``W'``
-    non-finite), else the block is recomputed by the core's per-entry rules. A small CPU
-    layer runs on NumPy views."""
-    host = kernels.host(W)
-    if host is not None:
-        kernels, view = host
-        W, G, F, B_prev, rho = map(view, (W, G, F, B_prev, rho))
-        M = [view(m) for m in M]
-        with kernels.context():
-            return rule_bulk_(kernels, rule, _host_coef(coef, view), W, G, M, F, B_prev, rho)
+    overwritten afterwards. ``checked``: each block is computed without the per-entry guards
+    and checked through the sums of ``D``, ``W'`` and the new buffers (a host read per
+    block): where every sum is finite the guards would have changed nothing (a zero ``F B``
+    or an overflow makes ``D`` or ``W'`` non-finite), else the block is recomputed by the
+    core's per-entry rules. Unchecked, every block takes the per-entry rules (no host
+    read)."""
     xp = kernels.xp
     n, p, k = W.shape
     rows = kernels.block_rows(W)
@@ -202,27 +195,16 @@ def rule_bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho) -> None:
         sl = slice(i, min(n, i + rows))
         fb = F[sl][:, None] * B_cols[None, :]
         w, g, bufs = W[sl], G[sl], [m[sl] for m in M]
-        D = g / fb
-        delta, new = rule.apply(xp, D, fb * w, tuple(bufs), coef)
-        w_new = (w - delta / fb) / rho_cols[None, :]
-        sums = xp.stack([xp.sum(a) for a in [D, w_new] + list(new)])
-        if not bool(xp.all(xp.isfinite(sums))):
-            D = frozen_if_overflow(xp, safe_div(xp, g, fb), g)
-            delta, new = _apply(xp, rule, coef, D, fb * w, bufs)
+        exact = not checked
+        if checked:
+            D = g / fb
+            delta, new = rule.apply(xp, D, fb * w, tuple(bufs), coef)
+            w_new = (w - delta / fb) / rho_cols[None, :]
+            sums = xp.stack([xp.sum(a) for a in [D, w_new] + list(new)])
+            exact = not bool(xp.all(xp.isfinite(sums)))
+        if exact:
+            delta, new = _apply(xp, rule, coef, path_gradient(xp, g, fb, g), fb * w, bufs)
             w_new = kept(xp, (w - safe_div(xp, delta, fb)) / rho_cols[None, :], w)
         kernels.put_(w, None, w_new)
         for m, a in zip(bufs, new):
             kernels.put_(m, None, a)
-
-
-def _detached(view):
-    """``view`` for tensors that may require grad (parameters); ``None`` stays."""
-    return lambda t: None if t is None else view(t.detach() if hasattr(t, "detach") else t)
-
-
-def _host_coef(coef, view):
-    """The rule's coefficients for NumPy kernels: 0-d tensors as NumPy views."""
-    if isinstance(coef, tuple):
-        return type(coef)(*(_host_coef(c, view) for c in coef)) if hasattr(coef, "_fields") \
-            else tuple(_host_coef(c, view) for c in coef)
-    return view(coef) if hasattr(coef, "detach") else coef

@@ -29,10 +29,11 @@ from array_api_compat import array_namespace
 
 from gsgd_core import Chain, ElementwiseRule, GSGDState, RuleState
 from gsgd_core.arrays import layer_meta
-from gsgd_core.gsgd import StepRule
+from gsgd_core.rules import StepRule
 
-from .fast import layer_plan, step_plan, bulk_stage_, special_vectors
 from . import rule_step
+from .fast import bulk_stage_, special_vectors
+from .plan import Scratch, layer_plan, plan_layers
 
 __all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
 
@@ -62,10 +63,11 @@ class RowShard:
                                  f"{chain.sizes[l]} output units")
         self.chain, self.rows, self.reduce = chain, rows, reduce
         self.xp, self.device = xp, device
-        self.meta, self.plan = layer_meta(chain, xp, device), step_plan(chain, xp, device)
+        self.meta, self.layers = layer_meta(chain, xp, device), plan_layers(chain, xp, device)
+        self.scratch = Scratch()
         self.spec_size, self.local = [], []  # per layer: |spec|; (i0, i1, local indices)
         for l, (r0, r1) in enumerate(rows, 1):
-            spec = layer_plan(chain, l)[0]
+            spec = layer_plan(chain, l).spec
             cols = math.prod(chain.layer_shape(l)[1:])
             i0, i1 = (int(i) for i in np.searchsorted(spec, [r0 * cols, r1 * cols]))
             self.spec_size.append(spec.size)
@@ -84,7 +86,7 @@ class RowShard:
         ``2..L``; ``vectors``: lists (biases, their gradients and buffers) of local row
         vectors or ``None``; ``refused``: this process cannot step in place. Returns the
         special edges' values of ``W``, ``G`` and each buffer (per layer, in
-        ``plan[l].spec`` order), ``C`` summed, the full vectors, and whether any process
+        ``layers[l].spec`` order), ``C`` summed, the full vectors, and whether any process
         refused."""
         xp, L = self.xp, self.chain.L
         # (length of the piece, where the local values start in it, the local values)
@@ -100,7 +102,7 @@ class RowShard:
         flat = xp.zeros(sum(n for n, _, _ in parts), dtype=W[0].dtype, device=self.device)
         flat[0] = 1.0 if refused else 0.0
         offsets = np.cumsum([0] + [n for n, _, _ in parts]).tolist()
-        for (n, start, values), o in zip(parts, offsets):
+        for (_, start, values), o in zip(parts, offsets):
             if values is not None:
                 flat[o + start:o + start + values.shape[0]] = values
         flat = self.reduce(flat)
@@ -112,7 +114,7 @@ class RowShard:
         return special[0], special[1], special[2:], C_full, full, bool(flat[0] > 0)
 
     def put_(self, kernels, W, values) -> None:
-        """Write each layer's new special-edge ``values`` (full, ``plan`` order) into the
+        """Write each layer's new special-edge ``values`` (full, ``layers`` order) into the
         local rows ``W``."""
         for w, v, (i0, i1, idx) in zip(W, values, self.local):
             if i1 > i0:
@@ -131,7 +133,7 @@ class RowShard:
         C = [xp.sum(G[0])]
         for l in range(1, self.chain.L):
             if W[l].shape[0]:
-                C.append(kernels.colsum(W[l], G[l]))
+                C.append(kernels.colsum(W[l], G[l], self.scratch))
             else:
                 C.append(xp.zeros(self.chain.sizes[l], dtype=W[l].dtype, device=self.device))
         return C
@@ -181,16 +183,17 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         h = None if not (weight_decay or momentum) else StepRule(
             weight_decay or None, momentum or None, dampening, nesterov,
             state.step == 0 if momentum else None)
-        v = kernels.stage(special_vectors, shard.chain)(
-            kernels, shard.chain, shard.meta, shard.plan, ws, gs, ms[0] if ms else None, C,
-            b_full, Gb_full, float(lr), shard.device, Mb_full, h)
+        v = special_vectors(kernels, shard.chain, shard.meta, shard.layers, ws=ws, gs=gs,
+                            ms=ms[0] if ms else None, C=C, b=b_full, Gb=Gb_full, lr=float(lr),
+                            device=shard.device, Mb=Mb_full, h=h)
         if not bool(v.flags[0]):
             return False
         local_F = [None] + [f[r0:r1] for f, (r0, r1) in zip(v.F[1:], shard.rows)]
         rows = [None if A is None else
                 [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
                 for A in (W, G, Ms if M is not None else None)]
-        bulk_stage_(kernels, *rows, v._replace(F=local_F), float(lr), (False,) * L, h)
+        bulk_stage_((kernels,) * L, *rows, v=v._replace(F=local_F), lr=float(lr),
+                    tame=(False,) * L, h=h, scratch=shard.scratch)
         shard.put_(kernels, W, v.special)
         shard.put_rows_(kernels, b, v.bias)
         if M is not None:
@@ -223,16 +226,16 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
         if refused:
             return False
         coef = rule.coefficients(xp, state.count, W[0].dtype)
-        v = rule_step.rule_vectors(kernels, chain, shard.meta, shard.plan, rule, coef, ws, gs,
-                                   ms, C, full[0], full[1], full[2:], shard.device)
+        v = rule_step.rule_vectors(kernels, chain, shard.meta, shard.layers, rule=rule,
+                                   coef=coef, ws=ws, gs=gs, ms=ms, C=C, b=full[0], Gb=full[1],
+                                   Mb=full[2:], device=shard.device)
         if v is None:
             return False
         for l in range(L, 0, -1):
             r0, r1 = shard.rows[l - 1]
             if r1 > r0:
-                rule_step.rule_bulk_(kernels, rule, coef, W[l - 1], G[l - 1],
-                                     [m[l - 1] for m in M], v.F[l][r0:r1], v.B[l - 1],
-                                     v.rho[l - 1])
+                kernels.rule_bulk_(rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M],
+                                   v.F[l][r0:r1], v.B[l - 1], v.rho[l - 1])
         shard.put_(kernels, W, v.special)
         for j, m in enumerate(M):
             shard.put_(kernels, m, [s[j] for s in v.special_m])

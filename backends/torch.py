@@ -1,15 +1,19 @@
 """PyTorch kernels of the fast step (:mod:`.fast`), in place.
 
-``KERNELS`` (eager): on the CPU both heavy passes run over blocks of rows that stay in cache:
-the column sum as ``addcmul_`` of each block into one block of partial sums, the bulk update
-as a few in-place ops per block, each block checked for non-finite values before it is
-written. The vector stage and small layers (:data:`SMALL`) run NumPy's kernels on
-zero-copy views of the tensors, where an operation costs a fraction of ATen's dispatch.
-On a GPU each layer is one block, and everything stays with torch.
+``KERNELS`` (eager). The plan of CPU tensors computes on NumPy views of them (zero-copy):
+the node-vector work (a few hundred operations on short vectors, most of a small model's
+step) and small layers (:data:`SMALL`) take NumPy's kernels, where an operation costs a
+fraction of ATen's dispatch, and each large layer takes torch's own kernels on tensors
+sharing the NumPy arrays' memory (:class:`TorchOnNumPy`): the column sum as ``addcmul_``
+of blocks of rows into one cache-resident block of partial sums, the bulk update as a few
+in-place ops per block, each block checked for non-finite values before it is written. On
+a GPU everything stays with torch, each layer is one block, and the bulk takes the core's
+per-entry rules without reading anything back: the step's one host synchronisation is
+the vector stage's flags.
 
 ``COMPILED``: the column sum stays eager (inductor's reductions over rows stride across
 them); the vector stage and the bulk stage of :mod:`.fast` are each compiled whole by
-``torch.compile``, per chain and specialised to its shapes, so a step is two compiled calls
+``torch.compile``, per plan and specialised to its shapes, so a step is two compiled calls
 and a few eager ops. The bulk is one loop per layer: :func:`.fast.recip_rows` (no division
 per entry) where the layer's node vectors are tame, :func:`.fast.exact_rows` elsewhere. The
 learning rate enters as a tensor, so a schedule never recompiles. The first step of a new
@@ -18,7 +22,6 @@ chain compiles for some seconds.
 
 from __future__ import annotations
 
-import functools
 import math
 import types
 
@@ -27,18 +30,15 @@ import array_api_compat.torch as compat
 import numpy as np
 import torch
 
-from gsgd_core.arrays import layer_meta
-from gsgd_core.gsgd import StepRule
-
 from . import numpy as numpy_kernels
-from .fast import (step_plan, exact_rows, recip_rows, recip_square, special_vectors,
-                   vector_stage)
+from .fast import exact_rows, momentum_rows_, recip_rows, recip_square, rows_by_rules
+from .plan import StepPlan
+from .rule_step import rule_bulk_
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
-#: Eager CPU layers up to this size take NumPy's kernels on zero-copy views: below it, the
-#: cost of an ATen call outweighs its second thread (chosen by timing layer updates on
-#: both sides of it).
+#: CPU layers up to this size take NumPy's kernels: below it, the cost of an ATen call
+#: outweighs its second thread (chosen by timing layer updates on both sides of it).
 SMALL = 1 << 17
 
 
@@ -55,41 +55,63 @@ class _Namespace:
         return torch.index_select(x, axis, indices)
 
 
+def _numpy_view(t):
+    """A NumPy array sharing the CPU tensor's memory."""
+    return t.detach().numpy()
+
+
 class TorchKernels:
+    """The fast step's kernels (:class:`gsgd_backends.kernels.Kernels`) over torch tensors:
+    eager, or compiled by ``torch.compile`` (module docstring)."""
+
     mod = torch
 
-    def __init__(self, chunk: int, compiled: bool = False) -> None:
-        self.chunk, self.compiled = chunk, compiled
-        self.recip = compiled  # the compiled bulk runs recip_rows on tame layers
-        self.inplace = not compiled  # a traced bulk is functional: inductor fuses it
-        # CPU layers up to this size, and the vector stage unless it is 0, go to NumPy.
-        self.small = 0 if compiled else SMALL
+    def __init__(self, chunk: int, *, compiled: bool = False, host: bool = True,
+                 checked: bool = True) -> None:
+        self.chunk, self.traced = chunk, compiled
+        #: Eager CPU plans compute on NumPy views; layers up to ``small`` weights take
+        #: NumPy's kernels.
+        self.host, self.small = host and not compiled, SMALL
+        #: Eager bulk blocks are checked by a host read each (else: per-entry rules).
+        self.checked = checked and not compiled
         self.xp = compat if compiled else _Namespace()
-        self._scratch = numpy_kernels.Scratch()
+
+    def plan(self, chain, array) -> StepPlan:
+        """Eager float32/float64 CPU tensors: a plan on NumPy views, each layer on NumPy's
+        kernels or, above ``small`` weights, on :data:`ON_NUMPY`. Other devices: every
+        layer on :data:`ON_DEVICE` (no host read in the bulk). Otherwise every layer on
+        these kernels."""
+        device, dtype, L = array.device, array.dtype, chain.L
+        if self.host and device.type == "cpu" and dtype in (torch.float32, torch.float64):
+            layer_kernels = [numpy_kernels.KERNELS if math.prod(chain.layer_shape(l))
+                             <= self.small else ON_NUMPY for l in range(1, L + 1)]
+            return StepPlan(chain, numpy_kernels.KERNELS, xp=np_compat, device=device,
+                            dtype=dtype, layer_kernels=layer_kernels, view=_numpy_view,
+                            step_device="cpu")
+        kernels = self if device.type == "cpu" or not self.checked else ON_DEVICE
+        return StepPlan(chain, kernels, xp=kernels.xp, device=device, dtype=dtype,
+                        layer_kernels=[kernels] * L)
 
     def context(self):
         """Parameters are written in place, outside autograd."""
         return torch.no_grad()
 
-    def stage(self, fn, chain):
-        """``fn`` itself, or, if compiled, ``fn`` compiled whole for ``chain`` (specialised
-        to its shapes). Each chain compiles its own copy of ``fn``: dynamo keeps its cache,
-        and its limit of recompilations, per code object, so one shared ``fn`` would stop
+    def compile(self, fn):
+        """``fn`` itself, or, if compiled, a copy of ``fn`` compiled whole (specialised to
+        the shapes it meets). Each plan compiles its own copy: dynamo keeps its cache, and
+        its limit of recompilations, per code object, so one shared ``fn`` would stop
         compiling after a handful of models."""
-        if not self.compiled:
-            hosted = fn in (vector_stage, special_vectors) and self.small > 0
-            return functools.partial(_vectors_on_numpy, fn) if hosted else fn
-        key = ("torch-stage", fn.__name__)
-        if key not in chain._cache:
-            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                                      fn.__defaults__, fn.__closure__)
-            chain._cache[key] = torch.compile(copy, dynamic=False)
-        return chain._cache[key]
+        if not self.traced:
+            return fn
+        copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                                  fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        return torch.compile(copy, dynamic=False)
 
     def scalar(self, value: float, dtype, device):
         """``value`` as the stages take it: compiled stages get a 0-d tensor, since dynamo
         would compile anew for every distinct Python float (a learning-rate schedule)."""
-        return torch.full((), value, dtype=dtype, device=device) if self.compiled else value
+        return torch.full((), value, dtype=dtype, device=device) if self.traced else value
 
     def view3(self, w, shape, writable: bool = True):
         """A ``(n, p, k)`` view of ``w`` sharing its storage, or ``None`` if not contiguous
@@ -98,49 +120,28 @@ class TorchKernels:
             return None if writable else w.detach().reshape(shape)
         return w.detach().view(shape)
 
-    def _rows(self, W) -> int:
+    def block_rows(self, W) -> int:
         """Rows per cache-sized block of ``W`` (all of them on a GPU)."""
         n = W.shape[0]
-        if W.device.type != "cpu":
+        if W.device.type != "cpu" or not self.checked:
             return n
         return max(1, min(n, self.chunk // math.prod(W.shape[1:])))
 
-    def host(self, W):
-        """For a small CPU layer (up to ``self.small`` weights, :data:`SMALL` when eager),
-        NumPy's kernels and the map of a tensor to a NumPy view of its memory; else
-        ``None``."""
-        if W.device.type != "cpu" or W.numel() > self.small:
-            return None
-        return numpy_kernels.KERNELS, torch.Tensor.numpy
+    def scratch(self, scratch, like, size: int):
+        """A flat buffer of at least ``size`` elements of ``like``'s dtype and device."""
+        return scratch.get(like, size, lambda n: torch.empty(n, dtype=like.dtype,
+                                                              device=like.device))
 
-    def block_rows(self, W) -> int:
-        """Rows per block of a bulk update: all of them when compiled (one fused loop)."""
-        return W.shape[0] if self.compiled else self._rows(W)
-
-    def scratch(self, like, size: int):
-        """A reused flat buffer of at least ``size`` elements of ``like``'s dtype and device."""
-        key = (like.dtype, like.device)
-        buf = self._scratch.buffers.get(key)
-        if buf is None or buf.numel() < size:
-            buf = self._scratch.buffers[key] = torch.empty(size, dtype=like.dtype,
-                                                             device=like.device)
-        return buf
-
-    def colsum(self, W, G):
+    def colsum(self, W, G, scratch):
         """``sum(W * G, dim=(0, 2))``: blocks of rows accumulated by ``addcmul_`` into one
         cache-resident block of partial sums (row-major streaming; ATen's and inductor's
-        reductions over dim 0 stride across rows and run at half the read bandwidth); a
-        small CPU layer by NumPy's ``einsum`` (:data:`SMALL`)."""
-        host = self.host(W)
-        if host is not None:
-            kernels, view = host
-            return torch.from_numpy(kernels.colsum(view(W), view(G)))
+        reductions over dim 0 stride across rows and run at half the read bandwidth)."""
         n, p, k = W.shape
-        rows = self._rows(W)
+        rows = self.block_rows(W)
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
         # Last rows first, so that the bulk update starts on rows still in cache.
         acc = torch.mul(W2[n - rows:], G2[n - rows:],
-                        out=self.scratch(W, rows * p * k)[:rows * p * k].view(rows, p * k))
+                        out=self.scratch(scratch, W, rows * p * k)[:rows * p * k].view(rows, p * k))
         for j in range(n - rows, 0, -rows):
             i = max(0, j - rows)
             acc[:j - i].addcmul_(W2[i:j], G2[i:j])
@@ -156,29 +157,23 @@ class TorchKernels:
         else:
             dst.view(-1).index_copy_(0, index, values)
 
-    def bulk_(self, W, G, f, beta, rho, lr, recips=None) -> None:
+    def bulk_(self, W, G, f, beta, rho, lr, recips=None, scratch=None) -> None:
         """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, ``W`` and ``G`` as
-        ``(n, p*k)``. Compiled (traced inside the compiled bulk stage): one loop,
-        :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
-        :func:`.fast.exact_rows` otherwise. Eager: block by block, a block holding a
-        non-finite result recomputed by the core's rules; a small CPU layer by NumPy's
-        kernels (:data:`SMALL`)."""
-        if self.compiled:  # written into W itself: through a view, inductor stages a copy
+        ``(n, p*k)``. Compiled (traced inside the compiled bulk stage) or on a GPU: one
+        loop, :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
+        :func:`.fast.exact_rows` otherwise, with no host read. Eager on the CPU: block by
+        block, a block holding a non-finite result recomputed by the core's rules."""
+        if not self.checked:
+            # written into W itself: through a view, inductor stages a copy
             W.copy_(recip_rows(compat, W, G, recips, lr) if recips is not None else
                     exact_rows(compat, W.view(W.shape[0], beta.shape[0], -1),
                                G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
                                lr).view(W.shape))
             return
-        host = self.host(W)
-        if host is not None:
-            kernels, view = host
-            with kernels.context():
-                kernels.bulk_(*map(view, (W, G, f, beta, rho)), lr)
-            return
         W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
         n, p, k = W.shape
-        rows = self._rows(W)
-        buf = self.scratch(W, rows * p * (k + 1))
+        rows = self.block_rows(W)
+        buf = self.scratch(scratch, W, rows * p * (k + 1))
         u = recip_square(compat, f)
         v3, rho3 = recip_square(compat, beta).view(1, p, 1), rho.view(1, p, 1)
         for i in range(0, n, rows):
@@ -194,57 +189,61 @@ class TorchKernels:
             else:
                 W[i:j].copy_(exact_rows(compat, W[i:j], G[i:j], f[i:j], beta, rho, lr))
 
+    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
+        """Weight decay and momentum: compiled or on a GPU, :func:`.fast.rows_by_rules`
+        whole (no host read); eager on the CPU, :func:`.fast.momentum_rows_` (in-place
+        blocks, bit-identical to the core)."""
+        if not self.checked:
+            w, m = rows_by_rules(compat, W, G, M, F, B_cols, rho_cols, lr, rule)
+            W.copy_(w)
+            if M is not None:
+                M.copy_(m)
+            return
+        momentum_rows_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch)
 
-def _vectors_on_numpy(fn, kernels, chain, meta, plan, *args):
-    """An eager vector stage (:func:`.fast.vector_stage`, :func:`.fast.special_vectors`) of
-    CPU tensors run by NumPy on zero-copy views of them: its few hundred operations on
-    node-sized vectors cost several times less there than through ATen, and they are most
-    of a small model's step. The results come back as tensors sharing NumPy's memory; a CUDA
-    step stays with torch. ``args`` are the stage's own: arrays (or lists of them), the
-    device, the learning rate and the step rule."""
-    if _first_tensor(args).device.type != "cpu":
-        return fn(kernels, chain, meta, plan, *args)
-
-    def host(a):
-        if isinstance(a, (torch.device, str)):  # the stage's device argument
-            return "cpu"
-        if isinstance(a, StepRule):
-            return a if a.first is None else a._replace(first=bool(a.first))
-        return _map(lambda t: t.detach().numpy() if isinstance(t, torch.Tensor) else t, a)
-
-    nk = numpy_kernels.KERNELS
-    with nk.context():
-        v = fn(nk, chain, layer_meta(chain, np_compat, "cpu"), step_plan(chain, np_compat, "cpu"),
-               *map(host, args))
-    return type(v)(*_map(_from_numpy, list(v)))
+    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
+        """:func:`.rule_step.rule_bulk_`, its blocks checked by a host read on the CPU only."""
+        rule_bulk_(self, rule, coef, W, G, M, F, B, rho, checked=self.checked)
 
 
-def _first_tensor(x):
-    """The first tensor in nested lists and tuples (``None`` if there is none)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            t = _first_tensor(y)
-            if t is not None:
-                return t
-    return None
+class TorchOnNumPy:
+    """Layer kernels (:class:`gsgd_backends.kernels.LayerKernels`) for a large layer of a
+    step that computes on NumPy views of CPU tensors: torch's eager kernels on tensors
+    sharing the NumPy arrays' memory, so that the bulk runs on ATen's threads."""
+
+    def __init__(self, kernels: TorchKernels) -> None:
+        self.kernels = kernels
+
+    def colsum(self, W, G, scratch):
+        return self.kernels.colsum(torch.from_numpy(W), torch.from_numpy(G), scratch).numpy()
+
+    def bulk_(self, W, G, F, B, rho, lr, recips, scratch) -> None:
+        self.kernels.bulk_(*map(torch.from_numpy, (W, G, F, B, rho)), lr, None, scratch)
+
+    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
+        self.kernels.rows_bulk_(*_tensors((W, G, M, F, B_cols, rho_cols)), lr,
+                                _tensors(rule), scratch)
+
+    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
+        self.kernels.rule_bulk_(rule, _tensors(coef), *_tensors((W, G, M, F, B, rho)))
 
 
-def _from_numpy(a) -> torch.Tensor:
-    """A tensor sharing ``a``'s memory (a copy if torch cannot: read-only or strided)."""
-    a = np.asarray(a)
-    return torch.from_numpy(a if a.flags.c_contiguous and a.flags.writeable else a.copy())
-
-
-def _map(f, x):
-    """``f`` on every array in nested lists and tuples (``None`` stays)."""
-    if x is None:
-        return None
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(f, y) for y in x)
-    return f(x)
+def _tensors(x):
+    """Every NumPy array or scalar in nested tuples and lists as a tensor (sharing memory
+    where it can); other leaves stay."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    if isinstance(x, np.generic):
+        return torch.as_tensor(x)
+    if isinstance(x, (tuple, list)):
+        items = [_tensors(y) for y in x]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    return x
 
 
 KERNELS = TorchKernels(CHUNK)
 COMPILED = TorchKernels(CHUNK, compiled=True)
+#: Eager kernels of plans on GPUs: whole layers, per-entry rules, no host read in the bulk.
+ON_DEVICE = TorchKernels(CHUNK, host=False, checked=False)
+#: Layer kernels of a large layer in a plan of CPU tensors (:class:`TorchOnNumPy`).
+ON_NUMPY = TorchOnNumPy(KERNELS)

@@ -219,7 +219,7 @@ def unvecs(p: Prepared, arrays) -> list:
 
 def quiet_fp(fn):
     """Silence NumPy's floating-point warnings in a function whose overflows are guarded
-    (:func:`guard`): they are handled by design, not errors. Other namespaces do not warn."""
+    (:mod:`.rules`): they are handled by design, not errors. Other namespaces do not warn."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         with np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore"):
@@ -227,19 +227,8 @@ def quiet_fp(fn):
     return wrapper
 
 
-def all_finite(xp, arrays):
-    """One 0-d boolean array: every entry of every array is finite (no host round-trip)."""
-    flags = [xp.all(xp.isfinite(a)) for a in arrays if a is not None]
-    out = flags[0]
-    for f in flags[1:]:
-        out = out & f
-    return out
 
 
-def guard(xp, ok, new, old):
-    """``new`` where it is finite and ``ok``, else ``old``: finite input never writes NaN/Inf."""
-    return [None if n is None else xp.where(ok & xp.isfinite(n), n, o)
-            for n, o in zip(new, old)]
 
 
 def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None) -> None:
@@ -262,10 +251,6 @@ def scalar(p: Prepared, value):
     return p.xp.astype(p.xp.asarray(value, device=p.device), p.dtype)
 
 
-def safe_div(xp, num, den):
-    """``num / den`` with ``0`` where ``den == 0`` (never NaN or Inf from finite input)."""
-    zero = den == 0
-    return xp.where(zero, 0.0, num / xp.where(zero, 1.0, den))
 
 
 def outer3(u, v):
@@ -279,8 +264,9 @@ def shaped(p: Prepared, arrays) -> list:
 
 
 def guard_tree(xp, ok, new, old):
-    """:func:`guard` over a state of nested tuples, lists, NamedTuples and dicts: each array
-    leaf of ``new`` where ``ok`` (and, for floating arrays, where finite), else ``old``'s."""
+    """:func:`gsgd_core.rules.guard` over a state of nested tuples, lists, NamedTuples and
+    dicts: each array leaf of ``new`` where ``ok`` (and, for floating arrays, where
+    finite), else ``old``'s."""
     if new is None:
         return None
     if isinstance(new, dict):

@@ -11,8 +11,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .arrays import _is_array, check_hyper, outer3, prepare, restore, safe_div, unvecs, vecs, view3
+from .arrays import _is_array, check_hyper, outer3, prepare, restore, unvecs, vecs, view3
 from .chain import Chain
+from .rules import safe_div
 from .sweeps import chain_products, in_units
 
 __all__ = ["rescale", "random_rescaling", "canonicalize", "skeleton_init",

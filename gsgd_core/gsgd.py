@@ -10,9 +10,9 @@ from __future__ import annotations
 import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
-from .arrays import (all_finite, check_hyper, guard, prepare, quiet_fp, restore, scalar,
-                      unvecs, vecs, view3)
+from .arrays import check_hyper, prepare, quiet_fp, restore, scalar, unvecs, vecs, view3
 from .chain import Chain
+from .rules import StepRule, all_finite, direction, guard
 from .sweeps import allocate3, chain_products, icr3, path_values3
 
 __all__ = ["GSGDState", "path_values", "icr", "gsgd_step", "gsgd_init", "gsgd_update"]
@@ -189,33 +189,3 @@ def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Ar
     W_new, b_new = allocate3(xp, chain, p.meta, W, b, S, Sb, V, B, F, lr, p.dtype, p.device)
     W_new, b_new = guard(xp, ok, W_new, W), guard(xp, ok, b_new, b)
     return restore(p, W_new), unvecs(p, b_new), new_state
-
-
-class StepRule(NamedTuple):
-    """Weight decay and momentum of one update as the arithmetic takes them: ``None`` where
-    switched off; ``first`` (0-d) says the state is at its first step."""
-
-    weight_decay: Any
-    momentum: Any
-    dampening: Any
-    nesterov: bool
-    first: Any
-
-
-def direction(xp, D, M, V, rule: StepRule | None):
-    """Weight decay and path-space momentum on one array of path gradients ``D`` (path
-    values ``V``, buffer ``M``), torch.optim.SGD's conventions::
-
-        D <- D + weight_decay * V
-        M' = D on the first step, else momentum * M + (1 - dampening) * D
-        direction = D + momentum * M' (Nesterov) or M'
-
-    Returns the direction and ``M'`` (``None`` without momentum, and for ``D = None``)."""
-    if rule is None or D is None:
-        return D, None
-    if rule.weight_decay is not None:
-        D = D + rule.weight_decay * V
-    if rule.momentum is None:
-        return D, None
-    M_new = xp.where(rule.first, D, rule.momentum * M + (1.0 - rule.dampening) * D)
-    return (D + rule.momentum * M_new if rule.nesterov else M_new), M_new

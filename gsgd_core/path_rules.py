@@ -24,7 +24,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol, Sequence, runtime_checka
 import array_api_compat
 
 from .arrays import check_hyper
-from .gsgd import StepRule, check_update_hypers, direction
+from .gsgd import check_update_hypers
+from .rules import StepRule, direction
 
 __all__ = ["PathRule", "ElementwiseRule", "RuleState", "SGDRule", "AdamRule", "sgd_rule",
            "adam_rule", "adamw_rule"]

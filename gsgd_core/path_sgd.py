@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .arrays import (all_finite, check_hyper, guard, outer3, prepare, quiet_fp, restore,
-                      safe_div, scalar, unvecs, vecs, view3)
+from .arrays import check_hyper, outer3, prepare, quiet_fp, restore, scalar, unvecs, vecs, view3
+from .rules import all_finite, guard, safe_div
 from .chain import Chain
 
 __all__ = ["path_sgd_gamma", "path_sgd_step"]

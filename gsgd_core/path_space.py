@@ -15,6 +15,7 @@ from .arrays import guard_tree, quiet_fp, restore, shaped, unvecs, vecs, view3
 from .chain import Chain
 from .gsgd import _sweep_inputs, path_step
 from .path_rules import PathRule
+from .rules import finite_or_zero
 from .sweeps import allocate3, path_values3
 
 __all__ = ["path_init", "path_update", "allocate"]
@@ -74,7 +75,7 @@ def path_update(chain: Chain, rule: PathRule, state, weights: Arrays, biases: Op
         if len(delta) != chain.L + sum(v is not None for v in Vb):
             raise ValueError(f"the rule returned {len(delta)} arrays for "
                              f"{chain.L + sum(v is not None for v in Vb)} path arrays")
-        delta = [xp.where(xp.isfinite(d), d, 0.0) for d in delta]
+        delta = [finite_or_zero(xp, d) for d in delta]
         rest = iter(delta[chain.L:])
         bias_delta = [None if v is None else next(rest) for v in Vb]
         return (view3(p, chain, delta[:chain.L]), vecs(p, bias_delta, chain.L), 1.0,
@@ -98,8 +99,8 @@ def allocate(chain: Chain, weights: Arrays, biases: OptArrays | None, delta: Arr
         if x is not None and d is None:
             raise ValueError(f"layer {l}: the layer has a bias but bias_delta[{l - 1}] is None")
     V, _ = path_values3(xp, p.meta, W, b, B, F)
-    S = [xp.where(xp.isfinite(d), d, 0.0) for d in view3(p, chain, delta)]
-    Sb = [None if d is None else xp.where(xp.isfinite(d), d, 0.0)
+    S = [finite_or_zero(xp, d) for d in view3(p, chain, delta)]
+    Sb = [None if d is None else finite_or_zero(xp, d)
           for d in vecs(p, bias_delta, chain.L)]
     W_new, b_new = allocate3(xp, chain, p.meta, W, b, S, Sb, V, B, F, 1.0, p.dtype, p.device)
     ok = xp.asarray(True, device=p.device)

@@ -8,7 +8,8 @@ shapes or control flow), and O(m) work per sweep. The public wrappers live in
 
 from __future__ import annotations
 
-from .arrays import outer3, safe_div
+from .arrays import outer3
+from .rules import frozen_if_overflow, path_gradient, safe_div, tau_ratio
 
 
 def _flat(xp, a):
@@ -92,16 +93,11 @@ def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
         # Paths through a free tau edge still pass its source: carry T_l down unchanged.
         carried = xp.where(m.free_mask & m.tau_mask, Tb, 0.0)
         T = xp.sum(P + carried, axis=(0, 2))
-    Db = [None if g is None else frozen_if_overflow(xp, safe_div(xp, g, F[l + 1]), g)
+    Db = [None if g is None else path_gradient(xp, g, F[l + 1], g)
           for l, g in enumerate(Gb)]
     return D, Db, V, Vb
 
 
-def frozen_if_overflow(xp, D, G):
-    """A path gradient that overflows from a finite gradient (a skeleton product at the edge
-    of the dtype's range) is treated like an underflowed product: 0, the path is frozen.
-    Non-finite gradients still propagate, so callers can see them."""
-    return xp.where(xp.isfinite(D) | ~xp.isfinite(G), D, 0.0)
 
 
 def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
@@ -133,8 +129,7 @@ def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
         if l < chain.L:
             D_tau = xp.take(_flat(xp, D[l - 1]), m.tau_idx)
             V_tau = xp.take(_flat(xp, V[l - 1]), m.tau_idx)
-            R = 1.0 - lr * safe_div(xp, D_tau, V_tau)
-            R = xp.where(R == 0, eps, R)
+            R = tau_ratio(xp, lr * safe_div(xp, D_tau, V_tau), eps)
             # The tau edge itself as W * R / rho, so that the epsilon rule holds for it too.
             tau_new = W[l - 1] * (R[:, None, None] / rho[None, :, None])
             Wl = xp.where(m.tau_mask, tau_new, Wl)

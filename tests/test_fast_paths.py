@@ -544,7 +544,8 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     """The eager kernels' in-place block (four scratch buffers) gives exactly
     ``rows_by_rules``'s numbers; with a zero ``F`` (a frozen path, ``G/0``) it writes
     nothing and hands the block to the rules."""
-    from gsgd_core.gsgd import StepRule
+    from gsgd_backends.plan import Scratch
+    from gsgd_core.rules import StepRule
 
     rng = np.random.default_rng(seed)
     W, G, M = (rng.standard_normal((5, 6)) for _ in range(3))
@@ -561,7 +562,7 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)
     before = [fxp.to_numpy(a).copy() for a in (Wx, Mx) if a is not None]
     with kernels.context():
-        wrote = fast._momentum_block_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)
+        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch())
     assert wrote == (not zero_f)
     after = [fxp.to_numpy(a) for a in (Wx, Mx) if a is not None]
     targets = [fxp.to_numpy(e) for e in expected if e is not None] if wrote else before

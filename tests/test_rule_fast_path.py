@@ -101,7 +101,7 @@ def test_non_finite_gradients_are_handed_back(fxp, layer):
 def test_the_dispatch_takes_the_fast_path_and_counts_the_step(fxp, monkeypatch):
     import gsgd_backends.inplace as inplace
     calls = []
-    monkeypatch.setattr(inplace, "rule_step_", lambda *a: calls.append(1) or rule_step_(*a))
+    monkeypatch.setattr(inplace, "rule_step_", lambda *a, **k: calls.append(1) or rule_step_(*a, **k))
     monkeypatch.setattr(gc, "path_update", None)  # the core is never reached
     pb = Problem(CHAIN, 5)
     rule = RULES["adam"]()

@@ -109,7 +109,8 @@ class GAdam(ScaleInvariantOptimizer):
 
         st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
         if shard is None:
-            return path_update_(chain, rule, st, W, b, G, Gb)
+            return path_update_(chain, rule, st, W, b, G, Gb,
+                                plan=self._plan(chain, W, KERNELS))
 
         def fast(a):
             done = sharded_path_update_(KERNELS, shard, rule, *a)

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from torch.optim.sgd import sgd as sgd_update
 
 import gsgd_backends.torch as gsgd_torch_kernels
-from gsgd_backends import gsgd_update_, path_sgd_step_, psi_update_
+from gsgd_backends import StepPlan, gsgd_update_, path_sgd_step_, psi_update_, step_plan
 from gsgd_backends.sharded import sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
@@ -220,6 +220,15 @@ class ScaleInvariantOptimizer(Optimizer):
                 stacklevel=_user_stacklevel())
 
     # ------------------------------------------------------------------ helpers
+    def _plan(self, chain, W, kernels) -> StepPlan:
+        """The chain's step plan, built on its first step and kept by the optimizer (not in
+        its state; rebuilt when the model moved to another device or dtype)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(id(chain))
+        if plan is None or not plan.fits(chain, W[0]):
+            plan = plans[id(chain)] = step_plan(chain, W, kernels=kernels)
+        return plan
+
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"<{tuple(p.shape)}>")
 
@@ -467,8 +476,9 @@ class GSGD(ScaleInvariantOptimizer):
                      dampening=_number(group["dampening"]), nesterov=group["nesterov"],
                      weight_decay=_number(group["weight_decay"]))
         if shard is None:
+            kernels = gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
             return gsgd_update_(chain, st, W, b, G, Gb, **hyper,
-                                kernels=gsgd_torch_kernels.COMPILED if self._compile else None)
+                                plan=self._plan(chain, W, kernels))
 
         def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
             done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, shard, *a, **hyper)

@@ -1,0 +1,75 @@
+"""The kernel interface: what a fast step asks of an array library.
+
+The steps (:mod:`.fast`, :mod:`.rule_step`, :mod:`.sharded`) are written once against
+:class:`Kernels`; :mod:`.numpy`, :mod:`.torch` and :mod:`.cupy` implement it. A kernel set
+builds the :class:`~gsgd_backends.plan.StepPlan` of a chain (:meth:`Kernels.plan`), which
+picks each layer's kernels once, so no kernel re-dispatches while a step runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
+
+__all__ = ["Kernels", "LayerKernels"]
+
+
+@runtime_checkable
+class LayerKernels(Protocol):
+    """The passes over one layer's weights: the column sum before the update and the bulk
+    update (a plan holds one such set per layer).
+
+    ``W``, ``G``, ``M`` of the bulk operations are a layer's weights, gradients and
+    momentum buffers as ``(n, p*k)`` views written in place (``colsum`` and ``rule_bulk_``
+    take ``(n, p, k)``); ``F``, ``B``, ``rho`` are node vectors (:mod:`.fast`); ``scratch``
+    is the plan's :class:`~gsgd_backends.plan.Scratch` (``None`` for traced kernels).
+    """
+
+    def colsum(self, W, G, scratch) -> Any:
+        """``sum(W * G, axis=(0, 2))`` of a ``(n, p, k)`` layer."""
+
+    def bulk_(self, W, G, F, B, rho, lr, recips, scratch) -> None:
+        """The plain bulk update ``W <- (W - lr G / (F[b] B[a])**2) / rho[a]`` by the
+        core's rules (``recips``: :func:`.fast.reciprocals` for a tame layer, or ``None``)."""
+
+    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
+        """The bulk update with weight decay and momentum (:func:`.fast.rows_by_rules`),
+        ``W`` and ``M`` in place; ``B`` and ``rho`` given per column."""
+
+    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
+        """An elementwise path rule's bulk update (:func:`.rule_step.rule_bulk_`), ``W``
+        and every buffer of ``M`` in place."""
+
+
+@runtime_checkable
+class Kernels(LayerKernels, Protocol):
+    """The operations of a fast step on one library's arrays: the node-vector work and the
+    special edges, and the layer passes of :class:`LayerKernels`."""
+
+    #: array-api-compat namespace of the kernels' arrays.
+    xp: Any
+    #: The stages are traced by a compiler (functional, no scratch buffers, no host reads):
+    #: the bulk then takes precomputed reciprocals on layers whose node vectors are tame.
+    traced: bool
+
+    def plan(self, chain, array) -> Any:
+        """The :class:`~gsgd_backends.plan.StepPlan` of ``chain`` for arrays like
+        ``array`` (its device and dtype)."""
+
+    def context(self) -> ContextManager:
+        """The context a step runs in (no autograd; floating-point warnings off)."""
+
+    def compile(self, fn: Callable) -> Callable:
+        """``fn`` as a stage runs it: itself, or a compiled copy."""
+
+    def scalar(self, value: float, dtype, device) -> Any:
+        """A hyperparameter as the stages take it."""
+
+    def view3(self, w, shape, writable: bool = True) -> Any:
+        """A ``(n, p, k)`` view of ``w`` sharing its memory, or ``None`` if ``w`` cannot be
+        written in place (a read-only view may be a copy)."""
+
+    def scatter_add(self, target, index, values) -> Any:
+        """``target`` with ``values`` added at ``index`` (repeats accumulate); a new array."""
+
+    def put_(self, dst, index, values) -> None:
+        """``dst.flat[index] = values`` in place (all of ``dst`` if ``index`` is ``None``)."""

@@ -1,0 +1,141 @@
+"""A step plan: everything a chain's fast step reuses, built once and owned by whoever steps.
+
+A :class:`StepPlan` is built by a kernel set (:meth:`gsgd_backends.kernels.Kernels.plan`)
+for one chain, device and dtype. It holds the index plan of the special edges
+(:class:`LayerPlan`), the core's layer metadata, the kernels each layer's bulk takes (picked
+once: this is where a small CPU layer is given NumPy's kernels), the namespace the step
+computes in (with the view that maps the caller's arrays into it), the compiled stages, the
+validated signature of the last call and the scratch buffers (per thread). Nothing is cached
+on the :class:`~gsgd_core.Chain` and nothing is module-global: the torch optimizers keep one
+plan per chain, :class:`gsgd_adapters.cupy.GSGD` keeps its own, and a call without a plan
+builds a temporary one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from gsgd_core import Chain
+from gsgd_core.arrays import Prepared, layer_meta, prepare
+
+__all__ = ["LayerPlan", "Scratch", "StepPlan", "layer_plan", "plan_layers"]
+
+
+class LayerPlan(NamedTuple):
+    """Where layer ``l``'s special edges lie, as index arrays of one namespace and device.
+
+    The tau and free edges sit one per row, all over the layer, so each access misses the
+    cache: they are gathered once per step (``spec``) and written back once.
+    """
+
+    spec: Any         # sorted flat indices of the layer's tau and free edges
+    tau: Any          # position in ``spec`` of each node's tau edge (none for l = L)
+    free: Any         # position in ``spec`` of each free edge (one per node of l-1)
+    node: Any         # per position in ``spec``: the node whose tau edge it is (0 if none)
+    moved: Any        # per position in ``spec``: a tau edge that is not free (gets a new value)
+    carry_nodes: Any  # nodes of layer l whose tau edge is free (T_l is carried down them)
+    carry_src: Any    # their tau sources in layer l-1
+
+
+def layer_plan(chain: Chain, l: int) -> LayerPlan:
+    """Layer ``l``'s :class:`LayerPlan` as NumPy arrays."""
+    tau_idx, free_idx = chain.tau_index(l), chain.free_index(l)
+    spec = np.union1d(tau_idx, free_idx).astype(np.int64)
+    tau, free = np.searchsorted(spec, tau_idx), np.searchsorted(spec, free_idx)
+    tau_free = chain.free_masks[l - 1].reshape(-1)[tau_idx]
+    node, moved = np.zeros(spec.size, np.int64), np.zeros(spec.size, bool)
+    node[tau] = np.arange(tau.size)
+    moved[tau[~tau_free]] = True
+    carry_nodes = np.flatnonzero(tau_free)
+    carry_src = np.asarray(chain.tau[l - 1] if l < chain.L else [], np.int64)[carry_nodes]
+    return LayerPlan(spec, tau, free, node, moved, carry_nodes, carry_src)
+
+
+def plan_layers(chain: Chain, xp, device) -> tuple[LayerPlan, ...]:
+    """Every layer's :class:`LayerPlan` in namespace ``xp`` on ``device``."""
+    return tuple(LayerPlan(*(xp.asarray(a, device=device) for a in layer_plan(chain, l)))
+                 for l in range(1, chain.L + 1))
+
+
+class Scratch(threading.local):
+    """Reused flat buffers, one per (library, dtype, device) and per thread: two threads
+    stepping with one plan never write into one buffer."""
+
+    def __init__(self) -> None:
+        self.buffers: dict = {}
+
+    def get(self, like, size: int, empty: Callable[[int], Any]):
+        """A buffer of at least ``size`` elements like ``like`` (``empty(n)`` makes one)."""
+        key = (type(like), like.dtype, getattr(like, "device", None))
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[0] < size:
+            buf = self.buffers[key] = empty(size)
+        return buf
+
+
+class StepPlan:
+    """Everything a fast step of ``chain`` reuses (module docstring).
+
+    Parameters
+    ----------
+    chain : Chain
+    kernels : the kernel set of the step's node-vector work and special edges.
+    xp : array-api-compat namespace the step computes in.
+    device, dtype : the caller's arrays' (the plan fits only those).
+    layer_kernels : per layer, the kernels of its column sum and bulk update.
+    view : maps a caller's array to the array the step computes on (``None``: itself).
+    """
+
+    def __init__(self, chain: Chain, kernels, *, xp, device, dtype,
+                 layer_kernels: Sequence[Any], view: Callable[[Any], Any] | None = None,
+                 step_device=None) -> None:
+        self.chain, self.kernels, self.xp = chain, kernels, xp
+        self.device, self.dtype = device, dtype
+        self.step_device = device if step_device is None else step_device
+        self.layer_kernels = tuple(layer_kernels)
+        self.view = view
+        self.meta = layer_meta(chain, xp, self.step_device)
+        self.layers = plan_layers(chain, xp, self.step_device)
+        self.shapes = tuple(chain.layer_shape(l) for l in range(1, chain.L + 1))
+        self.scratch = Scratch()
+        self._stages: dict = {}
+        self._signature: tuple | None = None
+        self._prepared: Prepared | None = None
+
+    def __repr__(self) -> str:
+        return (f"StepPlan({self.chain}, {type(self.kernels).__name__}, device={self.device}, "
+                f"dtype={self.dtype})")
+
+    def fits(self, chain: Chain, array) -> bool:
+        """Whether this plan steps ``chain`` for arrays like ``array`` (same chain, device
+        and dtype)."""
+        return (chain == self.chain and array.dtype == self.dtype
+                and str(getattr(array, "device", "cpu")) == str(self.device))
+
+    def stage(self, fn: Callable) -> Callable:
+        """``fn`` as the kernels run it (:meth:`Kernels.compile`), once per plan and
+        function."""
+        staged = self._stages.get(fn)
+        if staged is None:
+            staged = self._stages[fn] = self.kernels.compile(fn)
+        return staged
+
+    def prepared(self, weights, biases, grads, bias_grads, extra=()) -> Prepared:
+        """:func:`gsgd_core.arrays.prepare` of the call, memoised on the arrays' signature
+        (type, shape, dtype and device of each): a training loop passes the same signature
+        every step, and validating it anew costs as much as updating a small layer."""
+        lists = (weights, biases, grads, bias_grads) + tuple(v for _, v in extra)
+        if not all(v is None or isinstance(v, (list, tuple)) for v in lists):
+            return prepare(self.chain, weights, biases, grads=grads, bias_grads=bias_grads,
+                           extra=extra)
+        sig = tuple(None if v is None else tuple(
+            None if a is None else (type(a), tuple(a.shape), a.dtype, getattr(a, "device", None))
+            for a in v) for v in lists)
+        if sig != self._signature:
+            self._prepared = prepare(self.chain, weights, biases, grads=grads,
+                                     bias_grads=bias_grads, extra=extra)
+            self._signature = sig
+        return self._prepared
