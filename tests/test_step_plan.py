@@ -1,0 +1,205 @@
+"""Step plans and the kernel interface (gsgd_backends.plan, gsgd_backends.kernels).
+
+A plan is owned by whoever steps: nothing is cached on the chain by the backends, a plan
+that does not fit is refused, the torch optimizers keep one per chain. The torch plan that
+GPUs run (every layer on ``ON_DEVICE``: whole layers, per-entry rules) is run here on the
+CPU: it equals the core and reads one value back to the host per step."""
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gsgd_backends as gb
+import gsgd_core as gc
+from gsgd_backends import fast, rule_step
+from _helpers import Problem, assert_close
+from _strategies import chains, examples, seeds
+
+torch = pytest.importorskip("torch")
+gbt = pytest.importorskip("gsgd_backends.torch")
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
+                             bias=[True, False, True, True])
+HYPERS = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+          dict(weight_decay=0.1), dict(momentum=0.5, dampening=0.3)]
+#: Tensor methods that copy a value from the tensor's device to the host.
+READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values into the host (on a GPU: synchronisations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(arrays):
+    return [None if a is None else torch.tensor(a) for a in arrays]
+
+
+def _grads(pb):
+    G, Gb = pb.grads()
+    return _tensors(G), _tensors(Gb)
+
+
+@pytest.mark.parametrize("hyper", HYPERS, ids=str)
+def test_device_plan_reads_one_value_back_per_step(hyper):
+    """The GPU plan's only host read is the vector stage's flags: the bulk takes per-entry
+    rules instead of checking each block, momentum included."""
+    pb = Problem(CHAIN, 0)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    state = gc.gsgd_init(CHAIN, W, b) if hyper.get("momentum") else None
+    plan = gbt.ON_DEVICE.plan(CHAIN, W[0])
+    assert all(k is gbt.ON_DEVICE for k in plan.layer_kernels)
+    G, Gb = _grads(pb)
+    for _ in range(2):  # the first step of a momentum buffer, then one with history
+        with HostReads() as reads:
+            assert fast.fast_step_(None, CHAIN, W, b, G, Gb, 0.1, state, plan=plan, **hyper)
+        assert sum(reads.count.values()) == 1, reads.count
+        if state is not None:
+            gb.inplace.assign(state.step, state.step + 1)
+
+
+def test_device_plan_rule_step_reads_one_value_back():
+    pb = Problem(CHAIN, 1)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    rule = gc.adamw_rule(0.01, amsgrad=True)
+    state = gc.path_init(CHAIN, rule, W, b)
+    G, Gb = _grads(pb)
+    plan = gbt.ON_DEVICE.plan(CHAIN, W[0])
+    with HostReads() as reads:
+        assert rule_step.rule_step_(None, CHAIN, rule, state, W, b, G, Gb, plan=plan)
+    assert sum(reads.count.values()) == 1, reads.count
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(chain=chains(), seed=seeds, hyper=st.sampled_from(HYPERS),
+       dtype=st.sampled_from(["float64", "float32"]))
+def test_device_plan_equals_the_core(chain, seed, hyper, dtype):
+    """Two steps of the GPU plan (on the CPU) against gsgd_update: weights, biases and
+    momentum buffers, on drawn chains (custom skeletons, slots, biases)."""
+    pb = Problem(chain, seed)
+    dt = getattr(torch, dtype)
+    W = [torch.tensor(a, dtype=dt) for a in pb.W]
+    b = [None if a is None else torch.tensor(a, dtype=dt) for a in pb.b]
+    Wc, bc = [w.clone() for w in W], [None if x is None else x.clone() for x in b]
+    mom = bool(hyper.get("momentum"))
+    state = gc.gsgd_init(chain, W, b) if mom else None
+    core = gc.gsgd_init(chain, Wc, bc) if mom else None
+    plan = gbt.ON_DEVICE.plan(chain, W[0])
+    for _ in range(2):
+        G, Gb = (list(x) for x in pb.grads([w.double().numpy() for w in Wc],
+                                           [None if x is None else x.double().numpy()
+                                            for x in bc]))
+        G = [torch.tensor(g, dtype=dt) for g in G]
+        Gb = [None if g is None else torch.tensor(g, dtype=dt) for g in Gb]
+        assert gb.gsgd_update_(chain, state, W, b, G, Gb, lr=0.1, plan=plan, **hyper)
+        Wc, bc, core = gc.gsgd_update(chain, core, Wc, bc, G, Gb, lr=0.1, **hyper)
+    tol = 1e-12 if dtype == "float64" else 2e-4
+    for got, want in zip(W + b, Wc + bc):
+        assert_close(None if got is None else got.numpy(),
+                     None if want is None else want.numpy(), tol)
+    if mom:
+        for got, want in zip(state.momentum, core.momentum):
+            assert_close(got.numpy(), want.numpy(), tol)
+
+
+def _core_keys(chain):
+    """The keys the core caches on a chain (layer metadata per namespace and device)."""
+    return {k for k in chain._cache if isinstance(k, tuple) and len(k) == 2
+            and all(isinstance(x, str) for x in k)}
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_backends_cache_nothing_on_the_chain(lib):
+    """G-SGD with momentum and G-AdamW through the in-place layer: the chain's cache holds
+    the core's layer metadata and nothing of the backends."""
+    chain = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
+                                 bias=[True, False, True, True])
+    pb = Problem(chain, 2)
+    conv = _tensors if lib == "torch" else (lambda a: [None if x is None else x.copy()
+                                                       for x in a])
+    W, b = conv(pb.W), conv(pb.b)
+    G, Gb = (conv(x) for x in pb.grads())
+    state = gc.gsgd_init(chain, W, b)
+    plan = gb.step_plan(chain, W)
+    for _ in range(2):
+        assert gb.gsgd_update_(chain, state, W, b, G, Gb, lr=0.1, momentum=0.9, plan=plan)
+    rule = gc.adamw_rule(0.01)
+    assert gb.path_update_(chain, rule, gc.path_init(chain, rule, W, b), W, b, G, Gb)
+    assert set(chain._cache) == _core_keys(chain), set(chain._cache)
+
+
+def test_a_plan_that_does_not_fit_is_refused():
+    pb = Problem(CHAIN, 3)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    G, Gb = _grads(pb)
+    plan = gb.step_plan(CHAIN, [w.float() for w in W])
+    with pytest.raises(ValueError, match="does not fit"):
+        gb.gsgd_update_(CHAIN, None, W, b, G, Gb, lr=0.1, plan=plan)
+    other = gc.Chain.mlp([4, 4, 2])
+    with pytest.raises(ValueError, match="does not fit"):
+        gb.gsgd_update_(CHAIN, None, W, b, G, Gb, lr=0.1, plan=gb.step_plan(other, W))
+    assert all(torch.equal(w, torch.tensor(a)) for w, a in zip(W, pb.W))  # nothing written
+
+
+def test_kernel_sets_declare_the_interface():
+    import gsgd_backends.numpy as gbn
+
+    for k in (gbn.KERNELS, gbt.KERNELS, gbt.COMPILED, gbt.ON_DEVICE):
+        assert isinstance(k, gb.Kernels), k
+    assert isinstance(gbt.ON_NUMPY, gb.LayerKernels)
+
+
+def test_cpu_plans_pick_each_layers_kernels_once():
+    """Eager CPU tensors: the step computes on NumPy views; small layers take NumPy's
+    kernels and a layer above ``small`` weights torch's (on the same memory)."""
+    import gsgd_backends.numpy as gbn
+
+    chain = gc.Chain.mlp([300, 500, 8])  # 150,000 and 4,000 weights
+    W = [torch.zeros(500, 300), torch.zeros(8, 500)]
+    plan = gbt.KERNELS.plan(chain, W[0])
+    assert plan.kernels is gbn.KERNELS and plan.view is not None
+    assert plan.layer_kernels == (gbt.ON_NUMPY, gbn.KERNELS)
+    compiled = gbt.COMPILED.plan(chain, W[0])
+    assert compiled.view is None and set(compiled.layer_kernels) == {gbt.COMPILED}
+
+
+def test_optimizer_keeps_one_plan_per_chain_and_rebuilds_it_after_a_dtype_change():
+    from gsgd_adapters.torch import GSGD, skeleton_init_
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.05, momentum=0.9)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.to(model[0].weight.dtype)), y).backward()
+        opt.step()
+
+    step()
+    (plan,) = opt._plans.values()
+    step()
+    assert list(opt._plans.values()) == [plan]  # reused
+    model.double()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if "momentum_buffer" in opt.state[p]:
+                opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].double()
+    step()
+    (new,) = opt._plans.values()
+    assert new is not plan and new.dtype == torch.float64
+    assert all(np.isfinite(p.detach().numpy()).all() for p in model.parameters())
