@@ -101,9 +101,8 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     Mb = list(Mb) if Mb is not None else [None] * L
     if plan.view is not None:  # the arrays the plan computes on (NumPy views of tensors)
-        weights, grads, b, Gb, Mb = ([None if a is None else plan.view(a) for a in A]
-                                     for A in (weights, grads, b, Gb, Mb))
-        M, step = (None, None) if M is None else ([plan.view(m) for m in M], plan.view(step))
+        weights, grads, b, Gb, Mb = map(plan.view, (weights, grads, b, Gb, Mb))
+        M, step = (None, None) if M is None else (plan.view(M), plan.view([step])[0])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, plan.shapes)]
     if any(w is None for w in W + (M or [])):

@@ -119,7 +119,8 @@ def _fast_hypers(hyper: dict, state) -> dict | None:
     if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
         return None  # the core raises its TypeError
     check_update_hypers(**h)
-    numbers_only = all(isinstance(h[k], numbers.Real) for k in h)
+    numbers_only = all(isinstance(v, (float, int)) or isinstance(v, numbers.Real)
+                       for v in h.values())
     return h if numbers_only and (h["momentum"] == 0 or state is not None) else None
 
 

@@ -14,6 +14,7 @@ builds a temporary one.
 from __future__ import annotations
 
 import threading
+from itertools import chain as concat
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -86,7 +87,8 @@ class StepPlan:
     xp : array-api-compat namespace the step computes in.
     device, dtype : the caller's arrays' (the plan fits only those).
     layer_kernels : per layer, the kernels of its column sum and bulk update.
-    view : maps a caller's array to the array the step computes on (``None``: itself).
+    view : maps a list of the caller's arrays (``None`` entries stay) to the arrays the
+        step computes on (``None``: the arrays themselves).
     """
 
     def __init__(self, chain: Chain, kernels, *, xp, device, dtype,
@@ -127,13 +129,13 @@ class StepPlan:
         """:func:`gsgd_core.arrays.prepare` of the call, memoised on the arrays' signature
         (type, shape, dtype and device of each): a training loop passes the same signature
         every step, and validating it anew costs as much as updating a small layer."""
-        lists = (weights, biases, grads, bias_grads) + tuple(v for _, v in extra)
-        if not all(v is None or isinstance(v, (list, tuple)) for v in lists):
+        lists = [weights, biases, grads, bias_grads] + [v for _, v in extra]
+        if not all([v is None or isinstance(v, (list, tuple)) for v in lists]):
             return prepare(self.chain, weights, biases, grads=grads, bias_grads=bias_grads,
                            extra=extra)
-        sig = tuple(None if v is None else tuple(
-            None if a is None else (type(a), tuple(a.shape), a.dtype, getattr(a, "device", None))
-            for a in v) for v in lists)
+        sig = [-1 if v is None else len(v) for v in lists] + [
+            None if a is None else (type(a), a.shape, a.dtype, getattr(a, "device", None))
+            for a in concat.from_iterable([v for v in lists if v is not None])]
         if sig != self._signature:
             self._prepared = prepare(self.chain, weights, biases, grads=grads,
                                      bias_grads=bias_grads, extra=extra)

@@ -55,10 +55,9 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     buffers, count = state.buffers, state.count
     if plan.view is not None:  # the arrays the plan computes on (NumPy views of tensors)
-        weights, grads, b, Gb = ([None if a is None else plan.view(a) for a in A]
-                                 for A in (weights, grads, b, Gb))
-        buffers = [[None if m is None else plan.view(m) for m in bufs] for bufs in buffers]
-        count = plan.view(count)
+        weights, grads, b, Gb = map(plan.view, (weights, grads, b, Gb))
+        buffers = [plan.view(bufs) for bufs in buffers]
+        count = plan.view([count])[0]
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], plan.shapes)] for bufs in buffers]
     if any(a is None for a in W + [m for ms in M for m in ms]):

@@ -55,9 +55,9 @@ class _Namespace:
         return torch.index_select(x, axis, indices)
 
 
-def _numpy_view(t):
-    """A NumPy array sharing the CPU tensor's memory."""
-    return t.detach().numpy()
+def _numpy_views(tensors) -> list:
+    """NumPy arrays sharing the CPU tensors' memory (``None`` stays)."""
+    return [None if t is None else t.detach().numpy() for t in tensors]
 
 
 class TorchKernels:
@@ -86,7 +86,7 @@ class TorchKernels:
             layer_kernels = [numpy_kernels.KERNELS if math.prod(chain.layer_shape(l))
                              <= self.small else ON_NUMPY for l in range(1, L + 1)]
             return StepPlan(chain, numpy_kernels.KERNELS, xp=np_compat, device=device,
-                            dtype=dtype, layer_kernels=layer_kernels, view=_numpy_view,
+                            dtype=dtype, layer_kernels=layer_kernels, view=_numpy_views,
                             step_device="cpu")
         kernels = self if device.type == "cpu" or not self.checked else ON_DEVICE
         return StepPlan(chain, kernels, xp=kernels.xp, device=device, dtype=dtype,

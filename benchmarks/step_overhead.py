@@ -37,6 +37,7 @@ from gsgd_adapters.torch import GSGD, GAdam, SkeletonWarning
 
 from . import threads
 from .resnet import resnet18
+from .step_counts import counts_table
 
 LR = 1e-4
 
@@ -371,7 +372,7 @@ def main(argv=None) -> int:
             f" Load average (1 min) {load_before:.2f} before, {load_after:.2f} after (the "
             f"run's own){' (BUSY: ratios not comparable)' if warning else ''}.")
     text = (f"Machine: {machine(device)}.{load} Medians of interleaved steps, float32."
-            f"\n\n{table(rows)}")
+            f"\n\n{table(rows)}\n\n{counts_table(device)}")
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

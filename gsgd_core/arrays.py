@@ -227,15 +227,11 @@ def quiet_fp(fn):
     return wrapper
 
 
-
-
-
-
 def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None) -> None:
     """Validate a hyperparameter given as a Python number; arrays (traced schedules) pass."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if isinstance(value, numbers.Real):
+    if isinstance(value, (float, int)) or isinstance(value, numbers.Real):  # ABCs are slow
         if not math.isfinite(value) or value < low or (high is not None and value > high):
             bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
             raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
@@ -249,8 +245,6 @@ def scalar(p: Prepared, value):
     if isinstance(value, numbers.Real):
         return float(value)
     return p.xp.astype(p.xp.asarray(value, device=p.device), p.dtype)
-
-
 
 
 def outer3(u, v):

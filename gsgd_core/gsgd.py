@@ -101,14 +101,19 @@ def check_update_hypers(lr, momentum=0.0, dampening=0.0, nesterov=False,
     check_hyper("momentum", momentum)
     check_hyper("dampening", dampening, high=1.0)
     check_hyper("weight_decay", weight_decay)
-    if nesterov and ((isinstance(momentum, numbers.Real) and momentum <= 0)
-                     or (isinstance(dampening, numbers.Real) and dampening != 0)):
+    if nesterov and ((_is_real(momentum) and momentum <= 0)
+                     or (_is_real(dampening) and dampening != 0)):
         raise ValueError("nesterov needs momentum > 0 and dampening = 0, "
                          f"got momentum={momentum!r}, dampening={dampening!r}")
 
 
 def _is_zero(x) -> bool:
-    return isinstance(x, numbers.Real) and x == 0
+    return _is_real(x) and x == 0
+
+
+def _is_real(x) -> bool:
+    # float and int first: an ABC's isinstance runs Python code, a tuple of types does not
+    return isinstance(x, (float, int)) or isinstance(x, numbers.Real)
 
 
 @quiet_fp
