@@ -19,16 +19,19 @@ bulk of each layer with one formula and the special edges as short vectors, gath
 
       W' = (W - lr * grad / (F_l[b] B_{l-1}[a])**2) / rho_{l-1}[a]
 
-The heavy passes (column sum, bulk update) are the library's *kernels* (:mod:`.numpy`,
-:mod:`.torch`, :mod:`.cupy`); a kernel set may also compile the two stages whole
-(``kernels.stage``). Memory traffic is 5 passes over the weights against SGD's 3.
+A step runs through a :class:`~gsgd_backends.plan.StepPlan` (built once per chain, device
+and dtype by a kernel set, :class:`~gsgd_backends.kernels.Kernels`, and kept by the caller):
+the heavy passes (column sum, bulk update) are each layer's kernels, chosen in the plan
+(:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the two stages whole
+(:meth:`StepPlan.stage`). Memory traffic is 5 passes over the weights against SGD's 3.
 
-Numerics (DESIGN §6) match the core without a second pass over the weights: the backward
-sums see every non-finite gradient (``0 * inf`` is NaN), so a step that the core would skip
-or treat specially is handed back to the core before anything is written. Eager kernels
-check each chunk of the bulk while it is still in cache and recompute a chunk holding a
-non-finite value with the core's per-entry rules (:func:`exact_rows`); compiled kernels run
-:func:`recip_rows` on layers whose node vectors are tame and :func:`exact_rows` elsewhere.
+Numerics (DESIGN §6) are :mod:`gsgd_core.rules`, the core's own, without a second pass over
+the weights: the backward sums see every non-finite gradient (``0 * inf`` is NaN), so a step
+that the core would skip or treat specially is handed back to the core before anything is
+written. Eager CPU kernels check each chunk of the bulk while it is still in cache and
+recompute a chunk holding a non-finite value with the per-entry rules (:func:`exact_rows`);
+device and compiled kernels apply the per-entry rules to every entry (no host read), compiled
+ones through :func:`recip_rows` on layers whose node vectors are tame.
 """
 
 from __future__ import annotations

@@ -218,7 +218,7 @@ class TorchOnNumPy:
         return self.kernels.colsum(torch.from_numpy(W), torch.from_numpy(G), scratch).numpy()
 
     def bulk_(self, W, G, F, B, rho, lr, recips, scratch) -> None:
-        self.kernels.bulk_(*map(torch.from_numpy, (W, G, F, B, rho)), lr, None, scratch)
+        self.kernels.bulk_(*_tensors((W, G, F, B, rho)), lr, None, scratch)
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
         self.kernels.rows_bulk_(*_tensors((W, G, M, F, B_cols, rho_cols)), lr,
@@ -231,8 +231,8 @@ class TorchOnNumPy:
 def _tensors(x):
     """Every NumPy array or scalar in nested tuples and lists as a tensor (sharing memory
     where it can); other leaves stay."""
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(x)
+    if isinstance(x, np.ndarray):  # a read-only one is a node vector: copied, not shared
+        return torch.from_numpy(x if x.flags.writeable else x.copy())
     if isinstance(x, np.generic):
         return torch.as_tensor(x)
     if isinstance(x, (tuple, list)):
