@@ -14,6 +14,7 @@ Public names (DESIGN §7)::
     path_init, path_update, allocate                   (any rule in path space)
     PathRule, sgd_rule, adam_rule, adamw_rule          (G-Adam(W), ...)
     gsgd_core.reference                                (dense checks for small chains)
+    gsgd_core.rules                                    (the numerics rules, DESIGN §6)
 """
 
 from .chain import Chain
