@@ -123,9 +123,9 @@ class TorchKernels:
     def block_rows(self, W) -> int:
         """Rows per block of ``W``'s bulk update: cache-sized on the CPU when blocks are
         checked, else all of them."""
-        return self._cache_rows(W) if self.checked else W.shape[0]
+        return self._cpu_block_rows(W) if self.checked else W.shape[0]
 
-    def _cache_rows(self, W) -> int:
+    def _cpu_block_rows(self, W) -> int:
         """Rows per cache-sized block of ``W`` (all of them on a GPU)."""
         n = W.shape[0]
         if W.device.type != "cpu":
@@ -142,7 +142,7 @@ class TorchKernels:
         cache-resident block of partial sums (row-major streaming; ATen's and inductor's
         reductions over dim 0 stride across rows and run at half the read bandwidth)."""
         n, p, k = W.shape
-        rows = self._cache_rows(W)  # compiled too: a whole-layer product would not fit
+        rows = self._cpu_block_rows(W)  # compiled too: a whole-layer product would not fit
         W2, G2 = W.reshape(n, p * k), G.reshape(n, p * k)
         # Last rows first, so that the bulk update starts on rows still in cache.
         acc = torch.mul(W2[n - rows:], G2[n - rows:],

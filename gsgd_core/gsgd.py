@@ -68,7 +68,8 @@ def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
     """
     p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads)
     G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
-    D, Db, _, _ = icr3(p.xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
+    D, Db, _, _ = icr3(p.xp, chain, p.meta, W=W, b=b, G=G, Gb=Gb, B=B, F=F, dtype=p.dtype,
+                       device=p.device)
     return restore(p, D), unvecs(p, Db)
 
 
@@ -189,8 +190,10 @@ def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Ar
     xp = p.xp
     G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
     ok = all_finite(xp, G + Gb)
-    D, Db, V, Vb = icr3(xp, chain, p.meta, W, b, G, Gb, B, F, p.dtype, p.device)
+    D, Db, V, Vb = icr3(xp, chain, p.meta, W=W, b=b, G=G, Gb=Gb, B=B, F=F, dtype=p.dtype,
+                        device=p.device)
     S, Sb, lr, new_state = steps(p, ok, D, Db, V, Vb)
-    W_new, b_new = allocate3(xp, chain, p.meta, W, b, S, Sb, V, B, F, lr, p.dtype, p.device)
+    W_new, b_new = allocate3(xp, chain, p.meta, W=W, b=b, D=S, Db=Sb, V=V, B=B, F=F, lr=lr,
+                             dtype=p.dtype, device=p.device)
     W_new, b_new = guard(xp, ok, W_new, W), guard(xp, ok, b_new, b)
     return restore(p, W_new), unvecs(p, b_new), new_state

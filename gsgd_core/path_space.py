@@ -102,6 +102,7 @@ def allocate(chain: Chain, weights: Arrays, biases: OptArrays | None, delta: Arr
     S = [finite_or_zero(xp, d) for d in view3(p, chain, delta)]
     Sb = [None if d is None else finite_or_zero(xp, d)
           for d in vecs(p, bias_delta, chain.L)]
-    W_new, b_new = allocate3(xp, chain, p.meta, W, b, S, Sb, V, B, F, 1.0, p.dtype, p.device)
+    W_new, b_new = allocate3(xp, chain, p.meta, W=W, b=b, D=S, Db=Sb, V=V, B=B, F=F, lr=1.0,
+                             dtype=p.dtype, device=p.device)
     ok = xp.asarray(True, device=p.device)
     return restore(p, guard_tree(xp, ok, W_new, W)), unvecs(p, guard_tree(xp, ok, b_new, b))

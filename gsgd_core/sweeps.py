@@ -60,7 +60,7 @@ def path_values3(xp, meta, W, b, B, F):
     return V, Vb
 
 
-def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
+def icr3(xp, chain, meta, *, W, b, G, Gb, B, F, dtype, device):
     """Inverse chain rule: path gradients ``D = dL/dv`` by one backward sweep (DESIGN §3).
 
     Solves eq. (3) of the paper, ``dL/dw = G^T dL/dv``, restricted to non-free edges, where
@@ -100,7 +100,7 @@ def icr3(xp, chain, meta, W, b, G, Gb, B, F, dtype, device):
 
 
 
-def allocate3(xp, chain, meta, W, b, D, Db, V, B, F, lr, dtype, device):
+def allocate3(xp, chain, meta, *, W, b, D, Db, V, B, F, lr, dtype, device):
     """Weight allocation: apply ``V' = V - lr*D`` by one forward sweep (eq. 5–6, DESIGN §4).
 
     With ``rho_{l-1}[a]`` the product of weight ratios along the tau-chain into ``a``

@@ -6,6 +6,7 @@ Usage, from the repository root (the test extras installed)::
     python tests/mutate.py --package backends --jobs 2
     python tests/mutate.py --list                   # the mutants only, no test runs
     python tests/mutate.py --only 12 40 41          # rerun some mutants by number
+    python tests/mutate.py --package backends --files plan.py torch.py   # some modules
     python tests/mutate.py --package backends --compiled --only 240   # with torch.compile
 
 Each mutant changes one operator or constant of one module, found with :mod:`ast` and
@@ -56,7 +57,8 @@ TARGETS = {
         "tests/test_namespaces.py", "tests/test_defaults.py"],
         "not jax and not strict and not torch and not cupy"),
     "backends": ("gsgd_backends", [
-        "tests/test_fast_paths.py", "tests/test_rule_fast_path.py", "tests/test_inplace.py",
+        "tests/test_fast_paths.py", "tests/test_rule_fast_path.py", "tests/test_step_plan.py",
+        "tests/test_inplace.py", "tests/test_psi_fast.py", "tests/test_sharded.py",
         "tests/test_namespaces.py", "tests/test_numerics.py", "tests/test_psi_pathsgd.py"],
         "not jax and not strict and not cupy and not compile"),
 }
@@ -264,6 +266,7 @@ def main(argv=None) -> int:
     ap.add_argument("--package", choices=sorted(TARGETS), default="gsgd_core")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", type=int, nargs="*", help="mutant numbers to run")
+    ap.add_argument("--files", nargs="*", help="only the mutants of these modules (plan.py ...)")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit")
     ap.add_argument("--out", default=None, help="JSON results (default mutation-<pkg>.json)")
     ap.add_argument("--compiled", action="store_true",
@@ -285,7 +288,8 @@ def main(argv=None) -> int:
         for m in mutants:
             print(f"{m.id:4d} {m.file}:{m.line} {m.what}")
         return 0
-    todo = [m for m in mutants if args.only is None or m.id in args.only]
+    todo = [m for m in mutants if (args.only is None or m.id in args.only)
+            and (args.files is None or m.file in args.files)]
 
     work = Path(tempfile.mkdtemp(prefix="gsgd-mutate-"))
     base = work / "base" / name
