@@ -203,3 +203,45 @@ def test_optimizer_keeps_one_plan_per_chain_and_rebuilds_it_after_a_dtype_change
     (new,) = opt._plans.values()
     assert new is not plan and new.dtype == torch.float64
     assert all(np.isfinite(p.detach().numpy()).all() for p in model.parameters())
+
+
+def test_device_plan_hands_back_a_weight_it_cannot_write_in_place():
+    """A non-contiguous weight cannot be written through a view: the device plan hands the
+    step back before writing anything, and the in-place layer then takes the core's step."""
+    pb = Problem(CHAIN, 4)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    W[2] = W[2].T.contiguous().T  # same values, transposed strides
+    assert not W[2].is_contiguous()
+    G, Gb = _grads(pb)
+    plan = gbt.ON_DEVICE.plan(CHAIN, W[0])
+    before = [w.clone() for w in W]
+    assert not fast.fast_step_(None, CHAIN, W, b, G, Gb, 0.1, plan=plan)
+    assert all(torch.equal(w, x) for w, x in zip(W, before))
+    assert gb.gsgd_update_(CHAIN, None, W, b, G, Gb, lr=0.1, plan=plan)
+    want, _ = gc.gsgd_step(CHAIN, before, _tensors(pb.b), G, Gb, 0.1)
+    for got, w in zip(W, want):
+        assert_close(got.numpy(), w.numpy(), 1e-12)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_cpu_plan_updates_finite_blocks_in_place(monkeypatch, momentum):
+    """On the CPU a large layer's blocks are computed in cache and checked there: a finite
+    step never builds the per-entry rules' temporaries (the GPU plan always does)."""
+    calls = []
+    for name in ("exact_rows", "rows_by_rules"):
+        real = getattr(gbt, name)
+        monkeypatch.setattr(gbt, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    chain = gc.Chain.mlp([300, 500, 8], bias=False)  # 150,000 weights: ON_NUMPY
+    rng = np.random.default_rng(0)
+    W = [torch.tensor(rng.uniform(0.5, 1.5, s)) for s in [(500, 300), (8, 500)]]
+    G = [torch.tensor(rng.standard_normal(w.shape) * 1e-3) for w in W]
+    state = gc.gsgd_init(chain, W, None)
+    plan = gbt.KERNELS.plan(chain, W[0])
+    assert plan.layer_kernels[0] is gbt.ON_NUMPY
+    assert gb.gsgd_update_(chain, state, W, None, G, None, lr=0.1, momentum=momentum,
+                           plan=plan)
+    assert calls == []
+    device = gbt.ON_DEVICE.plan(chain, W[0])
+    assert gb.gsgd_update_(chain, state, W, None, G, None, lr=0.1, momentum=momentum,
+                           plan=device)
+    assert calls  # the unchecked kernels take the rules
