@@ -94,14 +94,15 @@ class ArrayKernels:
         rows = self.block_rows(W)
         buf = self.scratch(scratch, W, rows * p * (k + 1))
         u = recip_square(xp, f)
-        v3, rho3 = mod.reshape(recip_square(xp, beta), (1, p, 1)), mod.reshape(rho, (1, p, 1))
+        # -lr joins the node vector: one pass over the block fewer
+        v3 = mod.reshape(mod.multiply(recip_square(xp, beta), -lr), (1, p, 1))
+        rho3 = mod.reshape(rho, (1, p, 1))
         for i in range(0, n, rows):
             j = min(n, i + rows)
             c = buf[:(j - i) * p].reshape(j - i, p, 1)
             block = buf[rows * p:rows * p + (j - i) * p * k].reshape(j - i, p, k)
             mod.multiply(mod.reshape(u[i:j], (-1, 1, 1)), v3, out=c)
             mod.multiply(G[i:j], c, out=block)
-            mod.multiply(block, -lr, out=block)
             mod.add(W[i:j], block, out=block)
             mod.divide(block, rho3, out=block)
             if math.isfinite(float(block.sum())):
