@@ -50,7 +50,7 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     n_paths = L + sum(x is not None for x in b)
     if p.dtype != p.store or any(len(bufs) != n_paths for bufs in state.buffers):
         return False
-    if any(m.dtype != p.dtype for bufs in state.buffers for m in bufs if m is not None):
+    if any(m.dtype != p.dtype for bufs in state.buffers for m in bufs):
         return False
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     buffers, count = state.buffers, state.count

@@ -245,3 +245,38 @@ def test_cpu_plan_updates_finite_blocks_in_place(monkeypatch, momentum):
     assert gb.gsgd_update_(chain, state, W, None, G, None, lr=0.1, momentum=momentum,
                            plan=device)
     assert calls  # the unchecked kernels take the rules
+
+
+@pytest.mark.parametrize("widths", [[3, 1, 2], [4, 3, 1], [2, 1, 1, 3]], ids=str)
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_layers_of_one_unit_step_like_the_core(lib, widths):
+    """Layers with a single output unit (one row: every one of its edges special)."""
+    chain = gc.Chain.mlp(widths)
+    pb = Problem(chain, 5)
+    conv = _tensors if lib == "torch" else (lambda a: [None if x is None else x.copy()
+                                                       for x in a])
+    W, b = conv(pb.W), conv(pb.b)
+    G, Gb = (conv(x) for x in pb.grads())
+    for hyper in (dict(), dict(momentum=0.9, nesterov=True)):
+        state = gc.gsgd_init(chain, W, b)
+        Wc, bc, core = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1,
+                                      **hyper)
+        Wf, bf = [w * 1 for w in W], [x * 1 for x in b]
+        assert fast.fast_step_(gb.kernels_for(W[0]), chain, Wf, bf, G, Gb, 0.1, state,
+                               **hyper)
+        for got, want in zip(Wf + bf, Wc + bc):
+            assert_close(np.asarray(got), np.asarray(want), 1e-12)
+
+
+def test_rule_step_hands_back_buffers_of_another_dtype():
+    """float32 moments beside float64 weights cannot be updated by the fast kernels: the
+    step is handed back with nothing written (the core then computes it)."""
+    pb = Problem(CHAIN, 6)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    G, Gb = _grads(pb)
+    rule = gc.adam_rule(0.01)
+    state = gc.path_init(CHAIN, rule, [w.float() for w in W],
+                         [None if x is None else x.float() for x in b])
+    before = [w.clone() for w in W]
+    assert not rule_step.rule_step_(gb.kernels_for(W[0]), CHAIN, rule, state, W, b, G, Gb)
+    assert all(torch.equal(w, x) for w, x in zip(W, before))
