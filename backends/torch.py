@@ -180,24 +180,15 @@ class TorchKernels:
         rows = self.block_rows(W)
         buf = self.scratch(scratch, W, rows * p * (k + 1))
         u = recip_square(compat, f)
-        r = 1.0 / rho
-        # W' = W r - lr G u v r: two passes over a block where a division takes three; a
-        # reciprocal of rho outside the normal range falls back to dividing
-        fused = bool(torch.all(torch.abs(r) >= torch.finfo(r.dtype).tiny))
-        v3 = recip_square(compat, beta) * (-lr * r if fused else 1.0)
-        v3, r3, rho3 = v3.view(1, p, 1), r.view(1, p, 1), rho.view(1, p, 1)
+        # -lr joins the node vector: one pass over the block fewer
+        v3, rho3 = (recip_square(compat, beta) * -lr).view(1, p, 1), rho.view(1, p, 1)
         for i in range(0, n, rows):
             j = min(n, i + rows)
             c = buf[:(j - i) * p].view(j - i, p, 1)
             block = buf[rows * p:rows * p + (j - i) * p * k].view(j - i, p, k)
             torch.mul(u[i:j].view(-1, 1, 1), v3, out=c)
-            if fused:
-                torch.mul(W[i:j], r3, out=block)
-                block.addcmul_(G[i:j], c)
-            else:
-                torch.mul(G[i:j], c, out=block)
-                torch.add(W[i:j], block, alpha=-lr, out=block)
-                block.div_(rho3)
+            torch.mul(G[i:j], c, out=block)
+            block.add_(W[i:j]).div_(rho3)
             if bool(torch.isfinite(block.sum())):
                 W[i:j].copy_(block)
             else:
