@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 
 LIBS = {"numpy": (lambda a: a.copy(), lambda a: np.asarray(a)),
         "torch": (lambda a: torch.tensor(a), lambda a: a.numpy())}
-HYPER = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+HYPERS = [dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), dict(lr=0.05),
+          dict(lr=0.05, momentum=0.9), dict(lr=0.05, weight_decay=1e-3)]
 
 
 def run_processes(world: int, fn) -> list:
@@ -78,9 +79,11 @@ def _join(parts, from_):
 
 @pytest.mark.parametrize("lib", list(LIBS))
 @settings(max_examples=15)
-@given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
-def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world):
-    """3 G-SGD steps (momentum, Nesterov, weight decay) on row shards equal the core's."""
+@given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4),
+       hyper=st.sampled_from(HYPERS))
+def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
+    """3 G-SGD steps (plain; momentum; weight decay; all with Nesterov) on row shards
+    equal the core's."""
     to, from_ = LIBS[lib]
     split = data.draw(splits(chain, world))
     pb = Problem(chain, seed)
@@ -92,14 +95,14 @@ def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world):
             for r in split]
     for _ in range(3):
         G, Gb = pb.grads(W, b)
-        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **HYPER)
+        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **hyper)
 
         def step(rank, reduce):
             loc, rows = locs[rank], split[rank]
             shard = RowShard(chain, rows, reduce, array_namespace(loc["W"][0]), "cpu")
             done = sharded_gsgd_update_(gb.kernels_for(loc["W"][0]), shard, loc["st"],
                                         loc["W"], loc["b"], _rows(G, rows, to),
-                                        _rows(Gb, rows, to), **HYPER)
+                                        _rows(Gb, rows, to), **hyper)
             loc["st"] = loc["st"]._replace(step=loc["st"].step + 1)
             return done
 
@@ -151,53 +154,81 @@ def test_sharded_rule_equals_the_core(data, chain, seed, world):
             assert_close(got, buf[l], 1e-12, f"buffer {j} of layer {l}")
 
 
-def _declined(world, poison):
-    """One G-SGD step on 3 shards where ``poison(rank, local arrays)`` spoils one process's
-    arrays: every process must decline, with nothing written anywhere."""
+def _declined(world, poison, rule=None):
+    """One G-SGD step (or one of ``rule``) on shards where ``poison(rank, local arrays)``
+    spoils one process's arrays: every process must decline, with nothing written
+    anywhere (moments included)."""
     chain = gc.Chain.mlp([4, 6, 5, 3])
     pb = Problem(chain, 0)
+    state = None if rule is None else gc.path_init(chain, rule, pb.W, pb.b)
     G, Gb = pb.grads()
     split = [[(r * n // world, (r + 1) * n // world) for n in chain.sizes[1:]]
              for r in range(world)]
     locs = [dict(W=_rows(pb.W, r, np.copy), b=_rows(pb.b, r, np.copy),
                  G=_rows(G, r, np.copy), Gb=_rows(Gb, r, np.copy)) for r in split]
+    for loc, rows in zip(locs, split):
+        if state is not None:  # moments made non-zero, so that a write would show
+            loc["M"] = [_rows([np.full_like(a, 0.5) for a in buf[:chain.L]], rows, np.copy)
+                        + _rows([np.full_like(a, 0.5) for a in buf[chain.L:]], rows, np.copy)
+                        for buf in state.buffers]
     for rank, loc in enumerate(locs):
         poison(rank, loc)
-    before = [{k: [None if a is None else a.copy() for a in v] for k, v in loc.items()}
-              for loc in locs]
+    before = [{k: [None if a is None else a.copy() for a in v] for k, v in loc.items()
+               if k != "M"} for loc in locs]
+    moments = [[[m.copy() for m in buf] for buf in loc.get("M", [])] for loc in locs]
 
     def step(rank, reduce):
         loc = locs[rank]
         shard = RowShard(chain, split[rank], reduce, np, "cpu")
-        return sharded_gsgd_update_(gb.kernels_for(loc["W"][0]), shard, None, loc["W"],
-                                    loc["b"], loc["G"], loc["Gb"], lr=0.1)
+        kernels = gb.kernels_for(loc["W"][0])
+        if rule is not None:
+            st_ = gc.RuleState(tuple(tuple(m) for m in loc["M"]), np.asarray(1, np.int32))
+            return sharded_path_update_(kernels, shard, rule, st_, loc["W"], loc["b"],
+                                        loc["G"], loc["Gb"])
+        return sharded_gsgd_update_(kernels, shard, None, loc["W"], loc["b"], loc["G"],
+                                    loc["Gb"], lr=0.1)
 
     assert run_processes(world, step) == [False] * world
-    for loc, old in zip(locs, before):
+    for loc, old, old_m in zip(locs, before, moments):
         for k in ("W", "b"):
             for a, o in zip(loc[k], old[k]):
                 assert np.array_equal(a, o, equal_nan=True)
+        for buf, old_buf in zip(loc.get("M", []), old_m):
+            assert all(np.array_equal(a, o) for a, o in zip(buf, old_buf))
 
 
-def test_a_nan_on_one_process_declines_everywhere():
+RULES = {"gsgd": None, "adamw": gc.adamw_rule(0.01, amsgrad=True)}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_a_nan_on_one_process_declines_everywhere(rule):
     def poison(rank, loc):
         if rank == 2:
             loc["G"][1][0, 0] = np.nan
-    _declined(3, poison)
+    _declined(3, poison, RULES[rule])
 
 
-def test_one_process_unable_to_step_in_place_declines_everywhere():
+@pytest.mark.parametrize("rule", list(RULES))
+def test_one_process_unable_to_step_in_place_declines_everywhere(rule):
     def poison(rank, loc):  # a weight that is not contiguous cannot be viewed in place
         if rank == 1:
             loc["W"][0] = np.asfortranarray(loc["W"][0])
-    _declined(3, poison)
+    _declined(3, poison, RULES[rule])
 
 
-def test_half_precision_declines_everywhere():
+def test_a_buffer_unable_to_be_written_in_place_declines_everywhere():
+    def poison(rank, loc):
+        if rank == 0:
+            loc["M"][1][0] = np.asfortranarray(loc["M"][1][0])
+    _declined(3, poison, RULES["adamw"])
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_half_precision_declines_everywhere(rule):
     def poison(rank, loc):
         for k in ("W", "G"):
             loc[k] = [a.astype(np.float16) for a in loc[k]]
-    _declined(2, poison)
+    _declined(2, poison, RULES[rule])
 
 
 @pytest.mark.parametrize("rows, match", [
