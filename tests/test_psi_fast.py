@@ -106,3 +106,38 @@ def test_bad_input_still_gets_the_cores_errors():
     with pytest.raises(ValueError):
         psi_update_(gc.PSIState(tuple(U)), W, [torch.zeros(3, 4, dtype=torch.float64)],
                     lr=0.1)
+
+
+def _in_place(W, G, U, to, **hyper):
+    """psi_update_ on copies (``to`` converts), and the core's result."""
+    Wi, Ui = [to(w.clone()) for w in W], [to(u.clone()) for u in U]
+    psi_update_(gc.PSIState(tuple(Ui)), Wi, [to(g) for g in G], **hyper)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, **hyper)
+    return [torch.as_tensor(w) for w in Wi + Ui], We + list(state.momentum)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("hyper", [dict(lr=0.1), dict(lr=0.1, momentum=0.9),
+                                   dict(lr=0.1, momentum=0.5, max_norm=2.0)], ids=str)
+def test_in_place_psi_equals_the_core_with_the_cores_defaults(lib, hyper):
+    """psi_update_ on NumPy arrays (the core and a write-back) and torch tensors (the fast
+    step), hyperparameters left to their defaults as the core's are."""
+    W, G, U = _problem([(4, 3), (5, 2, 3, 3)], 5, torch.float64, scale=0.8)
+    to = (lambda t: t.numpy()) if lib == "numpy" else (lambda t: t)
+    got, want = _in_place(W, G, U, to, **hyper)
+    _assert_close(got, want, 1e-12)
+
+
+def test_in_place_psi_takes_the_fast_step_for_torch_only(monkeypatch):
+    import gsgd_backends.inplace as inplace
+
+    calls = []
+    monkeypatch.setattr(inplace, "psi_step_",
+                        lambda *a, **k: calls.append(1) or psi_step_(*a, **k))
+    W, G, U = _problem([(4, 3), (5, 2, 3, 3)], 6, torch.float64)
+    _in_place(W, G, U, lambda t: t, lr=0.1, momentum=0.9)
+    assert calls == [1]
+    _in_place(W, G, U, lambda t: t.numpy(), lr=0.1, momentum=0.9)
+    _in_place(W, G, U, lambda t: t, lr=torch.tensor(0.1, dtype=torch.float64))  # not a number
+    _in_place([W[0][0]], [G[0][0]], [U[0][0]], lambda t: t, lr=0.1)  # 1-D: the core
+    assert calls == [1]
