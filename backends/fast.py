@@ -112,8 +112,7 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
         return False
     G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, plan.shapes)]
     # Layer 1's gradients are checked through their sum (ATen's sum outruns inductor's).
-    C = [xp.sum(G[0])] + [plan.layer_kernels[l].colsum(W[l], G[l], plan.scratch)
-                          for l in range(1, L)]
+    C = plan.column_sums(W, G)
     wd, mu = hyper.weight_decay, hyper.momentum
     scalar = kernels.scalar
     h = None if not (wd or mu) else StepRule(

@@ -7,13 +7,12 @@ Either way: same arguments, same results to float64 rounding, arrays updated in 
 
 from __future__ import annotations
 
-import numbers
 
 from array_api_compat import array_namespace
 
 import gsgd_core
 from gsgd_core import Chain, GSGDState
-from gsgd_core.arrays import check_hyper, quiet_fp
+from gsgd_core.arrays import check_hyper, is_real, quiet_fp
 from gsgd_core.gsgd import check_update_hypers
 from gsgd_core.rules import all_finite
 
@@ -119,8 +118,7 @@ def _fast_hypers(hyper: dict, state) -> dict | None:
     if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
         return None  # the core raises its TypeError
     check_update_hypers(**h)
-    numbers_only = all(isinstance(v, (float, int)) or isinstance(v, numbers.Real)
-                       for v in h.values())
+    numbers_only = all(is_real(v) for v in h.values())
     return h if numbers_only and (h["momentum"] == 0 or state is not None) else None
 
 
@@ -209,7 +207,7 @@ def _fast_psi(state, weights, grads, hyper) -> bool:
     h = dict(dict(momentum=0.0, max_norm=1e4), **hyper)
     for k in ("lr", "momentum", "max_norm"):  # the core's own checks and messages
         check_hyper(k, h.get(k))
-    if not all(isinstance(h[k], numbers.Real) for k in h) or not (
+    if not all(is_real(v) for v in h.values()) or not (
             len(weights) == len(grads) == len(state.momentum)) or any(
             tuple(w.shape) != tuple(g.shape) or tuple(w.shape) != tuple(u.shape) or w.ndim < 2
             for w, g, u in zip(weights, grads, state.momentum)):

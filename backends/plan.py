@@ -125,6 +125,13 @@ class StepPlan:
             staged = self._stages[fn] = self.kernels.compile(fn)
         return staged
 
+    def column_sums(self, W, G) -> list:
+        """The sum of layer 1's gradients (it checks them: a non-finite gradient makes it
+        non-finite), then ``colsum(W_l * grad_l)``, ``l = 2..L``, by each layer's kernels
+        (the pass over the weights before a step's update)."""
+        return [self.xp.sum(G[0])] + [self.layer_kernels[l].colsum(W[l], G[l], self.scratch)
+                                      for l in range(1, self.chain.L)]
+
     def prepared(self, weights, biases, grads, bias_grads, extra=()) -> Prepared:
         """:func:`gsgd_core.arrays.prepare` of the call, memoised on the arrays' signature
         (type, shape, dtype and device of each): a training loop passes the same signature

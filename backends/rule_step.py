@@ -67,8 +67,7 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     Mb = [[None if x is None else next(r) for x in b] for r in rest]
     layers = plan.layers
     coef = rule.coefficients(xp, count, W[0].dtype)
-    C = [xp.sum(G[0])] + [plan.layer_kernels[l].colsum(W[l], G[l], plan.scratch)
-                          for l in range(1, L)]
+    C = plan.column_sums(W, G)
     ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, layers)]
     gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, layers)]
     ms = [[xp.take(flat(xp, m), s.spec) for m, s in zip(ml, layers)] for ml in M]

@@ -227,11 +227,18 @@ def quiet_fp(fn):
     return wrapper
 
 
+def is_real(x) -> bool:
+    """``isinstance(x, numbers.Real)``, with float and int tested first: an ABC's
+    ``isinstance`` runs Python code, a tuple of types does not (hyperparameters are checked
+    on every step)."""
+    return isinstance(x, (float, int)) or isinstance(x, numbers.Real)
+
+
 def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None) -> None:
     """Validate a hyperparameter given as a Python number; arrays (traced schedules) pass."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if isinstance(value, (float, int)) or isinstance(value, numbers.Real):  # ABCs are slow
+    if is_real(value):
         if not math.isfinite(value) or value < low or (high is not None and value > high):
             bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
             raise ValueError(f"{name} must be finite and {bound}, got {value!r}")

@@ -7,10 +7,9 @@ iterate commutes with positive rescaling.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple, Optional, Sequence
 
-from .arrays import check_hyper, prepare, quiet_fp, restore, scalar, unvecs, vecs, view3
+from .arrays import check_hyper, is_real, prepare, quiet_fp, restore, scalar, unvecs, vecs, view3
 from .chain import Chain
 from .rules import StepRule, all_finite, direction, guard
 from .sweeps import allocate3, chain_products, icr3, path_values3
@@ -102,19 +101,14 @@ def check_update_hypers(lr, momentum=0.0, dampening=0.0, nesterov=False,
     check_hyper("momentum", momentum)
     check_hyper("dampening", dampening, high=1.0)
     check_hyper("weight_decay", weight_decay)
-    if nesterov and ((_is_real(momentum) and momentum <= 0)
-                     or (_is_real(dampening) and dampening != 0)):
+    if nesterov and ((is_real(momentum) and momentum <= 0)
+                     or (is_real(dampening) and dampening != 0)):
         raise ValueError("nesterov needs momentum > 0 and dampening = 0, "
                          f"got momentum={momentum!r}, dampening={dampening!r}")
 
 
 def _is_zero(x) -> bool:
-    return _is_real(x) and x == 0
-
-
-def _is_real(x) -> bool:
-    # float and int first: an ABC's isinstance runs Python code, a tuple of types does not
-    return isinstance(x, (float, int)) or isinstance(x, numbers.Real)
+    return is_real(x) and x == 0
 
 
 @quiet_fp
