@@ -65,19 +65,39 @@ def test_rows_past_max_norm_are_renormalised_as_the_core_does(momentum):
     _assert_close(Uf, Ue, 1e-12)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_rows_the_step_pushes_past_max_norm_are_renormalised(momentum):
+    """Rows below ``max_norm`` that the step itself carries past it (norm 1.9 -> 2.1 with
+    ``max_norm = 2``): the fast step's bound must see it coming and renormalise them."""
+    w = torch.tensor([[1.9, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
+    delta = (2.1 ** 2 - 1.9 ** 2) ** 0.5  # a step orthogonal to the row
+    g = torch.tensor([[0.0, -delta / (0.5 * 1.9 ** 2), 0.0], [0.0, 0.0, 0.0]],
+                     dtype=torch.float64)
+    (Wf, Uf), ran, (We, Ue) = _both([w], [g], [torch.zeros_like(w)], lr=0.5,
+                                    momentum=momentum, max_norm=2.0)
+    assert ran
+    assert abs(float(torch.linalg.vector_norm(We[0][0])) - 1.0) < 1e-12  # divided by its norm
+    _assert_close(Wf, We, 1e-12)
+    _assert_close(Uf, Ue, 1e-12)
+
+
 def test_psi_sgd_keeps_no_buffer():
     W, G, U = _problem([(4, 3)], 1, torch.float64)
     (_, Uf), ran, (_, Ue) = _both(W, G, U, lr=0.1, momentum=0.0, max_norm=1e4)
     assert ran and torch.equal(Uf[0], U[0]) and torch.equal(Ue[0], U[0])
 
 
-@pytest.mark.parametrize("spoil", ["nan", "inf", "overflow"])
+@pytest.mark.parametrize("spoil", ["nan", "inf", "overflow", "product"])
 def test_steps_it_cannot_take_exactly_are_handed_back_and_the_core_takes_them(spoil):
     """A NaN/Inf gradient (its row keeps its values) or a gradient whose update would
-    overflow float32: the fast path declines with nothing written, and psi_update_ gives
-    the core's result."""
+    overflow float32, alone or (``product``: a finite ``||w||^2 g`` past float32's range
+    from a large row and a large gradient): the fast path declines with nothing written,
+    and psi_update_ gives the core's result."""
     W, G, U = _problem([(4, 3), (2, 3)], 2, torch.float32)
-    G[0][1, 2] = {"nan": float("nan"), "inf": float("inf"), "overflow": 3e38}[spoil]
+    if spoil == "product":
+        W[0][1] *= 1e12
+    G[0][1, 2] = {"nan": float("nan"), "inf": float("inf"), "overflow": 3e38,
+                  "product": 1e15}[spoil]
     Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
     assert not psi_step_(Wf, G, Uf, lr=0.1, momentum=0.9, max_norm=1e4)
     assert all(torch.equal(a, b) for a, b in zip(Wf + Uf, W + U))
