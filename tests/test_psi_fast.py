@@ -65,16 +65,20 @@ def test_rows_past_max_norm_are_renormalised_as_the_core_does(momentum):
     _assert_close(Uf, Ue, 1e-12)
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_rows_the_step_pushes_past_max_norm_are_renormalised(momentum):
+@pytest.mark.parametrize("momentum, by", [(0.0, "gradient"), (0.9, "gradient"),
+                                         (0.9, "buffer")])
+def test_rows_the_step_pushes_past_max_norm_are_renormalised(momentum, by):
     """Rows below ``max_norm`` that the step itself carries past it (norm 1.9 -> 2.1 with
-    ``max_norm = 2``): the fast step's bound must see it coming and renormalise them."""
+    ``max_norm = 2``), through the gradient or the momentum buffer: the fast step's bound
+    must see it coming and renormalise them."""
     w = torch.tensor([[1.9, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
     delta = (2.1 ** 2 - 1.9 ** 2) ** 0.5  # a step orthogonal to the row
-    g = torch.tensor([[0.0, -delta / (0.5 * 1.9 ** 2), 0.0], [0.0, 0.0, 0.0]],
-                     dtype=torch.float64)
-    (Wf, Uf), ran, (We, Ue) = _both([w], [g], [torch.zeros_like(w)], lr=0.5,
-                                    momentum=momentum, max_norm=2.0)
+    g, u = torch.zeros_like(w), torch.zeros_like(w)
+    if by == "gradient":
+        g[0, 1] = -delta / (0.5 * 1.9 ** 2)
+    else:
+        u[0, 1] = -delta / (0.5 * momentum)
+    (Wf, Uf), ran, (We, Ue) = _both([w], [g], [u], lr=0.5, momentum=momentum, max_norm=2.0)
     assert ran
     assert abs(float(torch.linalg.vector_norm(We[0][0])) - 1.0) < 1e-12  # divided by its norm
     _assert_close(Wf, We, 1e-12)
