@@ -28,19 +28,19 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from gsgd_core import Chain, ElementwiseRule, GSGDState, RuleState
-from gsgd_core.arrays import layer_meta
 from gsgd_core.rules import StepRule
 
 from . import rule_step
 from .fast import bulk_stage_, special_vectors
-from .plan import Scratch, layer_plan, plan_layers
+from .plan import StepPlan, layer_plan
 
 __all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
 
 
 class RowShard:
     """Which rows of each layer of ``chain`` this process holds, and how to sum over
-    processes: built once per chain and layout by whoever steps (and kept by it).
+    processes: built once per chain and layout by whoever steps (and kept by it), with the
+    step plan of its local arrays.
 
     Parameters
     ----------
@@ -48,12 +48,12 @@ class RowShard:
     rows : per layer ``(r0, r1)``, the global rows (output units) held here.
     reduce : callable
         ``reduce(v)`` returns the sum over processes of the 1-D array ``v`` (the same
-        length everywhere); it may write into ``v``.
-    xp, device : the local arrays' namespace (array-api-compat's) and device.
+        length everywhere; an array of the plan's namespace: NumPy for CPU tensors, whose
+        plan computes on NumPy views of them); it may write into ``v``.
     """
 
     def __init__(self, chain: Chain, rows: Sequence[tuple[int, int]],
-                 reduce: Callable[[Any], Any], xp, device) -> None:
+                 reduce: Callable[[Any], Any]) -> None:
         rows = tuple((int(r0), int(r1)) for r0, r1 in rows)
         if len(rows) != chain.L:
             raise ValueError(f"rows: one (start, stop) per layer ({chain.L}), got {len(rows)}")
@@ -62,23 +62,32 @@ class RowShard:
                 raise ValueError(f"layer {l}: rows [{r0}, {r1}) outside its "
                                  f"{chain.sizes[l]} output units")
         self.chain, self.rows, self.reduce = chain, rows, reduce
-        self.xp, self.device = xp, device
-        self.meta, self.layers = layer_meta(chain, xp, device), plan_layers(chain, xp, device)
-        self.scratch = Scratch()
-        self.spec_size, self.local = [], []  # per layer: |spec|; (i0, i1, local indices)
+        self.spec_size, self._local = [], []  # per layer: |spec|; (i0, i1, local indices)
         for l, (r0, r1) in enumerate(rows, 1):
             spec = layer_plan(chain, l).spec
             cols = math.prod(chain.layer_shape(l)[1:])
             i0, i1 = (int(i) for i in np.searchsorted(spec, [r0 * cols, r1 * cols]))
             self.spec_size.append(spec.size)
-            self.local.append((i0, i1, xp.asarray(spec[i0:i1] - r0 * cols, device=device)))
+            self._local.append((i0, i1, spec[i0:i1] - r0 * cols))
+        self._kernels = self._plan = self.local = None
+
+    def plan(self, kernels, array) -> StepPlan:
+        """``kernels.plan`` of the chain for local arrays like ``array``, kept while it
+        fits them (as the single-process step's); :attr:`local` holds the local special
+        edges' indices in its namespace and on its device."""
+        if self._kernels is not kernels or not self._plan.fits(self.chain, array):
+            plan = kernels.plan(self.chain, array)
+            self.local = [(i0, i1, plan.xp.asarray(idx, device=plan.step_device))
+                          for i0, i1, idx in self._local]
+            self._kernels, self._plan = kernels, plan
+        return self._plan
 
     def shapes(self) -> list[tuple[int, int, int]]:
         """Each layer's local 3-D view ``(r1 - r0, n_{l-1}, k_l)``."""
         return [(r1 - r0,) + self.chain.layer_shape(l)[1:]
                 for l, (r0, r1) in enumerate(self.rows, 1)]
 
-    def gather(self, W, G, M, C, vectors, refused: bool):
+    def gather(self, plan: StepPlan, W, G, M, C, vectors, refused: bool):
         """The full vectors from every process's local pieces, by one ``reduce``.
 
         ``W``, ``G``: local 3-D views; ``M``: lists (one per buffer) of local 3-D buffers;
@@ -88,7 +97,7 @@ class RowShard:
         special edges' values of ``W``, ``G`` and each buffer (per layer, in
         ``layers[l].spec`` order), ``C`` summed, the full vectors, and whether any process
         refused."""
-        xp, L = self.xp, self.chain.L
+        xp, L = plan.xp, self.chain.L
         # (length of the piece, where the local values start in it, the local values)
         parts = [(1, 0, None)]  # the count of processes that refused, set below
         parts += [(c.shape[0] if c.ndim else 1, 0, xp.reshape(c, (-1,))) for c in C]
@@ -99,7 +108,8 @@ class RowShard:
         for vec in vectors:
             parts += [(0 if v is None else self.chain.sizes[l], r0, v if r1 > r0 else None)
                       for l, (v, (r0, r1)) in enumerate(zip(vec, self.rows), 1)]
-        flat = xp.zeros(sum(n for n, _, _ in parts), dtype=W[0].dtype, device=self.device)
+        flat = xp.zeros(sum(n for n, _, _ in parts), dtype=W[0].dtype,
+                        device=plan.step_device)
         flat[0] = 1.0 if refused else 0.0
         offsets = np.cumsum([0] + [n for n, _, _ in parts]).tolist()
         for (_, start, values), o in zip(parts, offsets):
@@ -113,29 +123,30 @@ class RowShard:
                 for vec in vectors]
         return special[0], special[1], special[2:], C_full, full, bool(flat[0] > 0)
 
-    def put_(self, kernels, W, values) -> None:
+    def put_(self, plan: StepPlan, W, values) -> None:
         """Write each layer's new special-edge ``values`` (full, ``layers`` order) into the
         local rows ``W``."""
         for w, v, (i0, i1, idx) in zip(W, values, self.local):
             if i1 > i0:
-                kernels.put_(w, idx, v[i0:i1])
+                plan.kernels.put_(w, idx, v[i0:i1])
 
-    def put_rows_(self, kernels, dst, full) -> None:
+    def put_rows_(self, plan: StepPlan, dst, full) -> None:
         """Write the local rows of each full vector into ``dst`` (``None`` skipped)."""
         for d, f, (r0, r1) in zip(dst, full, self.rows):
             if d is not None and r1 > r0:
-                kernels.put_(d, None, f[r0:r1])
+                plan.kernels.put_(d, None, f[r0:r1])
 
-    def column_sums(self, kernels, W, G) -> list:
+    def column_sums(self, plan: StepPlan, W, G) -> list:
         """The sum of the local layer-1 gradients and the local ``colsum(W_l * grad_l)``,
-        ``l = 2..L`` (zeros for a layer with no local rows)."""
-        xp = self.xp
+        ``l = 2..L`` by each layer's kernels (zeros for a layer with no local rows)."""
+        xp = plan.xp
         C = [xp.sum(G[0])]
         for l in range(1, self.chain.L):
             if W[l].shape[0]:
-                C.append(kernels.colsum(W[l], G[l], self.scratch))
+                C.append(plan.layer_kernels[l].colsum(W[l], G[l], plan.scratch))
             else:
-                C.append(xp.zeros(self.chain.sizes[l], dtype=W[l].dtype, device=self.device))
+                C.append(xp.zeros(self.chain.sizes[l], dtype=W[l].dtype,
+                                  device=plan.step_device))
         return C
 
 
@@ -157,48 +168,60 @@ def _refuses(weights) -> bool:
                    ("float32", "float64"))
 
 
+def _mapped(plan: StepPlan, lists):
+    """The lists of arrays as the plan computes on them (NumPy views of CPU tensors)."""
+    if plan.view is None:
+        return lists
+    return [None if v is None else plan.view(v) for v in lists]
+
+
 def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weights, biases,
                          grads, bias_grads, *, lr: float, momentum: float = 0.0,
                          dampening: float = 0.0, nesterov: bool = False,
                          weight_decay: float = 0.0) -> bool:
     """:func:`gsgd_core.gsgd_update` on local rows, in place: ``weights`` etc. are this
     process's rows of each layer (``shard.rows``), ``state``'s buffers too (its step count
-    is the caller's). Returns ``False``, with nothing written, on every process alike when
-    the step holds a non-finite value or cannot be done in place: the caller then takes it
-    on gathered full arrays."""
-    L, xp = shard.chain.L, shard.xp
-    with kernels.context():
-        M = state.momentum if state is not None and momentum else None
-        W, ok_w = _views(kernels, shard, weights)
-        G, _ = _views(kernels, shard, grads, writable=False)
-        Ms, ok_m = ([], True) if M is None else _views(kernels, shard, M)
-        b = list(biases) if biases is not None else [None] * L
-        Gb = list(bias_grads) if bias_grads is not None else [None] * L
-        Mb = list(state.bias_momentum) if M is not None else [None] * L
+    is the caller's); the step runs on ``shard``'s plan of ``kernels``. Returns ``False``,
+    with nothing written, on every process alike when the step holds a non-finite value or
+    cannot be done in place: the caller then takes it on gathered full arrays."""
+    L = shard.chain.L
+    refused = _refuses(weights)
+    plan = shard.plan(kernels, weights[0])
+    M = state.momentum if state is not None and momentum else None
+    b = list(biases) if biases is not None else [None] * L
+    Gb = list(bias_grads) if bias_grads is not None else [None] * L
+    Mb = list(state.bias_momentum) if M is not None else [None] * L
+    step = None if M is None else [state.step]
+    weights, grads, b, Gb, Mb, M, step = _mapped(plan, [weights, grads, b, Gb, Mb, M, step])
+    k, xp = plan.kernels, plan.xp
+    with k.context():
+        W, ok_w = _views(k, shard, weights)
+        G, _ = _views(k, shard, grads, writable=False)
+        Ms, ok_m = ([], True) if M is None else _views(k, shard, M)
         ws, gs, ms, C, (b_full, Gb_full, Mb_full), refused = shard.gather(
-            W, G, [Ms] if M is not None else [], shard.column_sums(kernels, W, G),
-            [b, Gb, Mb], _refuses(weights) or not (ok_w and ok_m))
+            plan, W, G, [Ms] if M is not None else [], shard.column_sums(plan, W, G),
+            [b, Gb, Mb], refused or not (ok_w and ok_m))
         if refused:
             return False
         h = None if not (weight_decay or momentum) else StepRule(
             weight_decay or None, momentum or None, dampening, nesterov,
-            state.step == 0 if momentum else None)
-        v = special_vectors(kernels, shard.chain, shard.meta, shard.layers, ws=ws, gs=gs,
+            step[0] == 0 if momentum else None)
+        v = special_vectors(k, shard.chain, plan.meta, plan.layers, ws=ws, gs=gs,
                             ms=ms[0] if ms else None, C=C, b=b_full, Gb=Gb_full, lr=float(lr),
-                            device=shard.device, Mb=Mb_full, h=h)
+                            device=plan.step_device, Mb=Mb_full, h=h)
         if not bool(v.flags[0]):
             return False
         local_F = [None] + [f[r0:r1] for f, (r0, r1) in zip(v.F[1:], shard.rows)]
         rows = [None if A is None else
                 [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
                 for A in (W, G, Ms if M is not None else None)]
-        bulk_stage_((kernels,) * L, *rows, v=v._replace(F=local_F), lr=float(lr),
-                    tame=(False,) * L, h=h, scratch=shard.scratch)
-        shard.put_(kernels, W, v.special)
-        shard.put_rows_(kernels, b, v.bias)
+        bulk_stage_(plan.layer_kernels, *rows, v=v._replace(F=local_F), lr=float(lr),
+                    tame=(False,) * L, h=h, scratch=plan.scratch)
+        shard.put_(plan, W, v.special)
+        shard.put_rows_(plan, b, v.bias)
         if M is not None:
-            shard.put_(kernels, Ms, v.special_m)
-            shard.put_rows_(kernels, Mb, v.bias_m)
+            shard.put_(plan, Ms, v.special_m)
+            shard.put_rows_(plan, Mb, v.bias_m)
     return True
 
 
@@ -207,39 +230,44 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
     """:func:`gsgd_core.path_update` of an elementwise ``rule`` on local rows, in place
     (as :func:`sharded_gsgd_update_`; ``state``'s buffers are local rows, in the rule's
     flat layout: layers, then biases; its count is the caller's)."""
-    L, xp, chain = shard.chain.L, shard.xp, shard.chain
-    with kernels.context():
-        b = list(biases) if biases is not None else [None] * L
-        Gb = list(bias_grads) if bias_grads is not None else [None] * L
-        W, ok = _views(kernels, shard, weights)
-        G, _ = _views(kernels, shard, grads, writable=False)
+    L, chain = shard.chain.L, shard.chain
+    refused = _refuses(weights)
+    plan = shard.plan(kernels, weights[0])
+    b = list(biases) if biases is not None else [None] * L
+    Gb = list(bias_grads) if bias_grads is not None else [None] * L
+    weights, grads, b, Gb, count = _mapped(plan, [weights, grads, b, Gb, [state.count]])
+    buffers = _mapped(plan, [list(bufs) for bufs in state.buffers])
+    k, xp = plan.kernels, plan.xp
+    with k.context():
+        W, ok = _views(k, shard, weights)
+        G, _ = _views(k, shard, grads, writable=False)
         M = []
-        for bufs in state.buffers:
-            views, ok_m = _views(kernels, shard, bufs[:L])
+        for bufs in buffers:
+            views, ok_m = _views(k, shard, bufs[:L])
             M.append(views)
             ok = ok and ok_m
-        rest = [iter(bufs[L:]) for bufs in state.buffers]
+        rest = [iter(bufs[L:]) for bufs in buffers]
         Mb = [[None if x is None else next(r) for x in b] for r in rest]
         ws, gs, ms, C, full, refused = shard.gather(
-            W, G, M, shard.column_sums(kernels, W, G), [b, Gb] + Mb,
-            _refuses(weights) or not ok)
+            plan, W, G, M, shard.column_sums(plan, W, G), [b, Gb] + Mb, refused or not ok)
         if refused:
             return False
-        coef = rule.coefficients(xp, state.count, W[0].dtype)
-        v = rule_step.rule_vectors(kernels, chain, shard.meta, shard.layers, rule=rule,
-                                   coef=coef, ws=ws, gs=gs, ms=ms, C=C, b=full[0], Gb=full[1],
-                                   Mb=full[2:], device=shard.device)
+        coef = rule.coefficients(xp, count[0], W[0].dtype)
+        v = rule_step.rule_vectors(k, chain, plan.meta, plan.layers, rule=rule, coef=coef,
+                                   ws=ws, gs=gs, ms=ms, C=C, b=full[0], Gb=full[1],
+                                   Mb=full[2:], device=plan.step_device)
         if v is None:
             return False
         for l in range(L, 0, -1):
             r0, r1 = shard.rows[l - 1]
             if r1 > r0:
-                kernels.rule_bulk_(rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M],
-                                   v.F[l][r0:r1], v.B[l - 1], v.rho[l - 1])
-        shard.put_(kernels, W, v.special)
+                plan.layer_kernels[l - 1].rule_bulk_(
+                    rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], v.F[l][r0:r1],
+                    v.B[l - 1], v.rho[l - 1])
+        shard.put_(plan, W, v.special)
         for j, m in enumerate(M):
-            shard.put_(kernels, m, [s[j] for s in v.special_m])
-        shard.put_rows_(kernels, b, v.bias)
+            shard.put_(plan, m, [s[j] for s in v.special_m])
+        shard.put_rows_(plan, b, v.bias)
         for dst, new in zip(Mb, v.bias_m):
-            shard.put_rows_(kernels, dst, new)
+            shard.put_rows_(plan, dst, new)
     return True

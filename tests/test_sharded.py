@@ -6,7 +6,6 @@ import threading
 
 import numpy as np
 import pytest
-from array_api_compat import array_namespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +18,18 @@ from _strategies import chains, seeds
 torch = pytest.importorskip("torch")
 
 LIBS = {"numpy": (lambda a: a.copy(), lambda a: np.asarray(a)),
-        "torch": (lambda a: torch.tensor(a), lambda a: a.numpy())}
+        "torch": (lambda a: torch.tensor(a), lambda a: a.numpy()),
+        "torch-device": (lambda a: torch.tensor(a), lambda a: a.numpy())}
+
+
+def _kernels(lib, array):
+    """The library's kernels; ``torch-device``: the plan GPU tensors take (torch's kernels
+    throughout, no host read in the bulk), run on CPU tensors. (The ``torch`` plan of CPU
+    tensors computes on NumPy views of them.)"""
+    if lib == "torch-device":
+        from gsgd_backends.torch import ON_DEVICE
+        return ON_DEVICE
+    return gb.kernels_for(array)
 HYPERS = [dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), dict(lr=0.05),
           dict(lr=0.05, momentum=0.9), dict(lr=0.05, weight_decay=1e-3)]
 
@@ -99,8 +109,8 @@ def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
 
         def step(rank, reduce):
             loc, rows = locs[rank], split[rank]
-            shard = RowShard(chain, rows, reduce, array_namespace(loc["W"][0]), "cpu")
-            done = sharded_gsgd_update_(gb.kernels_for(loc["W"][0]), shard, loc["st"],
+            shard = RowShard(chain, rows, reduce)
+            done = sharded_gsgd_update_(_kernels(lib, loc["W"][0]), shard, loc["st"],
                                         loc["W"], loc["b"], _rows(G, rows, to),
                                         _rows(Gb, rows, to), **hyper)
             loc["st"] = loc["st"]._replace(step=loc["st"].step + 1)
@@ -114,10 +124,12 @@ def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
             assert_close(g, w, 1e-12)
 
 
+@pytest.mark.parametrize("lib", list(LIBS))
 @settings(max_examples=10)
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
-def test_sharded_rule_equals_the_core(data, chain, seed, world):
+def test_sharded_rule_equals_the_core(lib, data, chain, seed, world):
     """3 G-AdamW steps (amsgrad) on row shards equal the core's path_update, moments too."""
+    to, from_ = LIBS[lib]
     split = data.draw(splits(chain, world))
     rule = gc.adamw_rule(0.01, weight_decay=0.1, amsgrad=True)
     pb = Problem(chain, seed)
@@ -127,30 +139,30 @@ def test_sharded_rule_equals_the_core(data, chain, seed, world):
     locs = []
     for rows in split:
         bias_rows = [r for r, x in zip(rows, b) if x is not None]
-        bufs = tuple(tuple(_rows(list(buf[:n_w]), rows, np.copy)
-                           + _rows(list(buf[n_w:]), bias_rows, np.copy))
+        bufs = tuple(tuple(_rows(list(buf[:n_w]), rows, to)
+                           + _rows(list(buf[n_w:]), bias_rows, to))
                      for buf in state.buffers)
-        locs.append(dict(W=_rows(W, rows, np.copy), b=_rows(b, rows, np.copy),
-                         st=gc.RuleState(bufs, np.asarray(0, dtype=np.int32))))
+        locs.append(dict(W=_rows(W, rows, to), b=_rows(b, rows, to),
+                         st=gc.RuleState(bufs, to(np.asarray(0, dtype=np.int32)))))
     for _ in range(3):
         G, Gb = pb.grads(W, b)
         W, b, state = gc.path_update(chain, rule, state, W, b, G, Gb)
 
         def step(rank, reduce):
             loc, rows = locs[rank], split[rank]
-            shard = RowShard(chain, rows, reduce, array_namespace(loc["W"][0]), "cpu")
-            done = sharded_path_update_(gb.kernels_for(loc["W"][0]), shard, rule, loc["st"],
-                                        loc["W"], loc["b"], _rows(G, rows, np.copy),
-                                        _rows(Gb, rows, np.copy))
+            shard = RowShard(chain, rows, reduce)
+            done = sharded_path_update_(_kernels(lib, loc["W"][0]), shard, rule, loc["st"],
+                                        loc["W"], loc["b"], _rows(G, rows, to),
+                                        _rows(Gb, rows, to))
             loc["st"].count[...] += 1
             return done
 
         assert run_processes(world, step) == [True] * world
     for l in range(chain.L):
-        assert_close(_join([p["W"] for p in locs], np.asarray)[l], W[l], 1e-12, f"W[{l}]")
-        assert_close(_join([p["b"] for p in locs], np.asarray)[l], b[l], 1e-12, f"b[{l}]")
+        assert_close(_join([p["W"] for p in locs], from_)[l], W[l], 1e-12, f"W[{l}]")
+        assert_close(_join([p["b"] for p in locs], from_)[l], b[l], 1e-12, f"b[{l}]")
         for j, buf in enumerate(state.buffers):
-            got = np.concatenate([p["st"].buffers[j][l] for p in locs])
+            got = np.concatenate([from_(p["st"].buffers[j][l]) for p in locs])
             assert_close(got, buf[l], 1e-12, f"buffer {j} of layer {l}")
 
 
@@ -179,7 +191,7 @@ def _declined(world, poison, rule=None):
 
     def step(rank, reduce):
         loc = locs[rank]
-        shard = RowShard(chain, split[rank], reduce, np, "cpu")
+        shard = RowShard(chain, split[rank], reduce)
         kernels = gb.kernels_for(loc["W"][0])
         if rule is not None:
             st_ = gc.RuleState(tuple(tuple(m) for m in loc["M"]), np.asarray(1, np.int32))
@@ -238,7 +250,7 @@ def test_half_precision_declines_everywhere(rule):
 ])
 def test_row_shard_refuses_bad_rows(rows, match):
     with pytest.raises(ValueError, match=match):
-        RowShard(gc.Chain.mlp([4, 6, 5, 3]), rows, lambda v: v, np, "cpu")
+        RowShard(gc.Chain.mlp([4, 6, 5, 3]), rows, lambda v: v)
 
 
 def test_two_threads_stepping_at_once_get_the_sequential_numbers():

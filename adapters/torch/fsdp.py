@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from array_api_compat import array_namespace
 
 from gsgd_backends.sharded import RowShard
 
@@ -101,13 +100,12 @@ class ShardCache:
         key = (chain, rows)
         if key not in self._shards:
             group = weights[0].device_mesh.get_group()
-            loc = weights[0].to_local()
 
-            def reduce(v):
-                dist.all_reduce(v, group=group)
+            def reduce(v):  # a tensor, or a NumPy view the CPU plan computes on (shared)
+                dist.all_reduce(torch.as_tensor(v), group=group)
                 return v
 
-            self._shards[key] = RowShard(chain, rows, reduce, array_namespace(loc), loc.device)
+            self._shards[key] = RowShard(chain, rows, reduce)
         return self._shards[key]
 
 
