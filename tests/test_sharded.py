@@ -273,3 +273,26 @@ def test_two_threads_stepping_at_once_get_the_sequential_numbers():
     for a, t in zip(alone, together):
         for x, y in zip(a, t):
             assert np.array_equal(x, y)
+
+
+
+def test_a_shard_follows_its_arrays_to_another_plan():
+    """One ``RowShard`` stepped with float64 NumPy arrays, then float32 torch tensors (a
+    model moved to another dtype), then float64 tensors on the device plan: each step
+    equals the core's (the shard rebuilds its plan and its local indices each time)."""
+    from gsgd_backends.torch import KERNELS, ON_DEVICE
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    shard = RowShard(chain, [(0, n) for n in chain.sizes[1:]], lambda v: v)
+    pb = Problem(chain, 3)
+    G, Gb = pb.grads()
+    plans = []
+    for kernels, to, rtol in ((gb.kernels_for(pb.W[0]), np.copy, 1e-12),
+                              (KERNELS, lambda a: torch.tensor(a, dtype=torch.float32), 1e-5),
+                              (ON_DEVICE, torch.tensor, 1e-12)):
+        W, b, G_, Gb_ = ([to(a) for a in arrays] for arrays in (pb.W, pb.b, G, Gb))
+        want_W, want_b, _ = gc.gsgd_update(chain, None, W, b, G_, Gb_, lr=0.1)
+        assert sharded_gsgd_update_(kernels, shard, None, W, b, G_, Gb_, lr=0.1)
+        plans.append(shard.plan(kernels, W[0]))
+        for got, want in zip(W + b, list(want_W) + list(want_b)):
+            assert_close(np.asarray(got), np.asarray(want), rtol)
+    assert len({id(p) for p in plans}) == 3
