@@ -65,14 +65,15 @@ def test_rows_past_max_norm_are_renormalised_as_the_core_does(momentum):
     _assert_close(Uf, Ue, 1e-12)
 
 
+@pytest.mark.parametrize("to", [2.1, 4.0])
 @pytest.mark.parametrize("momentum, by", [(0.0, "gradient"), (0.9, "gradient"),
                                          (0.9, "buffer")])
-def test_rows_the_step_pushes_past_max_norm_are_renormalised(momentum, by):
-    """Rows below ``max_norm`` that the step itself carries past it (norm 1.9 -> 2.1 with
-    ``max_norm = 2``), through the gradient or the momentum buffer: the fast step's bound
-    must see it coming and renormalise them."""
+def test_rows_the_step_pushes_past_max_norm_are_renormalised(momentum, by, to):
+    """Rows below ``max_norm`` that the step itself carries past it (norm 1.9 -> 2.1, just
+    past ``max_norm = 2``, or -> 4.0, a step larger than the row), through the gradient or
+    the momentum buffer: the fast step's bound must see it coming and renormalise them."""
     w = torch.tensor([[1.9, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=torch.float64)
-    delta = (2.1 ** 2 - 1.9 ** 2) ** 0.5  # a step orthogonal to the row
+    delta = (to ** 2 - 1.9 ** 2) ** 0.5  # a step orthogonal to the row
     g, u = torch.zeros_like(w), torch.zeros_like(w)
     if by == "gradient":
         g[0, 1] = -delta / (0.5 * 1.9 ** 2)
@@ -111,6 +112,28 @@ def test_steps_it_cannot_take_exactly_are_handed_back_and_the_core_takes_them(sp
     _assert_close(Uf, list(state.momentum), 0)
     assert all(bool(torch.isfinite(w).all()) for w in Wf + Uf)
     assert torch.equal(Wf[0][1], W[0][1])  # the spoilt row kept its values
+
+
+def test_a_weight_or_buffer_not_contiguous_goes_to_the_core_a_gradient_does_not():
+    """A transposed weight or buffer cannot be updated through a view: handed back with
+    nothing written. A transposed gradient is only read: the fast step takes it."""
+    W, G, U = _problem([(4, 3), (3, 3)], 4, torch.float64)
+    for which in ("weight", "buffer"):
+        Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+        (Wf if which == "weight" else Uf)[1] = (Wf if which == "weight" else Uf)[1].t()
+        before = [a.clone() for a in Wf + Uf]
+        assert not psi_step_(Wf, G, Uf, lr=0.1, momentum=0.9, max_norm=1e4), which
+        assert all(torch.equal(a, b) for a, b in zip(Wf + Uf, before))
+    G_t = [G[0], G[1].t().contiguous().t()]  # the same numbers, strided
+    assert not G_t[1].is_contiguous()
+    (Wf, Uf), ran, (We, Ue) = _both(W, G_t, U, lr=0.1, momentum=0.9, max_norm=1e4)
+    assert ran
+    _assert_close(Wf, We, 1e-12)
+    _assert_close(Uf, Ue, 1e-12)
+
+
+def test_no_weights_is_a_step_taken():
+    assert psi_step_([], [], [], lr=0.1, momentum=0.9, max_norm=1e4)
 
 
 def test_half_precision_goes_to_the_core():
