@@ -213,10 +213,12 @@ RULES = {"gsgd": None, "adamw": gc.adamw_rule(0.01, amsgrad=True)}
 
 
 @pytest.mark.parametrize("rule", list(RULES))
-def test_a_nan_on_one_process_declines_everywhere(rule):
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_nan_on_one_process_declines_everywhere(rule, layer):
+    """A NaN in one process's gradient of layer 1 (seen only through its sum) or layer 2."""
     def poison(rank, loc):
         if rank == 2:
-            loc["G"][1][0, 0] = np.nan
+            loc["G"][layer][0, 0] = np.nan
     _declined(3, poison, RULES[rule])
 
 
@@ -296,3 +298,35 @@ def test_a_shard_follows_its_arrays_to_another_plan():
         for got, want in zip(W + b, list(want_W) + list(want_b)):
             assert_close(np.asarray(got), np.asarray(want), rtol)
     assert len({id(p) for p in plans}) == 3
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_a_chain_without_biases(rule):
+    """``biases=None`` (and no bias gradients): two processes step as the core does."""
+    chain = gc.Chain.mlp([4, 6, 5, 3], bias=False)
+    pb = Problem(chain, 5)
+    G, _ = pb.grads()
+    r = RULES[rule]
+    state = None if r is None else gc.path_init(chain, r, pb.W, None)
+    if r is None:
+        want, _, _ = gc.gsgd_update(chain, None, pb.W, None, G, None, lr=0.1)
+    else:
+        want, _, _ = gc.path_update(chain, r, state, pb.W, None, G, None)
+    split = [[(0, n // 2) for n in chain.sizes[1:]], [(n // 2, n) for n in chain.sizes[1:]]]
+    locs = [_rows(pb.W, rows, np.copy) for rows in split]
+
+    def step(rank, reduce):
+        rows, W = split[rank], locs[rank]
+        shard = RowShard(chain, rows, reduce)
+        kernels = gb.kernels_for(W[0])
+        if r is None:
+            return sharded_gsgd_update_(kernels, shard, None, W, None, _rows(G, rows, np.copy),
+                                        None, lr=0.1)
+        st_ = gc.RuleState(tuple(tuple(_rows(list(buf), rows, np.copy))
+                                 for buf in state.buffers), np.asarray(0, np.int32))
+        return sharded_path_update_(kernels, shard, r, st_, W, None, _rows(G, rows, np.copy),
+                                    None)
+
+    assert run_processes(2, step) == [True, True]
+    for got, w in zip(_join(locs, np.asarray), want):
+        assert_close(got, w, 1e-12)
