@@ -103,9 +103,8 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     Mb = list(Mb) if Mb is not None else [None] * L
-    if plan.view is not None:  # the arrays the plan computes on (NumPy views of tensors)
-        weights, grads, b, Gb, Mb = map(plan.view, (weights, grads, b, Gb, Mb))
-        M, step = (None, None) if M is None else (plan.view(M), plan.view([step])[0])
+    weights, grads, b, Gb, Mb, M, steps = plan.mapped(
+        [weights, grads, b, Gb, Mb, M, None if M is None else [step]])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, plan.shapes)]
     if any(w is None for w in W + (M or [])):
@@ -119,7 +118,7 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
         scalar(wd, W[0].dtype, plan.step_device) if wd else None,
         scalar(mu, W[0].dtype, plan.step_device) if mu else None,
         scalar(hyper.dampening, W[0].dtype, plan.step_device), hyper.nesterov,
-        step == 0 if M is not None else None)
+        steps[0] == 0 if M is not None else None)
     lr = scalar(float(lr), W[0].dtype, plan.step_device)
     v = plan.stage(vector_stage)(kernels, chain, plan.meta, plan.layers, W=W, G=G, C=C, b=b,
                                  Gb=Gb, lr=lr, device=plan.step_device, M=M, Mb=Mb, h=h)

@@ -117,6 +117,13 @@ class StepPlan:
         return (chain == self.chain and array.dtype == self.dtype
                 and str(getattr(array, "device", "cpu")) == str(self.device))
 
+    def mapped(self, lists: list) -> list:
+        """Each list of the caller's arrays as the step computes on them (:attr:`view`:
+        NumPy views of CPU tensors); ``None`` lists and entries stay."""
+        if self.view is None:
+            return lists
+        return [None if v is None else self.view(v) for v in lists]
+
     def stage(self, fn: Callable) -> Callable:
         """``fn`` as the kernels run it (:meth:`Kernels.compile`), once per plan and
         function."""

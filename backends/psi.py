@@ -83,7 +83,7 @@ def _norms(X):
     BLAS over each (``torch._foreach_norm`` on the CPU reads at half that speed). A sum of
     squares that overflows gives ``inf``, which fails the bounds: the core then takes the
     step."""
-    return torch.stack([torch.dot(x.reshape(-1), x.reshape(-1)) for x in X]).sqrt()
+    return torch.stack([torch.dot(v, v) for v in (x.reshape(-1) for x in X)]).sqrt()
 
 
 def _renormalise_(W, U, max_norm) -> None:

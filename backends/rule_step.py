@@ -53,11 +53,8 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     if any(m.dtype != p.dtype for bufs in state.buffers for m in bufs):
         return False
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
-    buffers, count = state.buffers, state.count
-    if plan.view is not None:  # the arrays the plan computes on (NumPy views of tensors)
-        weights, grads, b, Gb = map(plan.view, (weights, grads, b, Gb))
-        buffers = [plan.view(bufs) for bufs in buffers]
-        count = plan.view([count])[0]
+    weights, grads, b, Gb, counts, *buffers = plan.mapped(
+        [weights, grads, b, Gb, [state.count], *state.buffers])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], plan.shapes)] for bufs in buffers]
     if any(a is None for a in W + [m for ms in M for m in ms]):
@@ -66,7 +63,7 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     rest = [iter(bufs[L:]) for bufs in buffers]
     Mb = [[None if x is None else next(r) for x in b] for r in rest]
     layers = plan.layers
-    coef = rule.coefficients(xp, count, W[0].dtype)
+    coef = rule.coefficients(xp, counts[0], W[0].dtype)
     C = plan.column_sums(W, G)
     ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, layers)]
     gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, layers)]

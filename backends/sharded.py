@@ -168,13 +168,6 @@ def _refuses(weights) -> bool:
                    ("float32", "float64"))
 
 
-def _mapped(plan: StepPlan, lists):
-    """The lists of arrays as the plan computes on them (NumPy views of CPU tensors)."""
-    if plan.view is None:
-        return lists
-    return [None if v is None else plan.view(v) for v in lists]
-
-
 def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weights, biases,
                          grads, bias_grads, *, lr: float, momentum: float = 0.0,
                          dampening: float = 0.0, nesterov: bool = False,
@@ -192,7 +185,7 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     Mb = list(state.bias_momentum) if M is not None else [None] * L
     step = None if M is None else [state.step]
-    weights, grads, b, Gb, Mb, M, step = _mapped(plan, [weights, grads, b, Gb, Mb, M, step])
+    weights, grads, b, Gb, Mb, M, step = plan.mapped([weights, grads, b, Gb, Mb, M, step])
     k, xp = plan.kernels, plan.xp
     with k.context():
         W, ok_w = _views(k, shard, weights)
@@ -235,8 +228,8 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
     plan = shard.plan(kernels, weights[0])
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
-    weights, grads, b, Gb, count = _mapped(plan, [weights, grads, b, Gb, [state.count]])
-    buffers = _mapped(plan, [list(bufs) for bufs in state.buffers])
+    weights, grads, b, Gb, count, *buffers = plan.mapped(
+        [weights, grads, b, Gb, [state.count], *state.buffers])
     k, xp = plan.kernels, plan.xp
     with k.context():
         W, ok = _views(k, shard, weights)

@@ -16,6 +16,7 @@ from _helpers import Problem, assert_close
 from _strategies import chains, seeds
 
 torch = pytest.importorskip("torch")
+from gsgd_backends.torch import KERNELS, ON_DEVICE  # noqa: E402 - needs torch
 
 LIBS = {"numpy": (lambda a: a.copy(), lambda a: np.asarray(a)),
         "torch": (lambda a: torch.tensor(a), lambda a: a.numpy()),
@@ -27,7 +28,6 @@ def _kernels(lib, array):
     throughout, no host read in the bulk), run on CPU tensors. (The ``torch`` plan of CPU
     tensors computes on NumPy views of them.)"""
     if lib == "torch-device":
-        from gsgd_backends.torch import ON_DEVICE
         return ON_DEVICE
     return gb.kernels_for(array)
 HYPERS = [dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), dict(lr=0.05),
@@ -282,7 +282,6 @@ def test_a_shard_follows_its_arrays_to_another_plan():
     """One ``RowShard`` stepped with float64 NumPy arrays, then float32 torch tensors (a
     model moved to another dtype), then float64 tensors on the device plan: each step
     equals the core's (the shard rebuilds its plan and its local indices each time)."""
-    from gsgd_backends.torch import KERNELS, ON_DEVICE
     chain = gc.Chain.mlp([4, 6, 5, 3])
     shard = RowShard(chain, [(0, n) for n in chain.sizes[1:]], lambda v: v)
     pb = Problem(chain, 3)
