@@ -113,7 +113,8 @@ def _check_list(chain: Chain, name: str, values) -> list:
     return list(values)
 
 
-def _is_array(x) -> bool:
+def is_array(x) -> bool:
+    """``x`` is an array of a namespace that array-api-compat knows."""
     return array_api_compat.is_array_api_obj(x)
 
 
@@ -130,7 +131,7 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
     weights = _check_list(chain, "weights", weights)
     biases = [None] * chain.L if biases is None else _check_list(chain, "biases", biases)
     for l, (w, b) in enumerate(zip(weights, biases), start=1):
-        if not _is_array(w):
+        if not is_array(w):
             raise ValueError(f"layer {l}: weight is a {type(w).__name__}, not an array")
         check_weight_shape(chain, l, w.shape)
         has_bias = chain.bias[l - 1] and not (biases_optional and b is None)
@@ -160,7 +161,7 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
                 continue
             if ref is None:
                 raise ValueError(f"layer {l}: {name}[{l - 1}] given for a layer without a bias")
-            if not _is_array(v):
+            if not is_array(v):
                 raise ValueError(f"layer {l}: {name}[{l - 1}] is a {type(v).__name__}, "
                                  f"not an array")
             if tuple(v.shape) != tuple(ref.shape):
@@ -243,7 +244,7 @@ def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None
             bound = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
             raise ValueError(f"{name} must be finite and {bound}, got {value!r}")
         return
-    if not _is_array(value) or tuple(value.shape) != ():
+    if not is_array(value) or tuple(value.shape) != ():
         raise ValueError(f"{name} must be a Python number or a 0-d array, got {value!r}")
 
 
@@ -275,7 +276,7 @@ def guard_tree(xp, ok, new, old):
     if isinstance(new, (tuple, list)):
         items = [guard_tree(xp, ok, n, o) for n, o in zip(new, old)]
         return type(new)(*items) if hasattr(new, "_fields") else type(new)(items)
-    if not _is_array(new):
+    if not is_array(new):
         return new
     keep = ok & xp.isfinite(new) if xp.isdtype(new.dtype, "real floating") else ok
     return xp.where(keep, new, old)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .arrays import _is_array, check_hyper, outer3, prepare, restore, unvecs, vecs, view3
+from .arrays import is_array, check_hyper, outer3, prepare, restore, unvecs, vecs, view3
 from .chain import Chain
 from .rules import safe_div
 from .sweeps import chain_products, in_units
@@ -37,7 +37,7 @@ def _host_scales(chain: Chain, scales) -> list:
                          f"{chain.L - 1} hidden layers")
     out = []
     for l, s in enumerate(scales, start=1):
-        if not _is_array(s):
+        if not is_array(s):
             s = np.asarray(s, dtype=np.float64)
         if tuple(s.shape) != (chain.sizes[l],):
             raise ValueError(f"hidden layer {l}: scales have shape {tuple(s.shape)}, "

@@ -32,7 +32,9 @@ class GSGDState(NamedTuple):
     step: Any
 
 
-def _sweep_inputs(chain, weights, biases, grads=None, bias_grads=None, extra=()):
+def sweep_inputs(chain, weights, biases, grads=None, bias_grads=None, extra=()):
+    """What every sweep starts from: the validated call (:func:`.arrays.prepare`), the
+    weights as ``(n, p, k)`` views, the biases, and the chain products ``B``, ``F``."""
     p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)
     W = view3(p, chain, weights)
     b = vecs(p, biases, chain.L)
@@ -51,7 +53,7 @@ def path_values(chain: Chain, weights: Arrays, biases: OptArrays | None = None):
     -------
     V, Vb : lists with one array (or ``None`` for ``Vb`` of a layer without bias) per layer.
     """
-    p, W, b, B, F = _sweep_inputs(chain, weights, biases)
+    p, W, b, B, F = sweep_inputs(chain, weights, biases)
     V, Vb = path_values3(p.xp, p.meta, W, b, B, F)
     return restore(p, V), unvecs(p, Vb)
 
@@ -65,7 +67,7 @@ def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
     sweep; see :func:`gsgd_core.sweeps.icr3`. Returns ``(D, Db)`` in the layers' own shapes,
     ``0`` at free edges.
     """
-    p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads)
+    p, W, b, B, F = sweep_inputs(chain, weights, biases, grads, bias_grads)
     G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
     D, Db, _, _ = icr3(p.xp, chain, p.meta, W=W, b=b, G=G, Gb=Gb, B=B, F=F, dtype=p.dtype,
                        device=p.device)
@@ -180,7 +182,7 @@ def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Ar
     ``-lr * S`` (``V' = V - lr*S``). Where ``ok`` is false, weights and biases come back
     unchanged; ``steps`` guards its own state.
     """
-    p, W, b, B, F = _sweep_inputs(chain, weights, biases, grads, bias_grads, extra)
+    p, W, b, B, F = sweep_inputs(chain, weights, biases, grads, bias_grads, extra)
     xp = p.xp
     G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
     ok = all_finite(xp, G + Gb)

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from .arrays import guard_tree, quiet_fp, restore, shaped, unvecs, vecs, view3
 from .chain import Chain
-from .gsgd import _sweep_inputs, path_step
+from .gsgd import sweep_inputs, path_step
 from .path_rules import PathRule
 from .rules import finite_or_zero
 from .sweeps import allocate3, path_values3
@@ -39,7 +39,7 @@ def path_init(chain: Chain, rule: PathRule, weights: Arrays, biases: OptArrays |
     """The rule's initial state, ``rule.init(V)`` from the basis-path values of the weights
     (the flat tuple of :mod:`gsgd_core.path_rules`, in the compute dtype)."""
     _check_rule(rule)
-    p, W, b, B, F = _sweep_inputs(chain, weights, biases)
+    p, W, b, B, F = sweep_inputs(chain, weights, biases)
     V, Vb = path_values3(p.xp, p.meta, W, b, B, F)
     return rule.init(_flat_paths(p, V, Vb))
 
@@ -92,7 +92,7 @@ def allocate(chain: Chain, weights: Arrays, biases: OptArrays | None, delta: Arr
     per layer with a bias), free weights unchanged. An entry that would not be finite keeps
     its value; a tau path ratio of exactly 0 becomes the dtype's epsilon."""
     bias_delta = [None] * chain.L if bias_delta is None else bias_delta
-    p, W, b, B, F = _sweep_inputs(chain, weights, biases, extra=(
+    p, W, b, B, F = sweep_inputs(chain, weights, biases, extra=(
         ("delta", delta), ("bias_delta", bias_delta)))
     xp = p.xp
     for l, (x, d) in enumerate(zip(b, bias_delta), start=1):

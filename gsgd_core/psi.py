@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
 
-from .arrays import _is_array, check_hyper, quiet_fp
+from .arrays import is_array, check_hyper, quiet_fp
 
 __all__ = ["PSIState", "psi_init", "psi_update"]
 
@@ -31,7 +31,7 @@ def _check_pairs(weights, others, name):
     if len(others) != len(weights):
         raise ValueError(f"{name} has {len(others)} entries for {len(weights)} weights")
     for i, (w, o) in enumerate(zip(weights, others)):
-        if not (_is_array(w) and _is_array(o)):
+        if not (is_array(w) and is_array(o)):
             raise ValueError(f"weight {i}: weights and {name} must be arrays")
         if w.ndim < 1 or tuple(o.shape) != tuple(w.shape):
             raise ValueError(f"weight {i}: {name} has shape {tuple(o.shape)}, but the weight "

@@ -36,6 +36,20 @@ def test_layering_points_one_way():
             assert not forbidden.intersection(_imports(path)), path
 
 
+def _private_imports(path: pathlib.Path):
+    """Names with one leading underscore that ``path`` imports from another module."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            yield from (a.name for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__"))
+
+
+def test_no_module_imports_another_modules_private_names():
+    for pkg in (gsgd_core, gsgd_backends, gsgd_adapters):
+        for path in pathlib.Path(pkg.__file__).parent.rglob("*.py"):
+            assert not list(_private_imports(path)), (path, list(_private_imports(path)))
+
+
 def test_packages_carry_version_and_type_marker():
     assert gsgd_core.__version__
     for pkg in (gsgd_core, gsgd_backends, gsgd_adapters):

@@ -21,7 +21,8 @@ from gsgd_backends.torch import KERNELS
 from gsgd_core import AdamRule, RuleState
 
 from .fsdp import sharded_step
-from .optim import ScaleInvariantOptimizer, _number
+from .groups import hyper_value
+from .optim import ScaleInvariantOptimizer
 
 __all__ = ["GAdam", "GAdamW"]
 
@@ -30,7 +31,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _rule(group: dict, decoupled: bool) -> AdamRule:
     """The group's Adam rule (it validates the hyperparameters)."""
-    return AdamRule(_number(group["lr"]), tuple(_number(b) for b in group["betas"]),
+    return AdamRule(hyper_value(group["lr"]), tuple(hyper_value(b) for b in group["betas"]),
                     group["eps"], group["weight_decay"], decoupled, group["amsgrad"])
 
 
@@ -134,13 +135,13 @@ class GAdam(ScaleInvariantOptimizer):
             for name in names:
                 if name not in st:
                     st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        beta1, beta2 = (_number(x) for x in group["betas"])
+        beta1, beta2 = (hyper_value(x) for x in group["betas"])
         adam_update(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
                     [s["exp_avg_sq"] for s in sts],
                     [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
                     [s["step"] for s in sts], foreach=group.get("foreach"),
                     decoupled_weight_decay=self.decoupled, amsgrad=group["amsgrad"],
-                    beta1=beta1, beta2=beta2, lr=_number(group["lr"]),
+                    beta1=beta1, beta2=beta2, lr=hyper_value(group["lr"]),
                     weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"])
 

@@ -30,6 +30,11 @@ from .fsdp import is_sharded, local, row_range
 SKELETONS = ("he", "paper")
 
 
+def hyper_value(value) -> float:
+    """A group's hyperparameter as the backends take it (a one-element tensor is read)."""
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
 def scaled(chain: Chain, skeleton: str) -> Chain:
     """``chain`` in the units of a skeleton recipe: ``"he"`` (skeleton edges of He init's
     standard deviation, DESIGN §11) or ``"paper"`` (edges of 1, paper §11.2)."""

@@ -27,7 +27,7 @@ from gsgd_core import GSGDState, PSIState
 
 from .discovery import unwrap
 from .fsdp import ShardCache, all_finite, check_chain, is_sharded, local, sharded_step
-from .groups import (ChainPart, Description, PartInfo, SGDPart, partition,
+from .groups import (ChainPart, Description, PartInfo, SGDPart, hyper_value, partition,
                      skeleton_is_initialised, sub_chain)
 from .model_ops import check_invariance
 
@@ -64,11 +64,6 @@ def _check_group(group: dict, where: str) -> None:
     _check(f"{where}dampening", group.get("dampening", 0.0), high=1.0)
     if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"]):
         raise ValueError(f"{where}nesterov needs momentum > 0 and dampening = 0")
-
-
-def _number(value) -> float:
-    """A group's hyperparameter as the backends take it (a one-element tensor is read)."""
-    return float(value) if isinstance(value, torch.Tensor) else value
 
 
 def _user_groups(params, model):
@@ -187,7 +182,7 @@ class ScaleInvariantOptimizer(Optimizer):
         infos = []
         for p in self._parts:
             g = self.param_groups[p.group]
-            hyper = {k: _number(g[k]) for k in self.described}
+            hyper = {k: hyper_value(g[k]) for k in self.described}
             if p.kind == "chain":
                 infos.append(PartInfo("chain", p.names, hyper, p.chain,
                                       skeleton_is_initialised(p)))
@@ -249,8 +244,8 @@ class ScaleInvariantOptimizer(Optimizer):
         W = [local(p) for p, _ in live]
         G = [local(self._grad(p, group, f"{n}.weight")) for p, n in live]
         U = [local(_buffer(self.state[p], p)) for p, _ in live]
-        psi_update_(PSIState(tuple(U)), W, G, lr=_number(group["lr"]),
-                    momentum=_number(group["momentum"]), max_norm=group["max_norm"])
+        psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"]),
+                    momentum=hyper_value(group["momentum"]), max_norm=group["max_norm"])
 
     def _step_sgd(self, part, group: dict) -> None:
         self._rest(part.params, group, self.state)
@@ -461,7 +456,7 @@ class GSGD(ScaleInvariantOptimizer):
         self._check_chains(params, model, example_input, skeleton)
 
     def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
-        momentum = _number(group["momentum"])
+        momentum = hyper_value(group["momentum"])
         st = None
         if momentum != 0:
             for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
@@ -472,9 +467,9 @@ class GSGD(ScaleInvariantOptimizer):
                            tuple(None if x is None else torch.zeros_like(x) if f
                                  else state[x]["momentum_buffer"] for x, f in zip(b, fixed)),
                            first["step"])
-        hyper = dict(lr=_number(group["lr"]), momentum=momentum,
-                     dampening=_number(group["dampening"]), nesterov=group["nesterov"],
-                     weight_decay=_number(group["weight_decay"]))
+        hyper = dict(lr=hyper_value(group["lr"]), momentum=momentum,
+                     dampening=hyper_value(group["dampening"]), nesterov=group["nesterov"],
+                     weight_decay=hyper_value(group["weight_decay"]))
         if shard is None:
             kernels = gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
             return gsgd_update_(chain, st, W, b, G, Gb, **hyper,
@@ -526,7 +521,7 @@ class PathSGD(ScaleInvariantOptimizer):
 
     def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
         def full(a):
-            path_sgd_step_(chain, *a, _number(group["lr"]))
+            path_sgd_step_(chain, *a, hyper_value(group["lr"]))
             return True
 
         # Path-SGD's scales are products along whole paths: under FSDP2 it steps the
