@@ -24,16 +24,21 @@ from gsgd_adapters.torch import GAdam, GSGD, skeleton_init_
 from gsgd_backends import gsgd_update_, path_update_
 
 OWN = ("gsgd_core", "gsgd_backends", "gsgd_adapters")
+#: Tensor methods that copy a value from the tensor's device to the host.
 READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
 
 
-class _Reads(TorchFunctionMode):
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values into the host by method (on a GPU: synchronisations)."""
+
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.count = collections.Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.n += getattr(func, "__name__", "") in READS
+        name = getattr(func, "__name__", "")
+        if name in READS:
+            self.count[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -75,14 +80,14 @@ def _reads_of_one_step(device, hyper: dict | None) -> int:
     plan = kernels.plan(chain, W[0])
     rule = gc.adam_rule(1e-3) if hyper is None else None
     state = gc.path_init(chain, rule, W, b) if rule else gc.gsgd_init(chain, W, b)
-    reads = _Reads()
+    reads = HostReads()
     for count in (False, True):
         with reads if count else torch.no_grad():
             if rule:
                 path_update_(chain, rule, state, W, b, G, Gb, plan=plan)
             else:
                 gsgd_update_(chain, state, W, b, G, Gb, lr=0.01, plan=plan, **hyper)
-    return reads.n
+    return sum(reads.count.values())
 
 
 def host_reads(device) -> dict[str, int]:

@@ -5,7 +5,6 @@ that does not fit is refused, the torch optimizers keep one per chain. The torch
 GPUs run (every layer on ``ON_DEVICE``: whole layers, per-entry rules) is run here on the
 CPU: it equals the core and reads one value back to the host per step."""
 
-import collections
 
 import numpy as np
 import pytest
@@ -20,30 +19,12 @@ from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
 gbt = pytest.importorskip("gsgd_backends.torch")
-from torch.overrides import TorchFunctionMode  # noqa: E402
+from benchmarks.step_counts import HostReads  # noqa: E402
 
 CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
                              bias=[True, False, True, True])
 HYPERS = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
           dict(weight_decay=0.1), dict(momentum=0.5, dampening=0.3)]
-#: Tensor methods that copy a value from the tensor's device to the host.
-READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts reads of tensor values into the host (on a GPU: synchronisations)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = collections.Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in READS:
-            self.count[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _tensors(arrays):
     return [None if a is None else torch.tensor(a) for a in arrays]
 
