@@ -134,13 +134,17 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
     try:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (world,))
-        results = {}
+        results = {"steppers": {}}  # per scenario: what steps its chains, kept or rebuilt
         for name, (_, make_opt, steps) in SCENARIOS.items():
             model = shard(build(name), mesh, per_layer=not name.endswith("_root"))
             opt = make_opt(model)
             x, y = (_local_batch(t, rank, world) for t in data(model))
-            train(model, opt, x, y, steps)
+            train(model, opt, x, y, 1)
+            first = dict(opt.__dict__.get("_steppers", {}))
+            train(model, opt, x, y, steps - 1)
             results[name] = full_state(model, opt)
+            results["steppers"][name] = [type(s).__name__ for s in first.values()] + [
+                "kept" if all(opt._steppers[k] is s for k, s in first.items()) else "rebuilt"]
         results["nan"] = _nan_run(rank, world, mesh)
         results["errors"] = _errors(mesh)
         results["check_finite"] = _check_finite_run(rank, world, mesh)

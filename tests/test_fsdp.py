@@ -67,6 +67,16 @@ def _function(state: dict, x):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_each_sharded_chain_keeps_one_row_shard_across_steps(runs, world):
+    """G-SGD and G-Adam step a sharded chain through one RowShard, built on the first step
+    and kept (its plan with it); Path-SGD and PSI keep none."""
+    steppers = runs[0][world]["steppers"]
+    for name in fw.SCENARIOS:
+        chains = {"gsgd_normed": 1, "pathsgd_mlp": 0, "psi_normed": 0}.get(name, 1)
+        assert steppers[name] == ["RowShard"] * chains + ["kept"], name
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_sharded_twins_coincide(runs, world):
     """A rescaled twin, sharded, trains to the same function (Theorem 3.6 under FSDP2),
     and the comparison sees a difference: the twin's weights are not the original's."""

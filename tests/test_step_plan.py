@@ -172,16 +172,16 @@ def test_optimizer_keeps_one_plan_per_chain_and_rebuilds_it_after_a_dtype_change
         opt.step()
 
     step()
-    (plan,) = opt._plans.values()
+    (plan,) = opt._steppers.values()
     step()
-    assert list(opt._plans.values()) == [plan]  # reused
+    assert list(opt._steppers.values()) == [plan]  # reused
     model.double()
     for group in opt.param_groups:
         for p in group["params"]:
             if "momentum_buffer" in opt.state[p]:
                 opt.state[p]["momentum_buffer"] = opt.state[p]["momentum_buffer"].double()
     step()
-    (new,) = opt._plans.values()
+    (new,) = opt._steppers.values()
     assert new is not plan and new.dtype == torch.float64
     assert all(np.isfinite(p.detach().numpy()).all() for p in model.parameters())
 

@@ -20,7 +20,7 @@ from gsgd_backends.sharded import sharded_path_update_
 from gsgd_backends.torch import KERNELS
 from gsgd_core import AdamRule, RuleState
 
-from .fsdp import sharded_step
+from .fsdp import is_sharded, sharded_step
 from .groups import hyper_value
 from .optim import ScaleInvariantOptimizer
 
@@ -95,7 +95,9 @@ class GAdam(ScaleInvariantOptimizer):
         except ValueError as exc:
             raise ValueError(f"{where}{exc}") from None
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
+    kernels = KERNELS
+
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed, stepper) -> bool:
         rule = _rule(group, self.decoupled)
         for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
             for name in rule.buffers:
@@ -109,12 +111,11 @@ class GAdam(ScaleInvariantOptimizer):
                 _zeros(x) if f else state[x][name] for x, f in zip(b, fixed) if x is not None)
 
         st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
-        if shard is None:
-            return path_update_(chain, rule, st, W, b, G, Gb,
-                                plan=self._plan(chain, W, KERNELS))
+        if not is_sharded(W[0]):
+            return path_update_(chain, rule, st, W, b, G, Gb, plan=stepper)
 
         def fast(a):
-            done = sharded_path_update_(KERNELS, shard, rule, *a)
+            done = sharded_path_update_(KERNELS, stepper, rule, *a)
             if done:
                 st.count.add_(1)
             return done

@@ -23,8 +23,8 @@ try:  # a torch built without distributed support has no DTensor: nothing is sha
 except ImportError:  # pragma: no cover - CPU wheels ship torch.distributed
     DTensor = None
 
-__all__ = ["is_sharded", "all_finite", "check_chain", "local", "row_range", "ShardCache",
-           "sharded_step"]
+__all__ = ["is_sharded", "all_finite", "check_chain", "local", "row_range", "row_ranges",
+           "row_shard", "sharded_step"]
 
 
 def is_sharded(t) -> bool:
@@ -88,25 +88,21 @@ def row_range(p, name: str) -> tuple[int, int]:
     return r0, r1
 
 
-class ShardCache:
-    """The :class:`RowShard` of each sharded chain, built on its first step and kept by the
-    optimizer (not in its state: it holds the process group)."""
+def row_shard(chain, rows, weight) -> RowShard:
+    """The :class:`RowShard` of a chain holding ``rows`` (:func:`row_ranges`), whose sums
+    over processes are all-reduces over the process group of ``weight`` (a DTensor)."""
+    group = weight.device_mesh.get_group()
 
-    def __init__(self) -> None:
-        self._shards: dict = {}
+    def reduce(v):  # a tensor, or a NumPy view the CPU plan computes on (shared)
+        dist.all_reduce(torch.as_tensor(v), group=group)
+        return v
 
-    def get(self, chain, weights, names) -> RowShard:
-        rows = tuple(row_range(w, n) for w, n in zip(weights, names))
-        key = (chain, rows)
-        if key not in self._shards:
-            group = weights[0].device_mesh.get_group()
+    return RowShard(chain, rows, reduce)
 
-            def reduce(v):  # a tensor, or a NumPy view the CPU plan computes on (shared)
-                dist.all_reduce(torch.as_tensor(v), group=group)
-                return v
 
-            self._shards[key] = RowShard(chain, rows, reduce)
-        return self._shards[key]
+def row_ranges(weights, names) -> tuple:
+    """:func:`row_range` of each weight: the rows a :class:`RowShard` of them holds."""
+    return tuple(row_range(w, n) for w, n in zip(weights, names))
 
 
 def sharded_step(arrays, fast: Callable | None, full: Callable) -> bool:

@@ -22,11 +22,12 @@ from torch.optim.sgd import sgd as sgd_update
 
 import gsgd_backends.torch as gsgd_torch_kernels
 from gsgd_backends import StepPlan, gsgd_update_, path_sgd_step_, psi_update_, step_plan
-from gsgd_backends.sharded import sharded_gsgd_update_
+from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
 from .discovery import unwrap
-from .fsdp import ShardCache, all_finite, check_chain, is_sharded, local, sharded_step
+from .fsdp import (all_finite, check_chain, is_sharded, local, row_ranges, row_shard,
+                   sharded_step)
 from .groups import (ChainPart, Description, PartInfo, SGDPart, hyper_value, partition,
                      skeleton_is_initialised, sub_chain)
 from .model_ops import check_invariance
@@ -215,14 +216,26 @@ class ScaleInvariantOptimizer(Optimizer):
                 stacklevel=_user_stacklevel())
 
     # ------------------------------------------------------------------ helpers
-    def _plan(self, chain, W, kernels) -> StepPlan:
-        """The chain's step plan, built on its first step and kept by the optimizer (not in
-        its state; rebuilt when the model moved to another device or dtype)."""
-        plans = self.__dict__.setdefault("_plans", {})
-        plan = plans.get(id(chain))
-        if plan is None or not plan.fits(chain, W[0]):
-            plan = plans[id(chain)] = step_plan(chain, W, kernels=kernels)
-        return plan
+    #: The kernels of this algorithm's chain steps (``None``: it keeps no step plan).
+    kernels = None
+
+    def _stepper(self, chain, W, names) -> StepPlan | RowShard | None:
+        """What steps the chain: its step plan or, when FSDP2 shards it, its
+        :class:`RowShard` (which holds the plan of its local rows). Built on the chain's
+        first step and kept by the optimizer, not in its state (a shard holds the process
+        group); rebuilt when it no longer fits (the model moved to another device or dtype,
+        or was sharded anew)."""
+        if self.kernels is None:
+            return None
+        held = self.__dict__.setdefault("_steppers", {}).get(id(chain))
+        if is_sharded(W[0]):
+            rows = row_ranges(W, [f"{n}.weight" for n in names])
+            if not (isinstance(held, RowShard) and held.rows == rows):
+                held = row_shard(chain, rows, W[0])
+        elif not (isinstance(held, StepPlan) and held.fits(chain, W[0])):
+            held = step_plan(chain, W, kernels=self.kernels)
+        self._steppers[id(chain)] = held
+        return held
 
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"<{tuple(p.shape)}>")
@@ -318,12 +331,8 @@ class ScaleInvariantOptimizer(Optimizer):
         b = [x.detach().clone() if f else x for x, f in zip(b, fixed)]
         G = [_row_norm_scaled(g, w) if part.normalised[i] else g
              for g, w, i in zip(G, W, layers)]
-        shard = None
-        if is_sharded(W[0]):
-            if "_shards" not in self.__dict__:
-                self._shards = ShardCache()
-            shard = self._shards.get(chain, W, [f"{n}.weight" for n in names])
-        applied = self._apply(chain, W, b, G, Gb, group, state, fixed, shard)
+        applied = self._apply(chain, W, b, G, Gb, group, state, fixed,
+                              self._stepper(chain, W, names))
         if not applied:
             self._skipped += 1
             if self._skipped == 1:
@@ -455,7 +464,11 @@ class GSGD(ScaleInvariantOptimizer):
                          skeleton=skeleton, strict=strict)
         self._check_chains(params, model, example_input, skeleton)
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
+    @property
+    def kernels(self):
+        return gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
+
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed, stepper) -> bool:
         momentum = hyper_value(group["momentum"])
         st = None
         if momentum != 0:
@@ -470,13 +483,11 @@ class GSGD(ScaleInvariantOptimizer):
         hyper = dict(lr=hyper_value(group["lr"]), momentum=momentum,
                      dampening=hyper_value(group["dampening"]), nesterov=group["nesterov"],
                      weight_decay=hyper_value(group["weight_decay"]))
-        if shard is None:
-            kernels = gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
-            return gsgd_update_(chain, st, W, b, G, Gb, **hyper,
-                                plan=self._plan(chain, W, kernels))
+        if not is_sharded(W[0]):
+            return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper)
 
         def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
-            done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, shard, *a, **hyper)
+            done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, stepper, *a, **hyper)
             if done and st is not None:
                 st.step.add_(1)
             return done
@@ -519,11 +530,13 @@ class PathSGD(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed, shard) -> bool:
+    def _apply(self, chain, W, b, G, Gb, group, state, fixed, stepper) -> bool:
         def full(a):
             path_sgd_step_(chain, *a, hyper_value(group["lr"]))
             return True
 
         # Path-SGD's scales are products along whole paths: under FSDP2 it steps the
         # gathered full layers (O(m) communication; it is the paper's baseline).
-        return full((W, b, G, Gb)) if shard is None else sharded_step((W, b, G, Gb), None, full)
+        if not is_sharded(W[0]):
+            return full((W, b, G, Gb))
+        return sharded_step((W, b, G, Gb), None, full)
