@@ -155,13 +155,15 @@ def torch_rows(name, device, reps, compile_):
 
 def psi_row(device, reps):
     """ResNet-18 with batch norm: ``GSGD`` (PSI on every conv weight, SGD's rule on the rest)
-    against SGD(foreach), plain and with momentum 0.9, interleaved."""
+    against SGD(foreach), plain and with momentum 0.9, interleaved; the parameters that
+    ``GSGD`` gives SGD's rule take ``foreach=True`` as the baseline does (on the CPU,
+    torch's default is one tensor at a time)."""
     copies, m = _copies(resnet18, ("sgd", "psi", "sgdm", "psim"), device)
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
-            "psi": GSGD(copies["psi"], lr=LR),
+            "psi": GSGD(copies["psi"], lr=LR, foreach=True),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
                                     foreach=True),
-            "psim": GSGD(copies["psim"], lr=LR, momentum=0.9)}
+            "psim": GSGD(copies["psim"], lr=LR, momentum=0.9, foreach=True)}
 
     t = {}
     for group in (("sgd", "psi"), ("sgdm", "psim")):

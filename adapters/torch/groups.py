@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +70,7 @@ class ChainPart:
     normalised: list[bool]
     frozen_bias: list[bool]
     kind: str = "chain"
-    runs: dict = field(default_factory=dict)   # sub-chains for steps with missing grads
+    runs: dict = field(default_factory=dict)   # liveness of the layers -> their Runs
 
     def layer_params(self, i: int) -> list[torch.Tensor]:
         """Layer ``i``'s parameters that may move (its weight, and its bias unless frozen)."""
@@ -308,6 +309,32 @@ def sub_chain(chain: Chain, start: int, stop: int) -> Chain:
                  skeleton_scale=chain.skeleton_scale[start:stop])
 
 
-__all__ = ["ChainPart", "Description", "PSIPart", "PartInfo", "Partition", "SGDPart",
+@dataclass(eq=False)
+class Runs:
+    """How a chain is stepped while some of its layers have no weight gradient: each run of
+    two or more consecutive layers that have one as its own chain (``chains``, by
+    ``(start, stop)``), the other layers (``outside``) by SGD's rule, and the runs' own
+    optimizer state (their momentum restarts; not in the optimizer's state dict)."""
+
+    chains: dict[tuple[int, int], Chain]
+    outside: list[int]
+    state: dict = field(default_factory=lambda: defaultdict(dict))
+
+    @classmethod
+    def of(cls, chain: Chain, live: list[bool]) -> "Runs":
+        """The runs of ``chain`` whose layers ``live[i]`` have a weight gradient."""
+        runs, start = [], None
+        for i, ok in enumerate(live + [False]):
+            if ok and start is None:
+                start = i
+            elif not ok and start is not None:
+                runs.append((start, i))
+                start = None
+        chains = {r: sub_chain(chain, *r) for r in runs if r[1] - r[0] > 1}
+        return cls(chains, [i for i in range(len(live))
+                            if not any(i in range(*r) for r in chains)])
+
+
+__all__ = ["ChainPart", "Description", "PSIPart", "PartInfo", "Partition", "Runs", "SGDPart",
            "chain_spec", "explicit_chains", "fingerprint", "partition", "scaled",
            "skeleton_is_initialised", "sub_chain", "unwrap"]

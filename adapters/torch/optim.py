@@ -13,7 +13,6 @@ import math
 import numbers
 import sys
 import warnings
-from collections import defaultdict
 
 import torch
 import torch.nn as nn
@@ -28,8 +27,8 @@ from gsgd_core import GSGDState, PSIState
 from .discovery import unwrap
 from .fsdp import (all_finite, check_chain, is_sharded, local, row_ranges, row_shard,
                    sharded_step)
-from .groups import (ChainPart, Description, PartInfo, SGDPart, hyper_value, partition,
-                     skeleton_is_initialised, sub_chain)
+from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, hyper_value, partition,
+                     skeleton_is_initialised)
 from .model_ops import check_invariance
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
@@ -296,24 +295,20 @@ class ScaleInvariantOptimizer(Optimizer):
         if all(live):
             self._update_chain(part.chain, part, range(len(live)), group, self.state)
             return
-        key = tuple(live)
-        if key not in part.runs:
-            runs = _runs(live)
-            part.runs[key] = (runs, {r: sub_chain(part.chain, *r) for r in runs
-                                     if r[1] - r[0] > 1}, defaultdict(dict))
+        runs = part.runs.get(tuple(live))
+        if runs is None:
+            runs = part.runs[tuple(live)] = Runs.of(part.chain, live)
             dead = [n for n, ok in zip(part.names, live) if not ok]
             warnings.warn(
                 f"{self.algorithm}: {', '.join(dead)} had no gradient, so the chain "
                 f"{' -> '.join(part.names)} was stepped as the runs of layers that have one; "
                 "those layers are never written, and the runs' momentum restarts",
                 stacklevel=3)
-        runs, chains, state = part.runs[key]
         # Single-layer runs take the rest's rule; so do the biases of layers without a weight
         # gradient (their weights have no grad, and _rest leaves those alone).
-        outside = [i for i in range(len(live)) if not any(i in range(*r) for r in chains)]
-        self._rest([p for i in outside for p in part.layer_params(i)], group, state)
-        for (start, stop), chain in chains.items():
-            self._update_chain(chain, part, range(start, stop), group, state)
+        self._rest([p for i in runs.outside for p in part.layer_params(i)], group, runs.state)
+        for (start, stop), chain in runs.chains.items():
+            self._update_chain(chain, part, range(start, stop), group, runs.state)
 
     def _update_chain(self, chain, part: ChainPart, layers, group: dict, state) -> None:
         """One chain update (``self._apply``, each algorithm's own) of ``part``'s layers
@@ -358,18 +353,6 @@ def _user_stacklevel() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("gsgd_adapters"):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _runs(live: list[bool]) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each run of consecutive ``True`` entries."""
-    out, start = [], None
-    for i, ok in enumerate(live + [False]):
-        if ok and start is None:
-            start = i
-        elif not ok and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
