@@ -590,6 +590,23 @@ def test_fast_step_on_large_layers_with_every_core_equals_the_core(threads):
             assert_close(got.numpy(), np.asarray(want).reshape(got.shape), 1e-12)
 
 
+@pytest.mark.parametrize("conv", [(40, 8, 3, 3), (200, 8, 3, 3)], ids=["below", "above"])
+def test_conv_column_sums_either_side_of_the_rowwise_form_equal_the_core(fxp, conv):
+    """NumPy's column sum of a conv layer (``k > 1``) takes the row-wise ``einsum`` from
+    :data:`gsgd_backends.numpy.ROWWISE` weights (below and above it here); the step equals
+    the core either way."""
+    from gsgd_backends.numpy import ROWWISE
+    assert (np.prod(conv) >= ROWWISE) == (conv[0] == 200)
+    chain = gc.Chain.from_shapes([(8, 3, 3, 3), conv, (10, conv[0])], bias=True)
+    pb = Problem(chain, 3)
+    G, Gb = pb.grads()
+    ran, W, b = _fast(fxp, chain, pb.W, pb.b, G, Gb, 0.1, None)
+    assert ran
+    eW, eb = _core(fxp, chain, pb.W, pb.b, G, Gb, 0.1)
+    _assert_same(fxp, W, eW, "weights")
+    _assert_same(fxp, b, eb, "biases")
+
+
 def test_cupy_kernels_scatter_through_cupyx(monkeypatch):
     """Without a GPU: the CuPy kernels imported over a stand-in ``cupy`` (NumPy itself) and
     ``cupyx`` (``scatter_add`` as ``np.add.at``, recorded). A step of a chain whose tau
