@@ -8,6 +8,7 @@ Usage, from the repository root (the test extras installed)::
     python tests/mutate.py --only 12 40 41          # rerun some mutants by number
     python tests/mutate.py --package backends --files plan.py torch.py   # some modules
     python tests/mutate.py --package backends --compiled --only 240   # with torch.compile
+    python tests/mutate.py --package adapters --files torch/optim.py   # the torch adapter
 
 Each mutant changes one operator or constant of one module, found with :mod:`ast` and
 spliced into the original text (so line numbers and formatting stay): ``+ <-> -``,
@@ -61,6 +62,13 @@ TARGETS = {
         "tests/test_inplace.py", "tests/test_psi_fast.py", "tests/test_sharded.py",
         "tests/test_namespaces.py", "tests/test_numerics.py", "tests/test_psi_pathsgd.py"],
         "not jax and not strict and not cupy and not compile"),
+    # The torch adapter (its modules are torch/*.py: --files torch/optim.py ...); optax's
+    # and CuPy's adapters have their own tests (JAX, a GPU) and are left to them.
+    "adapters": ("gsgd_adapters", [
+        "tests/test_torch_adapter.py", "tests/test_conventions.py", "tests/test_torch_adam.py",
+        "tests/test_catalogue.py", "tests/test_step_plan.py", "tests/test_errors.py",
+        "tests/test_recipe.py", "tests/test_fsdp.py", "tests/test_torch_ddp.py"],
+        "not cupy and not compile"),
 }
 
 BINOPS = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"),
@@ -282,8 +290,8 @@ def main(argv=None) -> int:
         return 0
     src = ROOT / args.package
     mutants: list[Mutant] = []
-    for path in sorted(src.glob("*.py")):
-        mutants += find_mutants(path, path.name, len(mutants))
+    for path in sorted(src.rglob("*.py")):
+        mutants += find_mutants(path, str(path.relative_to(src)), len(mutants))
     if args.list:
         for m in mutants:
             print(f"{m.id:4d} {m.file}:{m.line} {m.what}")
