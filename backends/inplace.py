@@ -28,7 +28,7 @@ __all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicali
 
 def _write(dsts, srcs) -> None:
     for d, s in zip(dsts, srcs):
-        if d is not None:
+        if d is not None and d is not s:  # an array handed back as it was is not copied
             assign(d, s)
 
 

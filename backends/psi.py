@@ -32,14 +32,16 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
     if not weights:
         return True
     dtype, device = weights[0].dtype, weights[0].device
+    # PSI-SGD (momentum 0) neither reads nor writes the buffers: any will do
     if dtype not in (torch.float32, torch.float64) or any(
             a.dtype != dtype or a.device != device or (a is not g and not a.is_contiguous())
-            for w, g, u in zip(weights, grads, buffers) for a in (w, g, u)):
+            for w, g, u in zip(weights, grads, buffers)
+            for a in ((w, g, u) if momentum else (w, g))):
         return False
     rows = [(w.shape[0], math.prod(w.shape[1:])) for w in weights]
     W = [w.detach().view(r) for w, r in zip(weights, rows)]
     G = [g.detach().reshape(r) for g, r in zip(grads, rows)]
-    U = [u.detach().view(r) for u, r in zip(buffers, rows)]
+    U = [u.detach().view(r) for u, r in zip(buffers, rows)] if momentum else None
     with torch.no_grad():
         sq = [torch.linalg.vector_norm(w, dim=1, keepdim=True).square_() for w in W]
         ok, may_pass = _bounds(W, G, U, sq, lr, momentum, max_norm)
@@ -52,7 +54,7 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
         else:  # PSI-SGD keeps no buffer (the core's rule): one pass, as SGD's
             torch._foreach_addcmul_(W, G, sq, value=-lr)
         if may_pass:
-            _renormalise_(W, U if momentum else None, max_norm)
+            _renormalise_(W, U, max_norm)
     return True
 
 

@@ -222,6 +222,7 @@ def serve(tests, kexpr) -> None:
             os.dup2(devnull, 2)
             os.chdir(folder)
             sys.path.insert(0, folder)
+            sys.path.append(str(ROOT))  # the repository's benchmarks, which tests import
             os._exit(int(pytest.main(_pytest_args(tests, kexpr))))
         status = None
         while status is None:

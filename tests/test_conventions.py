@@ -7,6 +7,7 @@ is counted, and costs no more than a normal step.
 """
 
 import copy
+import inspect
 import io
 import warnings
 
@@ -15,7 +16,8 @@ import torch
 import torch.nn as nn
 
 import gsgd_core
-from gsgd_adapters.torch import GSGD, SkippedStepWarning, skeleton_init_
+from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkippedStepWarning,
+                                 skeleton_init_)
 
 
 class ConvBNNet(nn.Module):
@@ -182,3 +184,83 @@ def test_a_one_element_tensor_lr_works_like_the_number():
     _steps(b, ob, 2)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+# --------------------------------------------------------------------- torch's own defaults
+def _tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    skeleton_init_(model)
+    return model
+
+
+@pytest.mark.parametrize("ours, theirs, keys", [
+    (GSGD, torch.optim.SGD,
+     ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach")),
+    (PSISGD, torch.optim.SGD,
+     ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach")),
+    (PathSGD, torch.optim.SGD,
+     ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize", "foreach")),
+    (GAdam, torch.optim.Adam,
+     ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach")),
+    (GAdamW, torch.optim.AdamW,
+     ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach")),
+], ids=lambda x: getattr(x, "__name__", ""))
+def test_hyperparameter_defaults_are_those_of_the_torch_optimizer_it_replaces(ours, theirs,
+                                                                              keys):
+    """Switching ``torch.optim.SGD(model.parameters())`` to ``GSGD(model)`` (Adam to GAdam)
+    keeps every hyperparameter that is not given."""
+    model = _tiny()
+    mine, torchs = ours(model).param_groups[0], theirs(model.parameters()).param_groups[0]
+    for key in keys:
+        assert mine[key] == torchs[key], key
+    assert mine["check_finite"] is False
+
+
+@pytest.mark.parametrize("make", [GSGD, PSISGD], ids=["GSGD", "PSISGD"])
+def test_psi_renormalisation_threshold_defaults_to_the_cores(make):
+    core = inspect.signature(gsgd_core.psi_update).parameters["max_norm"].default
+    assert make(_tiny()).param_groups[0]["max_norm"] == core
+
+
+def test_dampening_of_one_is_accepted_and_above_one_refused():
+    GSGD(_tiny(), lr=0.1, momentum=0.9, dampening=1.0)
+    with pytest.raises(ValueError, match=r"dampening must be a finite number in \[0, 1\]"):
+        GSGD(_tiny(), lr=0.1, momentum=0.9, dampening=1.0 + 1e-9)
+
+
+def test_param_groups_without_parameters_are_refused():
+    for params in ([], [dict(params=[])], [dict(params=[]), dict(params=[])]):
+        with pytest.raises(ValueError, match="the optimizer got no parameters"):
+            GSGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_state_holds_what_torch_sgd_holds(momentum):
+    """No momentum: no buffer at all in the state (chains, PSI and SGD parts alike), as
+    ``torch.optim.SGD``; with momentum every stepped parameter has one."""
+    model, opt = _make(momentum=momentum)
+    twin = copy.deepcopy(model)
+    sgd = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=momentum)
+    _steps(model, opt, 2)
+    _steps(twin, sgd, 2)
+    mine = {n: sorted(k for k in opt.state.get(p, {}) if k != "step")
+            for n, p in model.named_parameters()}
+    torchs = {n: sorted(sgd.state.get(p, {})) for n, p in twin.named_parameters()}
+    assert mine == torchs
+    assert all(v == (["momentum_buffer"] if momentum else []) for v in mine.values())
+
+
+def test_a_bad_group_is_named_only_when_there_are_several():
+    model = _tiny()
+    w, b = model[0].weight, model[0].bias
+    with pytest.raises(ValueError, match=r"^lr must be"):
+        GSGD([dict(params=[w, b], lr=-1.0)], model=model)
+    with pytest.raises(ValueError, match=r"^param group 1: lr must be"):
+        GSGD([dict(params=[w]), dict(params=[b], lr=-1.0)], model=model)
+    opt = GSGD([dict(params=[w])], model=model, lr=0.1)
+    with pytest.raises(ValueError, match=r"^param group 1: momentum must be"):
+        opt.add_param_group(dict(params=[b], momentum=-1.0))
+    opt.add_param_group(dict(params=[b], momentum=0.5))
+    with pytest.raises(ValueError, match=r"^param group 2: momentum must be"):
+        opt.add_param_group(dict(params=[model[2].weight], momentum=-1.0))

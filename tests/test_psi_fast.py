@@ -132,6 +132,24 @@ def test_a_weight_or_buffer_not_contiguous_goes_to_the_core_a_gradient_does_not(
     _assert_close(Uf, Ue, 1e-12)
 
 
+def test_psi_sgd_takes_buffers_that_hold_no_memory():
+    """PSI-SGD reads and writes no buffer, so a zero expanded to the weight's shape (what
+    the torch optimizers pass while the state has no buffer) is taken by the fast step,
+    and, when the core takes the step (a NaN gradient), it is handed back untouched. With
+    momentum such a buffer cannot be written: the core's step, same numbers."""
+    W, G, U = _problem([(4, 3), (2, 3, 2, 2)], 7, torch.float64)
+    Z = [torch.zeros((), dtype=torch.float64).expand_as(w) for w in W]
+    (Wf, _), ran, (We, _) = _both(W, G, Z, lr=0.1, momentum=0.0, max_norm=1e4)
+    assert ran
+    _assert_close(Wf, We, 1e-12)
+    assert not psi_step_([w.clone() for w in W], G, Z, lr=0.1, momentum=0.9, max_norm=1e4)
+    G[0][1, 2] = float("nan")
+    Wf = [w.clone() for w in W]
+    psi_update_(gc.PSIState(tuple(Z)), Wf, G, lr=0.1)
+    _assert_close(Wf, gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1)[0], 0)
+    assert all(z.stride() == (0,) * z.ndim and not z.any() for z in Z)
+
+
 def test_no_weights_is_a_step_taken():
     assert psi_step_([], [], [], lr=0.1, momentum=0.9, max_norm=1e4)
 

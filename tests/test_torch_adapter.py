@@ -3,6 +3,8 @@ training runs, and torch.optim behaviour (state_dict, schedulers, closure, GradS
 
 import copy
 import io
+import math
+import warnings
 
 import numpy as np
 import pytest
@@ -11,8 +13,9 @@ import torch.nn as nn
 
 import gsgd_core as gc
 from _helpers import assert_close
-from gsgd_adapters.torch import (GSGD, PSISGD, PathSGD, discover, random_rescale_,
-                                 skeleton_init_)
+from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkeletonWarning,
+                                 SkippedStepWarning, check_invariance, discover,
+                                 random_rescale_, skeleton_init_)
 
 
 
@@ -376,7 +379,10 @@ def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-14), name
     for w, u in zip([model.c1.weight, model.c2.weight], state.momentum):
-        assert torch.allclose(opt.state[w]["momentum_buffer"], u, rtol=1e-12, atol=1e-14)
+        if momentum:
+            assert torch.allclose(opt.state[w]["momentum_buffer"], u, rtol=1e-12, atol=1e-14)
+        else:  # PSI-SGD keeps no buffer (the core's stay zero), as torch.optim.SGD
+            assert "momentum_buffer" not in opt.state[w] and not u.any()
 
 
 def test_path_sgd_equals_the_core():
@@ -614,3 +620,140 @@ def test_parameters_outside_chains_take_sgds_update_with_its_weight_decay():
         train(twin, ref, x, y, 3)
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q), hyper
+
+
+# ------------------------------------------------------------------ the partition, described
+def test_a_bias_left_out_of_the_param_groups_is_never_written():
+    """A bias in no param group is frozen, as torch would leave it, although autograd gives
+    it a gradient: the chain's step treats it as a basis path that does not move."""
+    model = mlp()
+    skeleton_init_(model)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    opt = GSGD(weights, model=model, lr=0.1, momentum=0.9)
+    assert [c[0] for c in opt.describe().chains] == [["0", "2", "4"]]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = data(model)
+    train(model, opt, x, y, 2)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) == n.endswith("bias"), n
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.bn(self.c1(x)))).mean((2, 3))
+
+
+def test_a_normalised_layer_in_a_chain_given_by_hand_or_frozen_takes_no_psi_step():
+    """A weight followed by batch norm is a PSI weight unless a chain given by hand holds it
+    (one rule per weight) or it is frozen."""
+    model = ConvBN()
+    assert GSGD(model, lr=0.1).describe().normalised == ["c1.weight"]
+    opt = GSGD(model, lr=0.1, chains=[[model.c1, model.c2]])
+    assert opt.describe().normalised == [] and opt.describe().chains[0][0] == ["c1", "c2"]
+    assert PathSGD(model, lr=0.1).describe().normalised == []  # Path-SGD has no PSI rule
+    model.c1.weight.requires_grad_(False)
+    assert GSGD(model, lr=0.1).describe().normalised == []
+
+
+def test_chains_given_by_hand_on_an_untraceable_model_warn_about_nothing_traced():
+    m = Untraceable()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GSGD(m, lr=0.1, chains=[[m.a, m.b]])
+        GAdam(m, lr=0.1, chains=[[m.a, m.b]])
+    assert not [w for w in caught if "trace" in str(w.message)]
+
+
+@pytest.mark.parametrize("make", [lambda m: GSGD(m, lr=0.1), lambda m: GAdamW(m, lr=0.1)],
+                         ids=["GSGD", "GAdamW"])
+def test_the_untraceable_model_warning_points_at_the_users_line(make):
+    with pytest.warns(UserWarning, match="cannot trace") as caught:
+        make(Untraceable())
+    assert [w.filename for w in caught if "cannot trace" in str(w.message)] == [__file__]
+
+
+def test_description_counts_are_the_chains():
+    model = mlp()
+    d = GSGD(model, lr=0.1).describe()
+    (_, chain, _), = d.chains
+    assert (d.m, d.H, d.g_space_dim, d.invariant_ratio) == (
+        chain.m, chain.H, chain.g_space_dim, chain.invariant_ratio)
+    assert chain.g_space_dim == chain.m - chain.H > 0
+    bare = PSISGD(ConvBN(), lr=0.1).describe()
+    assert (bare.m, bare.H, bare.g_space_dim, bare.invariant_ratio) == (0, 0, 0, 0.0)
+
+
+def test_paper_skeleton_init_sets_skeleton_edges_to_one_and_leaves_the_rest():
+    model = mlp()
+    before = [m.weight.detach().clone() for m in (model[0], model[2], model[4])]
+    (found,) = skeleton_init_(model, skeleton="paper")
+    for l, (m, w0) in enumerate(zip(found.modules, before), start=1):
+        mask = torch.as_tensor(found.chain.free_mask(l) | found.chain.tau_mask(l))
+        w, w0 = (a.detach().reshape(found.chain.layer_shape(l)) for a in (m.weight, w0))
+        assert torch.all(w[mask] == 1.0) and torch.equal(w[~mask], w0[~mask]), l
+
+
+def test_a_paper_skeleton_edge_of_minus_one_is_not_initialised():
+    """The paper's recipe sets skeleton edges to +1: a -1 edge (the He recipe keeps signs)
+    is not its skeleton, and the optimizer says so."""
+    model = mlp()
+    (found,) = skeleton_init_(model, skeleton="paper")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GSGD(model, lr=0.1, skeleton="paper")
+    with torch.no_grad():
+        w = model[2].weight.view(found.chain.layer_shape(2))
+        w[torch.as_tensor(found.chain.tau_mask(2))] *= -1.0
+    with pytest.warns(SkeletonWarning, match="not initialised"):
+        GSGD(model, lr=0.1, skeleton="paper")
+
+
+def test_check_invariance_reports_a_change_relative_to_the_outputs_scale():
+    """A tanh layer is no chain: its rescaled twin moves the output by O(1) of the output's
+    size, at any output scale."""
+    changes = []
+    for scale in (1e-6, 1.0, 1e6):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+        with torch.no_grad():
+            model[2].weight.mul_(scale)
+            model[2].bias.mul_(scale)
+        x = torch.randn(6, 4, dtype=torch.float64)
+        (change,) = check_invariance(model, x, chains=[[model[0], model[2]]],
+                                     rtol=math.inf).values()
+        changes.append(change)
+    assert 1e-3 < changes[1] < 10
+    np.testing.assert_allclose(changes, changes[1], rtol=1e-9)
+
+
+def test_path_sgd_steps_are_never_counted_as_skipped():
+    model = mlp()
+    opt = PathSGD(model, lr=0.01)
+    x, y = data(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SkippedStepWarning)
+        train(model, opt, x, y, 2)
+    assert opt.describe().skipped == 0
+
+
+def test_step_time_warnings_point_at_the_users_step_call():
+    """Through torch's wrappers of ``step`` (no_grad, hooks): the user's line."""
+    model = mlp()
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.1)
+    x, y = data(model)
+    loss_of(model, x, y).backward()
+    model[2].weight.grad = None
+    with pytest.warns(UserWarning, match="had no gradient") as caught:
+        opt.step()
+    assert {w.filename for w in caught} == {__file__}
+    opt.zero_grad()
+    loss_of(model, x, y).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    with pytest.warns(SkippedStepWarning) as caught:
+        opt.step()
+    assert {w.filename for w in caught} == {__file__}

@@ -48,14 +48,14 @@ def all_finite(t) -> bool:
     return bool(flag)
 
 
-def check_chain(params, names) -> bool:
-    """Whether a chain's parameters are sharded; ``ValueError`` naming the parameter for a
-    layout G-SGD cannot step: a mix of sharded and plain parameters, a mesh of more than one
+def check_chain(params, names) -> None:
+    """``ValueError`` naming the parameter if a chain's parameters are sharded in a layout
+    G-SGD cannot step: a mix of sharded and plain parameters, a mesh of more than one
     dimension (HSDP, tensor parallelism), a placement other than ``Shard(0)``, or parameters
     on different meshes."""
     sharded = [is_sharded(p) for p in params]
     if not any(sharded):
-        return False
+        return
     mesh = None
     for p, name, s in zip(params, names, sharded):
         if not s:
@@ -72,7 +72,6 @@ def check_chain(params, names) -> bool:
         elif p.device_mesh != mesh:
             raise ValueError(f"{name} lies on a different device mesh from the chain's other "
                              "parameters")
-    return True
 
 
 def row_range(p, name: str) -> tuple[int, int]:

@@ -16,6 +16,7 @@ A chain never spans two user groups (that is an error), and frozen parameters
 from __future__ import annotations
 
 import hashlib
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,6 +30,17 @@ from .discovery import ChainLayers, Discovery, discover, unwrap
 from .fsdp import is_sharded, local, row_range
 
 SKELETONS = ("he", "paper")
+
+
+def user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, for the caller of this function, that points at the
+    first frame outside ``gsgd_adapters`` and torch (the user's call, however deep the
+    subclassing, and through torch's wrappers of ``Optimizer.step``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+            "gsgd_adapters", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def hyper_value(value) -> float:
@@ -122,8 +134,8 @@ class Partition:
 
 
 def partition(model: nn.Module | None, groups: list[dict], *, chains, find_chains: bool,
-              find_normalised: bool, through_bn: bool = False, skeleton: str = "paper",
-              strict: bool = False) -> Partition:
+              find_normalised: bool, through_bn: bool, skeleton: str,
+              strict: bool) -> Partition:
     """Split the parameters of ``groups`` (torch param groups) into chain, PSI and SGD parts.
 
     Chains come from ``chains`` (by hand) or, with ``find_chains``, from :func:`discover` on
@@ -142,7 +154,8 @@ def partition(model: nn.Module | None, groups: list[dict], *, chains, find_chain
             if strict:
                 raise
             if chains is None and find_chains:
-                warnings.warn(f"{exc}. Every parameter takes SGD's rule.", stacklevel=4)
+                warnings.warn(f"{exc}. Every parameter takes SGD's rule.",
+                              stacklevel=user_stacklevel())
                 found = Discovery([], [], {})
     if strict and found is not None:
         psi = {n for n, _ in found.normalised} if find_normalised else set()

@@ -52,7 +52,6 @@ def skeleton_init_(model: nn.Module, chains=None, *, skeleton: str = "he") -> li
     for c in found:
         def init(a, chain=scaled(c.chain, skeleton)):
             skeleton_init_chain_(chain, a, keep_signs=(skeleton == "he"), rest_scale=rest)
-            return True
 
         # FSDP2-sharded layers are initialised on the gathered weights, rows written back.
         sharded_step([m.weight for m in c.modules], None, init)

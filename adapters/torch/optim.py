@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 import warnings
 
 import torch
@@ -28,7 +27,7 @@ from .discovery import unwrap
 from .fsdp import (all_finite, check_chain, is_sharded, local, row_ranges, row_shard,
                    sharded_step)
 from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, hyper_value, partition,
-                     skeleton_is_initialised)
+                     skeleton_is_initialised, user_stacklevel)
 from .model_ops import check_invariance
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
@@ -60,9 +59,9 @@ def _check(name: str, value, high: float | None = None) -> None:
 
 def _check_group(group: dict, where: str) -> None:
     for key in ("lr", "momentum", "weight_decay"):
-        _check(f"{where}{key}", group.get(key, 0.0))
-    _check(f"{where}dampening", group.get("dampening", 0.0), high=1.0)
-    if group.get("nesterov") and (group["momentum"] <= 0 or group["dampening"]):
+        _check(f"{where}{key}", group[key])
+    _check(f"{where}dampening", group["dampening"], high=1.0)
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"]):
         raise ValueError(f"{where}nesterov needs momentum > 0 and dampening = 0")
 
 
@@ -145,10 +144,12 @@ class ScaleInvariantOptimizer(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; parameters added after construction take the SGD rule
         (build a new optimizer to have chains found among them)."""
+        built = "_parts" in self.__dict__
+        if built:  # refused before torch adds it, as torch refuses its own bad groups
+            self._validate({**self.defaults, **param_group},
+                           f"param group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
-        if "_parts" in self.__dict__:
-            self._validate(self.param_groups[-1],
-                           f"param group {len(self.param_groups) - 1}: ")
+        if built:
             self._parts.append(SGDPart(list(self.param_groups[-1]["params"]),
                                        len(self.param_groups) - 1))
 
@@ -212,7 +213,7 @@ class ScaleInvariantOptimizer(Optimizer):
                 f"path values are tiny and {self.algorithm} diverges at the usual learning "
                 "rates). Silence with warnings.filterwarnings('ignore', category="
                 "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning,
-                stacklevel=_user_stacklevel())
+                stacklevel=user_stacklevel())
 
     # ------------------------------------------------------------------ helpers
     #: The kernels of this algorithm's chain steps (``None``: it keeps no step plan).
@@ -255,9 +256,14 @@ class ScaleInvariantOptimizer(Optimizer):
         # PSI acts on each row (output unit) alone: FSDP2's local rows are stepped as they are.
         W = [local(p) for p, _ in live]
         G = [local(self._grad(p, group, f"{n}.weight")) for p, n in live]
-        U = [local(_buffer(self.state[p], p)) for p, _ in live]
-        psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"]),
-                    momentum=hyper_value(group["momentum"]), max_norm=group["max_norm"])
+        momentum = hyper_value(group["momentum"])
+        # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state): a zero that
+        # takes no memory stands for a buffer the state does not have.
+        U = [local(_buffer(self.state[p], p)) if momentum or "momentum_buffer" in self.state[p]
+             else torch.zeros((), dtype=w.dtype, device=w.device).expand_as(w)
+             for (p, _), w in zip(live, W)]
+        psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"]), momentum=momentum,
+                    max_norm=group["max_norm"])
 
     def _step_sgd(self, part, group: dict) -> None:
         self._rest(part.params, group, self.state)
@@ -303,7 +309,7 @@ class ScaleInvariantOptimizer(Optimizer):
                 f"{self.algorithm}: {', '.join(dead)} had no gradient, so the chain "
                 f"{' -> '.join(part.names)} was stepped as the runs of layers that have one; "
                 "those layers are never written, and the runs' momentum restarts",
-                stacklevel=3)
+                stacklevel=user_stacklevel())
         # Single-layer runs take the rest's rule; so do the biases of layers without a weight
         # gradient (their weights have no grad, and _rest leaves those alone).
         self._rest([p for i in runs.outside for p in part.layer_params(i)], group, runs.state)
@@ -335,7 +341,7 @@ class ScaleInvariantOptimizer(Optimizer):
                     f"{self.algorithm}: a gradient of the chain {' -> '.join(names)} holds "
                     "NaN or Inf, so the step was skipped (weights and momentum unchanged); "
                     "later skips are counted in describe() without a warning",
-                    SkippedStepWarning, stacklevel=4)
+                    SkippedStepWarning, stacklevel=user_stacklevel())
 
 
 def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
@@ -344,15 +350,6 @@ def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
     if "momentum_buffer" not in state:
         state["momentum_buffer"] = torch.zeros_like(p)
     return state["momentum_buffer"]
-
-
-def _user_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel, for the caller of this function, that points at the
-    first frame outside ``gsgd_adapters`` (the user's call, however deep the subclassing)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("gsgd_adapters"):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
