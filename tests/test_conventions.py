@@ -264,3 +264,11 @@ def test_a_bad_group_is_named_only_when_there_are_several():
     opt.add_param_group(dict(params=[b], momentum=0.5))
     with pytest.raises(ValueError, match=r"^param group 2: momentum must be"):
         opt.add_param_group(dict(params=[model[2].weight], momentum=-1.0))
+    opt.add_param_group(dict(params=[model[2].weight], momentum=0.25))
+    assert [(p.kind, p.names, p.hyper["momentum"]) for p in opt.describe().parts[-2:]] == [
+        ("sgd", ["0.bias"], 0.5), ("sgd", ["2.weight"], 0.25)]
+
+
+def test_parameters_without_a_model_or_chains_are_refused():
+    with pytest.raises(ValueError, match=r"pass a model \(chains are found in it\) or chains="):
+        GSGD(list(_tiny().parameters()), lr=0.1)
