@@ -265,6 +265,45 @@ def mlp_dropout():
                nn.Dropout(0.2), nn.Linear(8, 3))
 
 
+def conv3d_stack():
+    return seq(nn.Conv3d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool3d(2), nn.AvgPool3d(1),
+               nn.Conv3d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool3d(2),
+               nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3))
+
+
+def conv1d_avg():
+    return seq(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.AvgPool1d(2), nn.Conv1d(4, 5, 3), nn.ReLU(),
+               nn.AdaptiveAvgPool1d(2), nn.Flatten(), nn.Linear(10, 3))
+
+
+class Functional1d(nn.Module):
+    """F.* pools of every kind on Conv1d outputs (a 1-d signal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv1d(2, 3, 3, padding=1), nn.Conv1d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.avg_pool1d(F.max_pool1d(F.relu(self.c1(x)), 2), 2)
+        h = F.adaptive_avg_pool1d(F.adaptive_max_pool1d(F.relu(self.c2(h)), 2), 1)
+        return self.fc(h.flatten(1))
+
+
+class Functional3d(nn.Module):
+    """F.* pools of every kind on Conv3d outputs (a volume)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv3d(2, 3, 3, padding=1), nn.Conv3d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.avg_pool3d(F.max_pool3d(F.relu(self.c1(x)), 2), 1)
+        h = F.adaptive_avg_pool3d(F.adaptive_max_pool3d(F.relu(self.c2(h)), 2), 1)
+        return self.fc(torch.flatten(h, 1))
+
+
 # name: (factory, input shape, expected chains, expected PSI layers)
 CATALOGUE = {
     "mlp with dropout": (mlp_dropout, (4, 6), [["0", "3", "6"]], []),
@@ -295,6 +334,10 @@ CATALOGUE = {
     "PReLU, LeakyReLU, ReLU6": (activations, (2, 2, 9, 9), [["0", "2", "4"]], []),
     "GELU MLP": (gelu_mlp, (4, 5), [], []),
     "Conv1d stack with 1-d pooling": (conv1d_stack, (2, 2, 16), [["0", "3", "7"]], []),
+    "Conv1d stack with 1-d average pooling": (conv1d_avg, (2, 2, 16), [["0", "3", "7"]], []),
+    "Conv3d stack with 3-d pooling": (conv3d_stack, (2, 2, 4, 4, 4), [["0", "4", "9"]], []),
+    "F.* 1-d pools": (Functional1d, (2, 2, 16), [["c1", "c2", "fc"]], []),
+    "F.* 3-d pools": (Functional3d, (2, 2, 4, 4, 4), [["c1", "c2", "fc"]], []),
     "Linear + BatchNorm1d": (linear_bn, (6, 5), [["3", "5"]], ["0"]),
     "Linear + LayerNorm": (linear_ln, (6, 5), [], []),
     "flatten between Linears (layout unknown)": (linear_flatten_linear, (4, 5), [], []),

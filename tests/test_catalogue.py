@@ -12,9 +12,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 
 from _catalogue import CATALOGUE, UNSOUND
-from gsgd_adapters.torch import (GSGD, SkeletonWarning, check_invariance, discover,
+from gsgd_adapters.torch import (GSGD, SkeletonWarning, chain_of, check_invariance, discover,
                                  random_rescale_, skeleton_init_)
 
 NAMES = sorted(CATALOGUE)
@@ -105,3 +106,10 @@ def test_strict_raises_and_names_each_layer_and_its_reason():
     model, _, _, _ = _build("head tied to an Embedding")
     with pytest.raises(ValueError, match=r"head: a parameter is shared with emb"):
         GSGD(model, lr=0.1, strict=True)
+
+
+def test_chain_of_names_the_layers_by_class_without_names():
+    with pytest.raises(ValueError, match=r"^ReLU: a chain holds Linear and Conv1d/2d/3d"):
+        chain_of([nn.Linear(3, 4), nn.ReLU()])
+    with pytest.raises(ValueError, match=r"^conv: grouped or depthwise"):
+        chain_of([nn.Conv2d(4, 4, 3, groups=2)], names=["conv"])
