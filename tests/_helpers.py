@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import pathlib
+import sys
+
 import numpy as np
 
 from _nets import loss_and_grads, make_data
@@ -77,3 +81,15 @@ def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
             if grace is None:
                 pytest.fail(f"{nprocs} worker processes wrote no result within {limit:.0f} s")
             return
+
+
+def from_repository(module: str):
+    """A module of the repository outside the installed packages (``benchmarks``), imported
+    with the checkout on ``sys.path`` only meanwhile: the tests import gsgd from the
+    installed package, never from the checkout."""
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    sys.path.insert(0, root)
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path.remove(root)

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends import fast, rule_step
-from _helpers import Problem, assert_close
+from _helpers import Problem, assert_close, from_repository
 from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
 gbt = pytest.importorskip("gsgd_backends.torch")
-from benchmarks.step_counts import HostReads  # noqa: E402
+HostReads = from_repository("benchmarks.step_counts").HostReads
 
 CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
                              bias=[True, False, True, True])
