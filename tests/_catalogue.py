@@ -305,16 +305,18 @@ class Functional3d(nn.Module):
 
 
 class Functional2d(nn.Module):
-    """F.* 2-d average and adaptive pools, then AdaptiveAvgPool2d, on Conv2d outputs."""
+    """F.* 2-d average and adaptive pools, then AdaptiveMaxPool2d and AdaptiveAvgPool2d,
+    on Conv2d outputs."""
 
     def __init__(self):
         super().__init__()
         self.c1, self.c2 = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
-        self.pool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(4, 3)
+        self.maxpool, self.pool = nn.AdaptiveMaxPool2d(2), nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4, 3)
 
     def forward(self, x):
         h = F.adaptive_max_pool2d(F.avg_pool2d(F.relu(self.c1(x)), 2), 3)
-        h = self.pool(F.adaptive_avg_pool2d(F.relu(self.c2(h)), 2))
+        h = self.pool(self.maxpool(F.adaptive_avg_pool2d(F.relu(self.c2(h)), 2)))
         return self.fc(torch.flatten(h, 1))
 
 
@@ -363,7 +365,7 @@ CATALOGUE = {
     "Conv3d stack with 3-d pooling": (conv3d_stack, (2, 2, 4, 4, 4), [["0", "4", "9"]], []),
     "F.* 1-d pools": (Functional1d, (2, 2, 16), [["c1", "c2", "fc"]], []),
     "F.* 3-d pools": (Functional3d, (2, 2, 4, 4, 4), [["c1", "c2", "fc"]], []),
-    "F.* 2-d pools and AdaptiveAvgPool2d": (Functional2d, (2, 2, 8, 8),
+    "F.* 2-d pools, AdaptiveMax/AvgPool2d": (Functional2d, (2, 2, 8, 8),
                                             [["c1", "c2", "fc"]], []),
     "clamp(0, 6) between Linears": (ClampSix, (4, 5), [], []),
     "Linear + BatchNorm1d": (linear_bn, (6, 5), [["3", "5"]], ["0"]),
