@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .arrays import is_array, check_hyper, outer3, prepare, restore, unvecs, vecs, view3
+from .arrays import check_hyper, is_array, outer3, prepare, restore, unvecs, vecs, view3
 from .chain import Chain
 from .rules import safe_div
 from .sweeps import chain_products, in_units

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from .arrays import guard_tree, quiet_fp, restore, shaped, unvecs, vecs, view3
 from .chain import Chain
-from .gsgd import sweep_inputs, path_step
+from .gsgd import path_step, sweep_inputs
 from .path_rules import PathRule
 from .rules import finite_or_zero
 from .sweeps import allocate3, path_values3

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
 
-from .arrays import is_array, check_hyper, quiet_fp
+from .arrays import check_hyper, is_array, quiet_fp
 
 __all__ = ["PSIState", "psi_init", "psi_update"]
 

@@ -276,31 +276,22 @@ def conv1d_avg():
                nn.AdaptiveAvgPool1d(2), nn.Flatten(), nn.Linear(10, 3))
 
 
-class Functional1d(nn.Module):
-    """F.* pools of every kind on Conv1d outputs (a 1-d signal)."""
+class FunctionalPools(nn.Module):
+    """F.* pools of every kind (max, average, adaptive max and average) on ``ConvNd``
+    outputs, ``N`` = 1 (a signal) or 3 (a volume)."""
 
-    def __init__(self):
+    def __init__(self, n: int):
         super().__init__()
-        self.c1, self.c2 = nn.Conv1d(2, 3, 3, padding=1), nn.Conv1d(3, 4, 3, padding=1)
+        conv = {1: nn.Conv1d, 3: nn.Conv3d}[n]
+        self.c1, self.c2 = conv(2, 3, 3, padding=1), conv(3, 4, 3, padding=1)
         self.fc = nn.Linear(4, 3)
+        self.pools = [getattr(F, f"{kind}_pool{n}d")
+                      for kind in ("max", "avg", "adaptive_max", "adaptive_avg")]
 
     def forward(self, x):
-        h = F.avg_pool1d(F.max_pool1d(F.relu(self.c1(x)), 2), 2)
-        h = F.adaptive_avg_pool1d(F.adaptive_max_pool1d(F.relu(self.c2(h)), 2), 1)
-        return self.fc(h.flatten(1))
-
-
-class Functional3d(nn.Module):
-    """F.* pools of every kind on Conv3d outputs (a volume)."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1, self.c2 = nn.Conv3d(2, 3, 3, padding=1), nn.Conv3d(3, 4, 3, padding=1)
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        h = F.avg_pool3d(F.max_pool3d(F.relu(self.c1(x)), 2), 1)
-        h = F.adaptive_avg_pool3d(F.adaptive_max_pool3d(F.relu(self.c2(h)), 2), 1)
+        max_pool, avg_pool, adaptive_max, adaptive_avg = self.pools
+        h = avg_pool(max_pool(F.relu(self.c1(x)), 2), 1)
+        h = adaptive_avg(adaptive_max(F.relu(self.c2(h)), 2), 1)
         return self.fc(torch.flatten(h, 1))
 
 
@@ -363,8 +354,8 @@ CATALOGUE = {
     "Conv1d stack with 1-d pooling": (conv1d_stack, (2, 2, 16), [["0", "3", "7"]], []),
     "Conv1d stack with 1-d average pooling": (conv1d_avg, (2, 2, 16), [["0", "3", "7"]], []),
     "Conv3d stack with 3-d pooling": (conv3d_stack, (2, 2, 4, 4, 4), [["0", "4", "9"]], []),
-    "F.* 1-d pools": (Functional1d, (2, 2, 16), [["c1", "c2", "fc"]], []),
-    "F.* 3-d pools": (Functional3d, (2, 2, 4, 4, 4), [["c1", "c2", "fc"]], []),
+    "F.* 1-d pools": (lambda: FunctionalPools(1), (2, 2, 16), [["c1", "c2", "fc"]], []),
+    "F.* 3-d pools": (lambda: FunctionalPools(3), (2, 2, 4, 4, 4), [["c1", "c2", "fc"]], []),
     "F.* 2-d pools, AdaptiveMax/AvgPool2d": (Functional2d, (2, 2, 8, 8),
                                             [["c1", "c2", "fc"]], []),
     "clamp(0, 6) between Linears": (ClampSix, (4, 5), [], []),

@@ -47,7 +47,8 @@ def _private_imports(path: pathlib.Path):
 def test_no_module_imports_another_modules_private_names():
     for pkg in (gsgd_core, gsgd_backends, gsgd_adapters):
         for path in pathlib.Path(pkg.__file__).parent.rglob("*.py"):
-            assert not list(_private_imports(path)), (path, list(_private_imports(path)))
+            private = list(_private_imports(path))
+            assert not private, (path, private)
 
 
 def test_packages_carry_version_and_type_marker():

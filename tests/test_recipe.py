@@ -7,12 +7,12 @@ paper's skeleton (every skeleton edge 1) on the same nets is the control that ex
 
 import math
 import pathlib
-import sys
 
 import pytest
 import torch
 
 import gsgd_core as gc
+from _helpers import from_repository
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(),
@@ -22,11 +22,7 @@ pytestmark = pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(),
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("sklearn")
-    sys.path.insert(0, str(ROOT))
-    try:
-        from benchmarks import plain_cnn
-    finally:
-        sys.path.remove(str(ROOT))
+    plain_cnn = from_repository("benchmarks.plain_cnn")
     torch.set_num_threads(1)
     return plain_cnn, plain_cnn.run(list(plain_cnn.NETS), [0.01], steps=12, div=16,
                                     momentum=0.9)
