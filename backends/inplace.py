@@ -7,6 +7,7 @@ Either way: same arguments, same results to float64 rounding, arrays updated in 
 
 from __future__ import annotations
 
+import importlib
 
 from array_api_compat import array_namespace
 
@@ -19,7 +20,6 @@ from gsgd_core.rules import all_finite
 from ._dispatch import assign, kernels_for, library
 from .fast import fast_step_
 from .plan import StepPlan
-from .psi import psi_step_
 from .rule_step import rule_step_
 
 __all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicalize_",
@@ -212,5 +212,7 @@ def _fast_psi(state, weights, grads, hyper) -> bool:
             tuple(w.shape) != tuple(g.shape) or tuple(w.shape) != tuple(u.shape) or w.ndim < 2
             for w, g, u in zip(weights, grads, state.momentum)):
         return False  # the core raises its errors
-    return psi_step_(list(weights), list(grads), list(state.momentum), lr=float(h["lr"]),
-                     momentum=float(h["momentum"]), max_norm=float(h["max_norm"]))
+    # torch tensors: torch is loaded; a NumPy or CuPy user need not have it installed
+    psi = importlib.import_module(".psi", __package__)
+    return psi.psi_step_(list(weights), list(grads), list(state.momentum), lr=float(h["lr"]),
+                         momentum=float(h["momentum"]), max_norm=float(h["max_norm"]))

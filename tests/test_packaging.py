@@ -4,6 +4,8 @@ framework, and every package carries its version and type marker."""
 import ast
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -62,3 +64,34 @@ def test_ci_tests_the_installed_package_not_the_checkout():
     repo = pathlib.Path(__file__).resolve().parents[1]
     for pkg in (gsgd_core, gsgd_backends, gsgd_adapters):
         assert repo not in pathlib.Path(pkg.__file__).resolve().parents, pkg.__file__
+
+
+WITHOUT_TORCH = """
+import sys
+sys.modules["torch"] = None  # `import torch` raises ImportError, as where it is not installed
+import numpy as np
+import gsgd_core as gc
+import gsgd_adapters.cupy
+from gsgd_backends import gsgd_update_, psi_update_
+chain = gc.Chain.mlp([4, 3, 2])
+rng = np.random.default_rng(0)
+W = [rng.standard_normal(s) for s in ((3, 4), (2, 3))]
+G = [rng.standard_normal(w.shape) for w in W]
+b, Gb = [rng.standard_normal(n) for n in (3, 2)], [rng.standard_normal(n) for n in (3, 2)]
+want, want_b, _ = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1)
+gsgd_update_(chain, None, W, b, G, Gb, lr=0.1)
+assert all(np.allclose(x, y, rtol=1e-12) for x, y in zip(W + b, want + want_b))
+want, _ = gc.psi_update(gc.psi_init(W), W, G, lr=0.1)
+psi_update_(gc.psi_init(W), W, G, lr=0.1)
+assert all(np.allclose(a, b, rtol=1e-12) for a, b in zip(W, want))
+assert "torch" not in {m.split(".")[0] for m, v in sys.modules.items() if v is not None}
+print("ok")
+"""
+
+
+def test_numpy_users_need_no_torch():
+    """torch is an optional extra: without it the backends' NumPy fast paths and the CuPy
+    adapter import and step (``gsgd_backends`` imported torch for its PSI step once)."""
+    done = subprocess.run([sys.executable, "-c", WITHOUT_TORCH], capture_output=True,
+                          text=True, timeout=120, cwd=pathlib.Path(gsgd_core.__file__).parents[1])
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

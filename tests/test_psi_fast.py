@@ -194,10 +194,10 @@ def test_in_place_psi_equals_the_core_with_the_cores_defaults(lib, hyper):
 
 
 def test_in_place_psi_takes_the_fast_step_for_torch_only(monkeypatch):
-    import gsgd_backends.inplace as inplace
+    import gsgd_backends.psi
 
     calls = []
-    monkeypatch.setattr(inplace, "psi_step_",
+    monkeypatch.setattr(gsgd_backends.psi, "psi_step_",
                         lambda *a, **k: calls.append(1) or psi_step_(*a, **k))
     W, G, U = _problem([(4, 3), (5, 2, 3, 3)], 6, torch.float64)
     _in_place(W, G, U, lambda t: t, lr=0.1, momentum=0.9)
