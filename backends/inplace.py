@@ -187,19 +187,20 @@ def path_sgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr) -> None
     _write(biases or [], b)
 
 
-def psi_update_(state: gsgd_core.PSIState, weights, grads, **hyper) -> None:
+def psi_update_(state: gsgd_core.PSIState, weights, grads, *, plan=None, **hyper) -> None:
     """:func:`gsgd_core.psi_update` applied in place to ``weights`` and ``state``; torch
     tensors take :func:`gsgd_backends.psi.psi_step_` (multi-tensor, in place), which hands
     back a step it cannot take exactly (non-finite gradients, half precision, a possible
-    overflow)."""
-    if _fast_psi(state, weights, grads, hyper):
+    overflow), or, given a :class:`gsgd_backends.psi.PSIPlan` as ``plan``, its compiled
+    step (every row by the core's rules, no host read)."""
+    if _fast_psi(state, weights, grads, hyper, plan):
         return
     W, new_state = gsgd_core.psi_update(state, weights, grads, **hyper)
     _write(weights, W)
     _write(state.momentum, new_state.momentum)
 
 
-def _fast_psi(state, weights, grads, hyper) -> bool:
+def _fast_psi(state, weights, grads, hyper, plan) -> bool:
     if not (isinstance(state, gsgd_core.PSIState) and isinstance(weights, (list, tuple))
             and weights and library(weights[0]) == "torch"
             and set(hyper) <= {"lr", "momentum", "max_norm"}):
@@ -214,5 +215,6 @@ def _fast_psi(state, weights, grads, hyper) -> bool:
         return False  # the core raises its errors
     # torch tensors: torch is loaded; a NumPy or CuPy user need not have it installed
     psi = importlib.import_module(".psi", __package__)
-    return psi.psi_step_(list(weights), list(grads), list(state.momentum), lr=float(h["lr"]),
-                         momentum=float(h["momentum"]), max_norm=float(h["max_norm"]))
+    args = (list(weights), list(grads), list(state.momentum))
+    h = dict(lr=float(h["lr"]), momentum=float(h["momentum"]), max_norm=float(h["max_norm"]))
+    return (plan is not None and plan.step_(*args, **h)) or psi.psi_step_(*args, **h)

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["psi_step_"]
+__all__ = ["PSIPlan", "psi_step_"]
 
 
 def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: float) -> bool:
@@ -31,17 +31,10 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
     non-contiguous weights or buffers, a non-finite gradient, or a possible overflow."""
     if not weights:
         return True
-    dtype, device = weights[0].dtype, weights[0].device
-    # PSI-SGD (momentum 0) neither reads nor writes the buffers: any will do
-    if dtype not in (torch.float32, torch.float64) or any(
-            a.dtype != dtype or a.device != device or (a is not g and not a.is_contiguous())
-            for w, g, u in zip(weights, grads, buffers)
-            for a in ((w, g, u) if momentum else (w, g))):
+    rows = _rows(weights, grads, buffers, momentum)
+    if rows is None:
         return False
-    rows = [(w.shape[0], math.prod(w.shape[1:])) for w in weights]
-    W = [w.detach().view(r) for w, r in zip(weights, rows)]
-    G = [g.detach().reshape(r) for g, r in zip(grads, rows)]
-    U = [u.detach().view(r) for u, r in zip(buffers, rows)] if momentum else None
+    W, G, U = rows
     with torch.no_grad():
         sq = [torch.linalg.vector_norm(w, dim=1, keepdim=True).square_() for w in W]
         ok, may_pass = _bounds(W, G, U, sq, lr, momentum, max_norm)
@@ -56,6 +49,24 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
         if may_pass:
             _renormalise_(W, U, max_norm)
     return True
+
+
+def _rows(weights, grads, buffers, momentum):
+    """``(W, G, U)``: each weight, gradient and buffer as ``(rows, rest)`` (``U`` is
+    ``None`` without momentum), or ``None`` when the fast steps cannot take them (half
+    precision, mixed dtypes or devices, a weight or a read buffer not contiguous)."""
+    dtype, device = weights[0].dtype, weights[0].device
+    # PSI-SGD (momentum 0) neither reads nor writes the buffers: any will do
+    if dtype not in (torch.float32, torch.float64) or any(
+            a.dtype != dtype or a.device != device or (a is not g and not a.is_contiguous())
+            for w, g, u in zip(weights, grads, buffers)
+            for a in ((w, g, u) if momentum else (w, g))):
+        return None
+    rows = [(w.shape[0], math.prod(w.shape[1:])) for w in weights]
+    W = [w.detach().view(r) for w, r in zip(weights, rows)]
+    G = [g.detach().reshape(r) for g, r in zip(grads, rows)]
+    U = [u.detach().view(r) for u, r in zip(buffers, rows)] if momentum else None
+    return W, G, U
 
 
 def _bounds(W, G, U, sq, lr, momentum, max_norm) -> tuple[bool, bool]:
@@ -97,3 +108,92 @@ def _renormalise_(W, U, max_norm) -> None:
         w.div_(scale)
         if U is not None:
             U[i].div_(scale)
+
+
+class PSIPlan:
+    """The PSI-SGD(M) step of torch tensors compiled by ``torch.compile``, owned by whoever
+    steps (the torch optimizers keep one per part of normalised weights).
+
+    Each row is updated by the core's per-row rules (:func:`gsgd_core.psi_update`) inside
+    the compiled graph, with no host read: PSI-SGD is one loop per weight that takes a row's
+    squared norm, its new values and their norm while the row is in cache, then writes it (a
+    row whose new values are not all finite keeps its old ones; one past ``max_norm`` is
+    divided by its norm), so the weights and gradients are read once, as by SGD. PSI-SGDM
+    is two graphs: the rows' norms and checks (:func:`_momentum_rows`), then the update of
+    weights and buffers (:func:`_momentum_update_`; inductor does not fuse two in-place
+    row updates behind a reduction). The graphs are specialised to the shapes they meet; the
+    hyperparameters enter as tensors, so a learning-rate schedule never recompiles.
+    """
+
+    def __init__(self) -> None:
+        from .torch import COMPILED  # the kernels' compile: one copy of each stage per plan
+
+        self._plain = COMPILED.compile(_plain_rows_)
+        self._rows = COMPILED.compile(_momentum_rows)
+        self._update = COMPILED.compile(_momentum_update_)
+
+    def step_(self, weights, grads, buffers, *, lr: float, momentum: float,
+              max_norm: float) -> bool:
+        """One step in place, as :func:`psi_step_`; ``False`` (nothing written) for what
+        the compiled graphs do not take (half precision, mixed dtypes or devices, weights or
+        read buffers not contiguous). Non-finite gradients and overflows are handled row by
+        row, by the core's rules."""
+        if not weights:
+            return True
+        rows = _rows(weights, grads, buffers, momentum)
+        if rows is None:
+            return False
+        W, G, U = rows
+        lr, momentum, max_norm = (torch.full((), float(v), dtype=W[0].dtype,
+                                             device=W[0].device)
+                                  for v in (lr, momentum, max_norm))
+        with torch.no_grad():
+            if U is None:
+                self._plain(W, G, lr, max_norm)
+            else:
+                self._update(W, G, U, self._rows(W, G, U, lr, momentum, max_norm), lr,
+                             momentum)
+        return True
+
+
+def _scale(new, max_norm):
+    """The core's renormalisation of rows ``new``: their norm where it passes ``max_norm``,
+    else 1; and whether every entry of the row is finite. ``new*new + (new - new)`` sums to
+    ``NaN`` exactly when an entry is not finite (``x - x`` is 0 for a finite ``x``), and to
+    the squared norm otherwise (``inf`` if it overflows, as the core's)."""
+    q = torch.sum(new * new + (new - new), dim=1, keepdim=True)
+    norm = torch.sqrt(q)
+    return 1.0 / torch.where(norm > max_norm, norm, 1.0), q == q
+
+
+def _plain_rows_(W, G, lr, max_norm) -> None:
+    """PSI-SGD by the core's rules, each ``(rows, rest)`` weight in place::
+
+        w_i' = w_i - lr ||w_i||^2 g_i, divided by ||w_i'|| if that passes max_norm,
+        kept where any entry of w_i' is not finite (so a NaN or Inf gradient)."""
+    for w, g in zip(W, G):
+        new = w - lr * (torch.sum(w * w, dim=1, keepdim=True) * g)
+        scale, ok = _scale(new, max_norm)
+        w.copy_(torch.where(ok, new * scale, w))
+
+
+def _momentum_rows(W, G, U, lr, momentum, max_norm) -> list:
+    """Per weight, per row: ``||w_i||^2``, the renormalising scale and whether the row's new
+    values are all finite (:func:`_scale`) of PSI-SGDM's step."""
+    out = []
+    for w, g, u in zip(W, G, U):
+        sq = torch.sum(w * w, dim=1, keepdim=True)
+        out.append((sq, *_scale(w - lr * (momentum * u + sq * g), max_norm)))
+    return out
+
+
+def _momentum_update_(W, G, U, rows, lr, momentum) -> None:
+    """PSI-SGDM by the core's rules from :func:`_momentum_rows`, in place::
+
+        u_i' = momentum u_i + ||w_i||^2 g_i,   w_i' = w_i - lr u_i',
+        both divided by the scale, the row kept where not all finite."""
+    for w, g, u, (sq, scale, ok) in zip(W, G, U, rows):
+        u_new = momentum * u + sq * g
+        new = w - lr * u_new
+        w.copy_(torch.where(ok, new * scale, w))
+        u.copy_(torch.where(ok, u_new * scale, u))

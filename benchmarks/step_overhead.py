@@ -153,24 +153,32 @@ def torch_rows(name, device, reps, compile_):
     return Row(f"torch {device.type}", name, m, variants)
 
 
-def psi_row(device, reps):
+def psi_row(device, reps, compile_):
     """ResNet-18 with batch norm: ``GSGD`` (PSI on every conv weight, SGD's rule on the rest)
-    against SGD(foreach), plain and with momentum 0.9, interleaved; the parameters that
-    ``GSGD`` gives SGD's rule take ``foreach=True`` as the baseline does (on the CPU,
-    torch's default is one tensor at a time)."""
-    copies, m = _copies(resnet18, ("sgd", "psi", "sgdm", "psim"), device)
+    against SGD(foreach), plain and with momentum 0.9, eager and compiled, interleaved; the
+    parameters that ``GSGD`` gives SGD's rule take ``foreach=True`` as the baseline does (on
+    the CPU, torch's default is one tensor at a time)."""
+    kinds = ("sgd", "psi", "sgdm", "psim") + (("psic", "psimc") if compile_ else ())
+    copies, m = _copies(resnet18, kinds, device)
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
             "psi": GSGD(copies["psi"], lr=LR, foreach=True),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
                                     foreach=True),
             "psim": GSGD(copies["psim"], lr=LR, momentum=0.9, foreach=True)}
-
+    if compile_:
+        opts["psic"] = GSGD(copies["psic"], lr=LR, foreach=True, compile=True)
+        opts["psimc"] = GSGD(copies["psimc"], lr=LR, momentum=0.9, foreach=True, compile=True)
     t = {}
-    for group in (("sgd", "psi"), ("sgdm", "psim")):
-        t.update(interleaved({k: _stepper(opts[k], device) for k in group}, reps))
-    return Row(f"torch {device.type}", PSI_MODEL, m, {
-        "PSI-SGD (GSGD, bn='psi')": ("SGD(foreach)", t["sgd"], t["psi"]),
-        "PSI-SGDM 0.9": ("SGD(momentum=0.9, foreach)", t["sgdm"], t["psim"])})
+    for group in (("sgd", "psi", "psic"), ("sgdm", "psim", "psimc")):
+        t.update(interleaved({k: _stepper(opts[k], device) for k in group if k in opts}, reps))
+    sgd, sgdm = ("SGD(foreach)", t["sgd"]), ("SGD(momentum=0.9, foreach)", t["sgdm"])
+    variants = {"PSI-SGD (GSGD, bn='psi')": (*sgd, t["psi"])}
+    if compile_:
+        variants["PSI-SGD compiled"] = (*sgd, t["psic"])
+    variants["PSI-SGDM 0.9"] = (*sgdm, t["psim"])
+    if compile_:
+        variants["PSI-SGDM 0.9 compiled"] = (*sgdm, t["psimc"])
+    return Row(f"torch {device.type}", PSI_MODEL, m, variants)
 
 
 PSI_MODEL = "ResNet-18 (BN: PSI)"
@@ -360,7 +368,7 @@ def main(argv=None) -> int:
     rows = []
     for kind, name in tqdm(jobs, desc="step overhead"):
         if kind == "psi":
-            rows.append(psi_row(device, 40))
+            rows.append(psi_row(device, 40, not args.no_compile))
             continue
         size = sum(p.numel() for p in MODELS[name][0](MODELS[name][1]).parameters())
         if kind == "torch":

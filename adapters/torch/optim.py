@@ -20,6 +20,7 @@ from torch.optim.sgd import sgd as sgd_update
 
 import gsgd_backends.torch as gsgd_torch_kernels
 from gsgd_backends import StepPlan, gsgd_update_, path_sgd_step_, psi_update_, step_plan
+from gsgd_backends.psi import PSIPlan
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
@@ -237,6 +238,16 @@ class ScaleInvariantOptimizer(Optimizer):
         self._steppers[id(chain)] = held
         return held
 
+    def _psi_plan(self, part) -> PSIPlan | None:
+        """The compiled PSI step of a part of normalised weights (``compile=True``), built
+        on its first step and kept by the optimizer beside the chains' step plans."""
+        if not self.__dict__.get("_compile"):
+            return None
+        held = self.__dict__.setdefault("_steppers", {})
+        if id(part) not in held:
+            held[id(part)] = PSIPlan()
+        return held[id(part)]
+
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"<{tuple(p.shape)}>")
 
@@ -263,7 +274,7 @@ class ScaleInvariantOptimizer(Optimizer):
         U = [local(_buffer(self.state[p], p)) if momentum or "momentum_buffer" in self.state[p]
              else zero.to(w).expand_as(w) for (p, _), w in zip(live, W)]
         psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"]), momentum=momentum,
-                    max_norm=group["max_norm"])
+                    max_norm=group["max_norm"], plan=self._psi_plan(part))
 
     def _step_sgd(self, part, group: dict) -> None:
         self._rest(part.params, group, self.state)
@@ -406,8 +417,10 @@ class GSGD(ScaleInvariantOptimizer):
         trajectory does not commute exactly with rescaling.
     compile : bool
         Steps run their node-vector work and every layer's update (momentum and weight
-        decay included) as two ``torch.compile`` graphs specialised to the model's shapes.
-        The first step compiles for some seconds. Off by default.
+        decay included) as two ``torch.compile`` graphs specialised to the model's shapes,
+        and PSI-SGD(M)'s step of the normalised weights as compiled row loops
+        (:class:`gsgd_backends.psi.PSIPlan`). The first step compiles for some seconds. Off
+        by default.
     check_finite : bool
         Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
         synchronisation per parameter). Off by default: a chain step whose gradients are not
@@ -481,16 +494,18 @@ class PSISGD(ScaleInvariantOptimizer):
     Weights of Linear/Conv layers directly followed by batch, group or layer norm get
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u`` per row (rows with norm above
     ``max_norm`` renormalised); every other parameter gets ``torch.optim.SGD``'s update with
-    the same ``lr``, ``momentum`` and ``weight_decay``.
+    the same ``lr``, ``momentum`` and ``weight_decay``. ``compile=True`` runs the normalised
+    weights' step as compiled row loops (:class:`gsgd_backends.psi.PSIPlan`).
     """
 
     algorithm = "PSI-SGD"
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, momentum: float = 0.0,
                  weight_decay: float = 0.0, *, max_norm: float = 1e4, maximize: bool = False,
-                 foreach: bool | None = None) -> None:
+                 foreach: bool | None = None, compile: bool = False) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError("PSISGD takes a model: it finds the normalised layers in it")
+        self._compile = bool(compile)
         defaults = dict(lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay,
                         nesterov=False, maximize=maximize, check_finite=False,
                         foreach=foreach, max_norm=max_norm)
