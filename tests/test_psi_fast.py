@@ -206,3 +206,60 @@ def test_in_place_psi_takes_the_fast_step_for_torch_only(monkeypatch):
     _in_place(W, G, U, lambda t: t, lr=torch.tensor(0.1, dtype=torch.float64))  # not a number
     _in_place([W[0][0]], [G[0][0]], [U[0][0]], lambda t: t, lr=0.1)  # 1-D: the core
     assert calls == [1]
+
+
+def _spoilt(dtype):
+    """Weights, gradients and buffers where each kind of row the core treats specially
+    occurs: rows past ``max_norm = 2`` (scale 3; the last weight's row 0 at norm 2.5,
+    unmoved), and in the first weight a NaN gradient (row 0), an Inf one (row 1), a zero
+    row with an Inf gradient (row 2, ``0 * inf``), and a finite ``||w||^2 g`` past float32's
+    range (row 3)."""
+    W, G, U = _problem([(5, 3), (3, 2, 3, 3), (4, 7)], 8, dtype, scale=3.0)
+    W[2][0] *= 2.5 / torch.linalg.vector_norm(W[2][0])
+    G[2][0], U[2][0] = 0.0, 0.0
+    W[0][2] = 0.0
+    W[0][3] *= 1e12
+    G[0][0, 1], G[0][1, 2], G[0][2, 0], G[0][3, 0] = float("nan"), float("inf"), \
+        float("inf"), 1e15
+    return W, G, U
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_psi_takes_every_row_by_the_cores_rules(momentum, dtype):
+    """The compiled step (PSIPlan) equals the core on every row, with nothing handed back:
+    rows renormalised, rows whose gradient or update is not finite kept as they were."""
+    from gsgd_backends.psi import PSIPlan
+
+    W, G, U = _spoilt(dtype)
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    assert PSIPlan().step_(Wf, G, Uf, lr=0.5, momentum=momentum, max_norm=2.0)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.5, momentum=momentum,
+                              max_norm=2.0)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    _assert_close(Wf, We, rtol)
+    _assert_close(Uf, list(state.momentum), rtol)
+    for i in range(4 if dtype == torch.float32 else 3):  # float64 takes row 3's product
+        assert torch.equal(Wf[0][i], W[0][i]) and torch.equal(Uf[0][i], U[0][i]), i
+    assert all(bool(torch.isfinite(a).all()) for a in Wf + Uf)
+    moved = [i for i in range(1, 3)
+             if not torch.equal(Wf[i], W[i])]  # rows past max_norm were divided by it
+    assert moved and all(float(torch.linalg.vector_norm(
+        Wf[i].reshape(len(Wf[i]), -1), dim=1).max()) <= 2.0 * (1 + rtol) for i in moved)
+
+
+def test_compiled_psi_hands_back_what_it_cannot_take():
+    """Half precision or a weight that is not contiguous: ``False``, nothing written (the
+    eager step or the core then takes it, as psi_update_ does)."""
+    from gsgd_backends.psi import PSIPlan
+
+    plan = PSIPlan()
+    W, G, U = _problem([(4, 3)], 9, torch.bfloat16)
+    Wf = [w.clone() for w in W]
+    assert not plan.step_(Wf, G, U, lr=0.1, momentum=0.9, max_norm=1e4)
+    assert torch.equal(Wf[0], W[0])
+    W, G, U = _problem([(3, 3)], 9, torch.float64)
+    Wt = [W[0].clone().t()]
+    assert not plan.step_(Wt, G, U, lr=0.1, momentum=0.0, max_norm=1e4)
+    assert torch.equal(Wt[0], W[0].t())
+    assert plan.step_([], [], [], lr=0.1, momentum=0.0, max_norm=1e4)
