@@ -353,15 +353,30 @@ def test_batch_norm_ends_chains_and_normalised_weights_get_psi_sgd():
     assert GSGD(BNNet(), lr=0.1, bn="sgd").describe().normalised == []
 
 
+@pytest.mark.parametrize("make", [
+    lambda m, mu: PSISGD(m, lr=0.1, momentum=mu),
+    lambda m, mu: PSISGD(m, lr=0.1, momentum=mu, compile=True),
+    lambda m, mu: GSGD(m, lr=0.1, momentum=mu, compile=True)],
+    ids=["PSISGD", "PSISGD compiled", "GSGD compiled"])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum):
-    """PSI weights by the multi-tensor fast path equal the core's psi_update to float64
-    rounding (the buffers too), the rest torch's SGD (to rounding: its gradients see the
-    PSI weights)."""
+def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum, make,
+                                                                       monkeypatch):
+    """PSI weights by the multi-tensor fast path, or by the compiled one (``compile=True``,
+    which then takes every step), equal the core's psi_update to float64 rounding (the
+    buffers too), the rest torch's SGD (to rounding: its gradients see the PSI weights)."""
+    from gsgd_backends.psi import PSIPlan
+
+    compiled, step_ = [], PSIPlan.step_
+
+    def counted(*args, **kwargs):
+        compiled.append(step_(*args, **kwargs))
+        return compiled[-1]
+
+    monkeypatch.setattr(PSIPlan, "step_", counted)
     model, twin = BNNet().double(), BNNet().double()
     x = torch.randn(8, 2, 6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     y = torch.randn(8, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    opt = PSISGD(model, lr=0.1, momentum=momentum)
+    opt = make(model, momentum)
     psi = [twin.c1.weight, twin.c2.weight]
     rest = [p for p in twin.parameters() if all(p is not q for q in psi)]
     sgd = torch.optim.SGD(rest, lr=0.1, momentum=momentum)
@@ -379,6 +394,7 @@ def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum
                 p.copy_(w)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-14), name
+    assert compiled == ([True] * 4 if opt._compile else [])
     for w, u in zip([model.c1.weight, model.c2.weight], state.momentum):
         if momentum:
             assert torch.allclose(opt.state[w]["momentum_buffer"], u, rtol=1e-12, atol=1e-14)
