@@ -14,6 +14,13 @@ no buffer or weight can overflow and no row can pass ``max_norm``, the per-row g
 the core would change nothing and the fast step is the core's step (to rounding). Otherwise
 it hands the step back, before anything is written; a bound that only says some row may
 pass ``max_norm`` is settled by the renormalisation itself (no further synchronisation).
+
+:class:`PSIPlan` is the compiled step (``compile=True`` of the torch optimizers): each row's
+norm, update, checks and renormalisation in one ``torch.compile`` loop while the row is in
+cache, by the core's per-row rules, with no host read and nothing handed back but what it
+cannot take (half precision, mixed dtypes or devices, weights not contiguous). It reads the
+weights and gradients once, as SGD does, where the eager step's norms and check read them
+once more.
 """
 
 from __future__ import annotations

@@ -285,7 +285,9 @@ def plot(rows, path) -> None:
         for variant, ratio in r.ratios().items():
             key = (f"{r.library}: {variant}", r.model.split()[0])
             series.setdefault(key, []).append((r.weights, ratio))
-    colours = dict(zip(sorted({k for k, _ in series}), plt.get_cmap("tab10").colors))
+    keys = sorted({k for k, _ in series})
+    palette = plt.get_cmap("tab20").colors  # a full run plots 11 library/variant pairs
+    colours = {k: palette[i % len(palette)] for i, k in enumerate(keys)}
     for (key, kind), pts in sorted(series.items()):
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colours[key],

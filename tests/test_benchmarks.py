@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from _helpers import from_repository
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -89,6 +90,19 @@ def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
     assert "| torch cpu | MLP 64-64-64-10 |" in table and "| numpy | CNN c=32 |" in table
     assert "train step, batch 128" in table
     assert (tmp_path / "step_overhead.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_step_overhead_plot_takes_every_row_of_a_full_run(tmp_path):
+    """A full run has more library/variant pairs (11) than a quick one: each gets a colour
+    (the plot once ran out of them, after the table was written)."""
+    pytest.importorskip("matplotlib")
+    so = from_repository("benchmarks.step_overhead")
+    rows = [so.Row("torch cpu", model, 1000 * (i + 1),
+                   {f"variant {j}": ("SGD", 1.0, 2.0 + j) for j in range(12)})
+            for i, model in enumerate(("MLP 8", "CNN c=8", "ResNet-18 (BN: PSI)"))]
+    so.plot(rows, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
