@@ -8,6 +8,7 @@ Either way: same arguments, same results to float64 rounding, arrays updated in 
 from __future__ import annotations
 
 import importlib
+import inspect
 
 from array_api_compat import array_namespace
 
@@ -200,12 +201,18 @@ def psi_update_(state: gsgd_core.PSIState, weights, grads, *, plan=None, **hyper
     _write(state.momentum, new_state.momentum)
 
 
+#: The core's defaults of psi_update's hyperparameters, read from it (not restated here).
+_PSI_DEFAULTS = {k: p.default
+                 for k, p in inspect.signature(gsgd_core.psi_update).parameters.items()
+                 if k in ("momentum", "max_norm")}
+
+
 def _fast_psi(state, weights, grads, hyper, plan) -> bool:
     if not (isinstance(state, gsgd_core.PSIState) and isinstance(weights, (list, tuple))
             and weights and library(weights[0]) == "torch"
             and set(hyper) <= {"lr", "momentum", "max_norm"}):
         return False
-    h = dict(dict(momentum=0.0, max_norm=1e4), **hyper)
+    h = dict(_PSI_DEFAULTS, **hyper)
     for k in ("lr", "momentum", "max_norm"):  # the core's own checks and messages
         check_hyper(k, h.get(k))
     if not all(is_real(v) for v in h.values()) or not (
