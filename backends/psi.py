@@ -44,7 +44,8 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
     W, G, U = rows
     with torch.no_grad():
         sq = [torch.linalg.vector_norm(w, dim=1, keepdim=True).square_() for w in W]
-        ok, may_pass = _bounds(W, G, U, sq, lr, momentum, max_norm)
+        top = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in sq])
+        ok, may_pass = _bounds(W, G, U, top, lr, momentum, max_norm)
         if not ok:
             return False
         if momentum:
@@ -76,13 +77,13 @@ def _rows(weights, grads, buffers, momentum):
     return W, G, U
 
 
-def _bounds(W, G, U, sq, lr, momentum, max_norm) -> tuple[bool, bool]:
+def _bounds(W, G, U, top, lr, momentum, max_norm) -> tuple[bool, bool]:
     """Whether every gradient is finite and no new value can overflow, and whether a row
-    might end above ``max_norm`` (one host synchronisation for both)."""
+    might end above ``max_norm`` (one host synchronisation for both), from ``top``: per
+    weight, at least its largest squared row norm."""
     big = torch.finfo(W[0].dtype).max / 4
     g = _norms(G)
     u = _norms(U) if momentum else torch.zeros_like(g)
-    top = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in sq])
     new_u = momentum * u + top * g          # >= max |u'| of each weight
     # >= the largest row norm of each new weight (with room for the norms' rounding)
     new_w = (top.sqrt() + lr * new_u) * _ROOM
@@ -121,45 +122,54 @@ class PSIPlan:
     """The PSI-SGD(M) step of torch tensors compiled by ``torch.compile``, owned by whoever
     steps (the torch optimizers keep one per part of normalised weights).
 
-    Each row is updated by the core's per-row rules (:func:`gsgd_core.psi_update`) inside
-    the compiled graph, with no host read: PSI-SGD is one loop per weight that takes a row's
-    squared norm, its new values and their norm while the row is in cache, then writes it (a
-    row whose new values are not all finite keeps its old ones; one past ``max_norm`` is
-    divided by its norm), so the weights and gradients are read once, as by SGD. PSI-SGDM
-    is two graphs: the rows' norms and checks (:func:`_momentum_rows`), then the update of
-    weights and buffers (:func:`_momentum_update_`; inductor does not fuse two in-place
-    row updates behind a reduction). The graphs are specialised to the shapes they meet; the
-    hyperparameters enter as tensors, so a learning-rate schedule never recompiles.
+    PSI-SGD is one loop per weight that takes a row's squared norm, its new values and
+    their norm while the row is in cache, then writes it, by the core's per-row rules
+    (:func:`gsgd_core.psi_update`: a row whose new values are not all finite keeps its old
+    ones; one past ``max_norm`` is divided by its norm) inside the graph, with no host read:
+    the weights and gradients are read once, as by SGD. PSI-SGDM takes the eager step's
+    check first (:func:`_bounds`, one host read; each weight's largest row norm bounded by
+    its whole norm, a BLAS dot product), then one loop per weight updates each row's buffer
+    and weight with the row's squared norm taken in cache (:func:`_momentum_rows_`), and
+    rows the check says may pass ``max_norm`` are renormalised as by the eager step.
+    (Inductor does not fuse the per-row rules of two in-place updates behind a reduction:
+    it fails or stages whole copies.) The graphs are specialised to the shapes they meet;
+    the learning rate and momentum enter as tensors, so a schedule never recompiles.
     """
 
     def __init__(self) -> None:
         from .torch import COMPILED  # the kernels' compile: one copy of each stage per plan
 
         self._plain = COMPILED.compile(_plain_rows_)
-        self._rows = COMPILED.compile(_momentum_rows)
-        self._update = COMPILED.compile(_momentum_update_)
+        self._momentum = COMPILED.compile(_momentum_rows_)
 
     def step_(self, weights, grads, buffers, *, lr: float, momentum: float,
               max_norm: float) -> bool:
         """One step in place, as :func:`psi_step_`; ``False`` (nothing written) for what
         the compiled graphs do not take (half precision, mixed dtypes or devices, weights or
-        read buffers not contiguous). Non-finite gradients and overflows are handled row by
-        row, by the core's rules."""
+        read buffers not contiguous) and, with momentum, for a step the check refuses (a
+        non-finite gradient or a possible overflow: the eager step or the core takes it).
+        PSI-SGD handles non-finite gradients and overflows row by row, by the core's rules."""
         if not weights:
             return True
         rows = _rows(weights, grads, buffers, momentum)
         if rows is None:
             return False
         W, G, U = rows
-        lr, momentum, max_norm = (torch.full((), float(v), dtype=W[0].dtype,
+        lr_t, mu_t, max_norm_t = (torch.full((), float(v), dtype=W[0].dtype,
                                              device=W[0].device)
                                   for v in (lr, momentum, max_norm))
         with torch.no_grad():
             if U is None:
-                self._plain(W, G, lr, max_norm)
-            else:
-                self._update(W, G, U, self._rows(W, G, U, lr, momentum, max_norm), lr,
-                             momentum)
+                self._plain(W, G, lr_t, max_norm_t)
+                return True
+            sq = [torch.linalg.vector_norm(w, dim=1, keepdim=True).square_() for w in W]
+            top = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in sq])
+            ok, may_pass = _bounds(W, G, U, top, lr, momentum, max_norm)
+            if not ok:
+                return False
+            self._momentum(W, G, U, sq, lr_t, mu_t)
+            if may_pass:
+                _renormalise_(W, U, max_norm)
         return True
 
 
@@ -184,23 +194,12 @@ def _plain_rows_(W, G, lr, max_norm) -> None:
         w.copy_(torch.where(ok, new * scale, w))
 
 
-def _momentum_rows(W, G, U, lr, momentum, max_norm) -> list:
-    """Per weight, per row: ``||w_i||^2``, the renormalising scale and whether the row's new
-    values are all finite (:func:`_scale`) of PSI-SGDM's step."""
-    out = []
-    for w, g, u in zip(W, G, U):
-        sq = torch.sum(w * w, dim=1, keepdim=True)
-        out.append((sq, *_scale(w - lr * (momentum * u + sq * g), max_norm)))
-    return out
+def _momentum_rows_(W, G, U, SQ, lr, momentum) -> None:
+    """PSI-SGDM's update of each ``(rows, rest)`` weight and buffer in place from the rows'
+    squared norms ``SQ``, without the per-row rules (:meth:`PSIPlan.step_` checks first)::
 
-
-def _momentum_update_(W, G, U, rows, lr, momentum) -> None:
-    """PSI-SGDM by the core's rules from :func:`_momentum_rows`, in place::
-
-        u_i' = momentum u_i + ||w_i||^2 g_i,   w_i' = w_i - lr u_i',
-        both divided by the scale, the row kept where not all finite."""
-    for w, g, u, (sq, scale, ok) in zip(W, G, U, rows):
+        u_i' = momentum u_i + ||w_i||^2 g_i,   w_i' = w_i - lr u_i'"""
+    for w, g, u, sq in zip(W, G, U, SQ):
         u_new = momentum * u + sq * g
-        new = w - lr * u_new
-        w.copy_(torch.where(ok, new * scale, w))
-        u.copy_(torch.where(ok, u_new * scale, u))
+        w.sub_(lr * u_new)
+        u.copy_(u_new)

@@ -224,28 +224,53 @@ def _spoilt(dtype):
     return W, G, U
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_compiled_psi_takes_every_row_by_the_cores_rules(momentum, dtype):
-    """The compiled step (PSIPlan) equals the core on every row, with nothing handed back:
-    rows renormalised, rows whose gradient or update is not finite kept as they were."""
+def test_compiled_psi_sgd_takes_every_row_by_the_cores_rules(dtype):
+    """The compiled PSI-SGD step (PSIPlan) equals the core on every row, with nothing
+    handed back: rows renormalised, rows whose gradient or update is not finite kept as
+    they were."""
     from gsgd_backends.psi import PSIPlan
 
     W, G, U = _spoilt(dtype)
-    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
-    assert PSIPlan().step_(Wf, G, Uf, lr=0.5, momentum=momentum, max_norm=2.0)
-    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.5, momentum=momentum,
-                              max_norm=2.0)
+    Wf = [w.clone() for w in W]
+    assert PSIPlan().step_(Wf, G, U, lr=0.5, momentum=0.0, max_norm=2.0)
+    We, _ = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.5, max_norm=2.0)
     rtol = 1e-12 if dtype == torch.float64 else 1e-5
     _assert_close(Wf, We, rtol)
-    _assert_close(Uf, list(state.momentum), rtol)
     for i in range(4 if dtype == torch.float32 else 3):  # float64 takes row 3's product
-        assert torch.equal(Wf[0][i], W[0][i]) and torch.equal(Uf[0][i], U[0][i]), i
-    assert all(bool(torch.isfinite(a).all()) for a in Wf + Uf)
+        assert torch.equal(Wf[0][i], W[0][i]), i
+    assert all(bool(torch.isfinite(w).all()) for w in Wf)
     moved = [i for i in range(1, 3)
              if not torch.equal(Wf[i], W[i])]  # rows past max_norm were divided by it
     assert moved and all(float(torch.linalg.vector_norm(
         Wf[i].reshape(len(Wf[i]), -1), dim=1).max()) <= 2.0 * (1 + rtol) for i in moved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_psi_sgdm_equals_the_core_and_hands_back_what_it_cannot_take(dtype):
+    """The compiled PSI-SGDM step equals the core where rows pass ``max_norm`` (the last
+    weight's row 0 by a small margin); a step with a non-finite gradient or a possible
+    overflow is handed back with nothing written, and psi_update_ with the plan then gives
+    the core's result."""
+    from gsgd_backends.psi import PSIPlan
+
+    plan, rtol = PSIPlan(), 1e-12 if dtype == torch.float64 else 1e-5
+    W, G, U = _spoilt(dtype)
+    clean = [w[4:] if i == 0 else w for i, w in enumerate(W)]  # rows 0-3 spoil weight 0
+    Gc, Uc = [g[4:] if i == 0 else g for i, g in enumerate(G)], \
+        [u[4:] if i == 0 else u for i, u in enumerate(U)]
+    Wf, Uf = [w.clone() for w in clean], [u.clone() for u in Uc]
+    assert plan.step_(Wf, Gc, Uf, lr=0.5, momentum=0.9, max_norm=2.0)
+    We, state = gc.psi_update(gc.PSIState(tuple(Uc)), clean, Gc, lr=0.5, momentum=0.9,
+                              max_norm=2.0)
+    _assert_close(Wf + Uf, We + list(state.momentum), rtol)
+    assert float(torch.linalg.vector_norm(W[2][0])) > 2.0 and not torch.equal(Wf[2][0], W[2][0])
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    assert not plan.step_(Wf, G, Uf, lr=0.5, momentum=0.9, max_norm=2.0)
+    assert all(torch.equal(a, b) for a, b in zip(Wf + Uf, W + U))
+    psi_update_(gc.PSIState(tuple(Uf)), Wf, G, lr=0.5, momentum=0.9, max_norm=2.0, plan=plan)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.5, momentum=0.9, max_norm=2.0)
+    _assert_close(Wf + Uf, We + list(state.momentum), 0)
 
 
 def test_compiled_psi_hands_back_what_it_cannot_take():
