@@ -91,12 +91,16 @@ def test_discovery_finds_one_chain_through_pooling_and_flatten(make):
 @pytest.mark.parametrize("hyper", [dict(lr=0.05), dict(lr=0.05, momentum=0.9, nesterov=True,
                                                           weight_decay=1e-3),
                                    dict(lr=0.05, momentum=0.9, dampening=0.5)])
-def test_trajectory_equals_the_core(make, hyper):
+@pytest.mark.parametrize("by_hand", [False, True], ids=["found", "chains by hand"])
+def test_trajectory_equals_the_core(make, hyper, by_hand):
+    """Chains found in the model, or given by hand as lists of modules (no batch norm in
+    them: their gradients are the plain ones), step as the core does."""
     model = make()
     twin = copy.deepcopy(model)
     x, y = data(model)
-    opt = GSGD(model, **hyper)
     chain = discover(twin).chains[0]
+    opt = GSGD(model.parameters(), chains=[[model.get_submodule(n) for n in chain.names]],
+               **hyper) if by_hand else GSGD(model, **hyper)
     core_chain = chain.chain.with_skeleton_scale(chain.chain.he_skeleton_scale())
     W = [m.weight.detach().clone() for m in chain.modules]
     b = [m.bias.detach().clone() for m in chain.modules]
