@@ -322,6 +322,71 @@ class ClampSix(nn.Module):
         return self.fc2(self.fc1(x).clamp(0, 6))
 
 
+class MethodStyle(nn.Module):
+    """Tensor methods where tutorials use F.*: ``x.relu()``, then ``x.flatten(1)`` or
+    ``x.reshape(x.shape[0], -1)`` (``flatten``: which)."""
+
+    def __init__(self, flatten: str):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(4 * 2 * 2, 6), nn.Linear(6, 3)
+        self.flatten = flatten
+
+    def forward(self, x):
+        h = F.max_pool2d(self.c1(x).relu(), 2)
+        h = F.max_pool2d(self.c2(h).relu(), 2)
+        h = h.flatten(1) if self.flatten == "flatten" else h.reshape(h.shape[0], -1)
+        return self.fc2(self.fc1(h).relu())
+
+
+def group_norms():
+    """GroupNorm with a group per channel normalises each unit (PSI); with two groups of
+    channels it does not (SGD's rule, no chain through it)."""
+    return seq(nn.Conv2d(2, 4, 3), nn.GroupNorm(4, 4), nn.ReLU(), nn.Conv2d(4, 4, 3),
+               nn.GroupNorm(2, 4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+               nn.Linear(4, 3))
+
+
+class TiedAutoencoder(nn.Module):
+    """An autoencoder whose decoder is the encoder's transpose, ``F.linear(z,
+    enc2.weight.t())``: enc2's weight is read outside its own call."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1, self.enc2 = nn.Linear(8, 6), nn.Linear(6, 4)
+
+    def forward(self, x):
+        z = self.enc2(self.enc1(x).relu()).relu()
+        return F.linear(z, self.enc2.weight.t())
+
+
+class PatchTokens(nn.Module):
+    """A ViT-style patch embedding, ``conv(x).flatten(2).transpose(1, 2)`` (a partial
+    flatten: tokens of channels), then a ReLU MLP per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 4, 2, stride=2)
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.patch(x).flatten(2).transpose(1, 2)
+        return self.fc2(F.relu(self.fc1(h)))
+
+
+class Aliased(nn.Module):
+    """One module under two names (``self.head = self.fc2``, a habit for API names): no
+    weight is tied."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.head = self.fc2
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc1(x)))
+
+
 # name: (factory, input shape, expected chains, expected PSI layers)
 CATALOGUE = {
     "mlp with dropout": (mlp_dropout, (4, 6), [["0", "3", "6"]], []),
@@ -365,6 +430,14 @@ CATALOGUE = {
     "Linear on a conv's width axis": (conv_then_linear_on_width, (2, 2, 6, 6), [], []),
     "frozen conv backbone, trainable head": (frozen_backbone, (2, 3, 12, 12),
                                              [["6", "10", "13"]], []),
+    "x.relu() and x.flatten(1)": (lambda: MethodStyle("flatten"), (2, 2, 8, 8),
+                                  [["c1", "c2", "fc1", "fc2"]], []),
+    "x.relu() and x.reshape(x.shape[0], -1)": (lambda: MethodStyle("reshape"), (2, 2, 8, 8),
+                                               [["c1", "c2", "fc1", "fc2"]], []),
+    "GroupNorm per channel (PSI) and in two groups": (group_norms, (2, 2, 8, 8), [], ["0"]),
+    "tied autoencoder (decoder = encoder transposed)": (TiedAutoencoder, (4, 8), [], []),
+    "ViT-style patch tokens, MLP per token": (PatchTokens, (2, 3, 6, 6), [["fc1", "fc2"]], []),
+    "one module under two names": (Aliased, (4, 5), [["fc1", "fc2"]], []),
 }
 
 # The unsound claims the issue found that shapes alone cannot rule out: forced by hand, a
@@ -377,4 +450,5 @@ UNSOUND = {
     "weight shared by two Linears": ["a", "b", "c"],
     "head tied to an Embedding": ["fc", "head"],
     "Linear + LayerNorm": ["0", "3"],
+    "tied autoencoder (decoder = encoder transposed)": ["enc1", "enc2"],
 }

@@ -225,8 +225,9 @@ def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
             calls.setdefault(n.target, []).append(n)
     owners: dict[int, list[str]] = {}
     # The traced graph module keeps only the submodules forward() calls: ownership (tied
-    # weights, e.g. an Embedding never called) is read from the model itself.
-    for name, m in model.named_modules(remove_duplicate=False):
+    # weights, e.g. an Embedding never called) is read from the model itself. Each module
+    # once: one module under two names (``self.head = self.fc``) ties nothing.
+    for name, m in model.named_modules():
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), []).append(name)
     read_outside = {n.target.rsplit(".", 1)[0] for n in gm.graph.nodes if n.op == "get_attr"}
