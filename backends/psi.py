@@ -15,27 +15,33 @@ the core would change nothing and the fast step is the core's step (to rounding)
 it hands the step back, before anything is written; a bound that only says some row may
 pass ``max_norm`` is settled by the renormalisation itself (no further synchronisation).
 
-:class:`PSIPlan` is the compiled step (``compile=True`` of the torch optimizers): each row's
-norm, update, checks and renormalisation in one ``torch.compile`` loop while the row is in
-cache, by the core's per-row rules, with no host read and nothing handed back but what it
-cannot take (half precision, mixed dtypes or devices, weights not contiguous). It reads the
-weights and gradients once, as SGD does, where the eager step's norms and check read them
-once more.
+:class:`PSIPlan` is the compiled step (``compile=True`` of the torch optimizers). PSI-SGD:
+each row's norm, update, checks and renormalisation in one ``torch.compile`` loop while the
+row is in cache, by the core's per-row rules, with no host read and nothing handed back but
+what it cannot take (half precision, mixed dtypes or devices, weights not contiguous): the
+weights and gradients are read once, as by SGD, where the eager step's norms and check read
+them once more. PSI-SGDM: this module's step with one compiled loop in place of its three
+multi-tensor updates of the buffers and weights.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 __all__ = ["PSIPlan", "psi_step_"]
 
 
-def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: float) -> bool:
+def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: float,
+              update: Callable | None = None) -> bool:
     """One PSI-SGD(M) step in place of torch ``weights`` and ``buffers``; ``False`` (nothing
     written) when the core must take it: half precision, mixed dtypes or devices,
-    non-contiguous weights or buffers, a non-finite gradient, or a possible overflow."""
+    non-contiguous weights or buffers, a non-finite gradient, or a possible overflow.
+    ``update(W, G, U, sq)``, if given, takes the momentum step's update of the ``(rows,
+    rest)`` buffers and weights from the rows' squared norms (:class:`PSIPlan`'s compiled
+    loop)."""
     if not weights:
         return True
     rows = _rows(weights, grads, buffers, momentum)
@@ -48,7 +54,9 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
         ok, may_pass = _bounds(W, G, U, top, lr, momentum, max_norm)
         if not ok:
             return False
-        if momentum:
+        if momentum and update is not None:
+            update(W, G, U, sq)
+        elif momentum:
             torch._foreach_mul_(U, momentum)
             torch._foreach_addcmul_(U, G, sq)
             torch._foreach_add_(W, U, alpha=-lr)
@@ -125,15 +133,13 @@ class PSIPlan:
     PSI-SGD is one loop per weight that takes a row's squared norm, its new values and
     their norm while the row is in cache, then writes it, by the core's per-row rules
     (:func:`gsgd_core.psi_update`: a row whose new values are not all finite keeps its old
-    ones; one past ``max_norm`` is divided by its norm) inside the graph, with no host read:
-    the weights and gradients are read once, as by SGD. PSI-SGDM takes the eager step's
-    check first (:func:`_bounds`, one host read; each weight's largest row norm bounded by
-    its whole norm, a BLAS dot product), then one loop per weight updates each row's buffer
-    and weight with the row's squared norm taken in cache (:func:`_momentum_rows_`), and
-    rows the check says may pass ``max_norm`` are renormalised as by the eager step.
-    (Inductor does not fuse the per-row rules of two in-place updates behind a reduction:
-    it fails or stages whole copies.) The graphs are specialised to the shapes they meet;
-    the learning rate and momentum enter as tensors, so a schedule never recompiles.
+    ones; one past ``max_norm`` is divided by its norm) inside the graph, with no host read.
+    PSI-SGDM is :func:`psi_step_` (its row norms, its check with one host read, its
+    renormalisation) with one compiled loop per weight updating buffer and weight
+    (:func:`_momentum_rows_`) in place of three multi-tensor passes: inductor does not fuse
+    the per-row rules of two in-place updates behind a reduction (it fails or stages whole
+    copies). The graphs are specialised to the shapes they meet; the learning rate and
+    momentum enter as tensors, so a schedule never recompiles.
     """
 
     def __init__(self) -> None:
@@ -146,30 +152,23 @@ class PSIPlan:
               max_norm: float) -> bool:
         """One step in place, as :func:`psi_step_`; ``False`` (nothing written) for what
         the compiled graphs do not take (half precision, mixed dtypes or devices, weights or
-        read buffers not contiguous) and, with momentum, for a step the check refuses (a
-        non-finite gradient or a possible overflow: the eager step or the core takes it).
-        PSI-SGD handles non-finite gradients and overflows row by row, by the core's rules."""
+        read buffers not contiguous) and, with momentum, for a step :func:`psi_step_`'s
+        check refuses (the core then takes it). PSI-SGD handles non-finite gradients and
+        overflows row by row, by the core's rules."""
         if not weights:
             return True
+        dtype, device = weights[0].dtype, weights[0].device
+        lr_t, mu_t, max_norm_t = (torch.full((), float(v), dtype=dtype, device=device)
+                                  for v in (lr, momentum, max_norm))
+        if momentum:
+            return psi_step_(weights, grads, buffers, lr=lr, momentum=momentum,
+                             max_norm=max_norm, update=lambda W, G, U, sq: self._momentum(
+                                 W, G, U, sq, lr_t, mu_t))
         rows = _rows(weights, grads, buffers, momentum)
         if rows is None:
             return False
-        W, G, U = rows
-        lr_t, mu_t, max_norm_t = (torch.full((), float(v), dtype=W[0].dtype,
-                                             device=W[0].device)
-                                  for v in (lr, momentum, max_norm))
         with torch.no_grad():
-            if U is None:
-                self._plain(W, G, lr_t, max_norm_t)
-                return True
-            sq = [torch.linalg.vector_norm(w, dim=1, keepdim=True).square_() for w in W]
-            top = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in sq])
-            ok, may_pass = _bounds(W, G, U, top, lr, momentum, max_norm)
-            if not ok:
-                return False
-            self._momentum(W, G, U, sq, lr_t, mu_t)
-            if may_pass:
-                _renormalise_(W, U, max_norm)
+            self._plain(rows[0], rows[1], lr_t, max_norm_t)
         return True
 
 
