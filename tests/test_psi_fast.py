@@ -255,6 +255,9 @@ def test_compiled_psi_sgdm_equals_the_core_and_hands_back_what_it_cannot_take(dt
     from gsgd_backends.psi import PSIPlan
 
     plan, rtol = PSIPlan(), 1e-12 if dtype == torch.float64 else 1e-5
+    ran, loop = [], plan._momentum  # the compiled loop, not the eager passes, updates
+
+    plan._momentum = lambda *args: ran.append(1) or loop(*args)
     W, G, U = _spoilt(dtype)
     clean = [w[4:] if i == 0 else w for i, w in enumerate(W)]  # rows 0-3 spoil weight 0
     Gc, Uc = [g[4:] if i == 0 else g for i, g in enumerate(G)], \
@@ -264,6 +267,7 @@ def test_compiled_psi_sgdm_equals_the_core_and_hands_back_what_it_cannot_take(dt
     We, state = gc.psi_update(gc.PSIState(tuple(Uc)), clean, Gc, lr=0.5, momentum=0.9,
                               max_norm=2.0)
     _assert_close(Wf + Uf, We + list(state.momentum), rtol)
+    assert ran == [1]
     assert float(torch.linalg.vector_norm(W[2][0])) > 2.0 and not torch.equal(Wf[2][0], W[2][0])
     Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
     assert not plan.step_(Wf, G, Uf, lr=0.5, momentum=0.9, max_norm=2.0)
