@@ -193,7 +193,7 @@ def psi_update_(state: gsgd_core.PSIState, weights, grads, *, plan=None, **hyper
     tensors take :func:`gsgd_backends.psi.psi_step_` (multi-tensor, in place), which hands
     back a step it cannot take exactly (non-finite gradients, half precision, a possible
     overflow), or, given a :class:`gsgd_backends.psi.PSIPlan` as ``plan``, its compiled
-    step (every row by the core's rules, no host read)."""
+    step first."""
     if _fast_psi(state, weights, grads, hyper, plan):
         return
     W, new_state = gsgd_core.psi_update(state, weights, grads, **hyper)
@@ -223,5 +223,5 @@ def _fast_psi(state, weights, grads, hyper, plan) -> bool:
     # torch tensors: torch is loaded; a NumPy or CuPy user need not have it installed
     psi = importlib.import_module(".psi", __package__)
     args = (list(weights), list(grads), list(state.momentum))
-    h = dict(lr=float(h["lr"]), momentum=float(h["momentum"]), max_norm=float(h["max_norm"]))
-    return (plan is not None and plan.step_(*args, **h)) or psi.psi_step_(*args, **h)
+    floats = {k: float(v) for k, v in h.items()}
+    return (plan is not None and plan.step_(*args, **floats)) or psi.psi_step_(*args, **floats)

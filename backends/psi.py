@@ -157,18 +157,19 @@ class PSIPlan:
         overflows row by row, by the core's rules."""
         if not weights:
             return True
-        dtype, device = weights[0].dtype, weights[0].device
-        lr_t, mu_t, max_norm_t = (torch.full((), float(v), dtype=dtype, device=device)
-                                  for v in (lr, momentum, max_norm))
+        def tensors(*values):  # as the graphs take them (a new float would recompile)
+            return (torch.full((), float(v), dtype=weights[0].dtype, device=weights[0].device)
+                    for v in values)
+
         if momentum:
             return psi_step_(weights, grads, buffers, lr=lr, momentum=momentum,
                              max_norm=max_norm, update=lambda W, G, U, sq: self._momentum(
-                                 W, G, U, sq, lr_t, mu_t))
+                                 W, G, U, sq, *tensors(lr, momentum)))
         rows = _rows(weights, grads, buffers, momentum)
         if rows is None:
             return False
         with torch.no_grad():
-            self._plain(rows[0], rows[1], lr_t, max_norm_t)
+            self._plain(rows[0], rows[1], *tensors(lr, max_norm))
         return True
 
 

@@ -121,6 +121,15 @@ def _copies(make, kinds, device):
     return copies, sum(p.numel() for p in base.parameters())
 
 
+SGD, SGDM = "SGD(foreach)", "SGD(momentum=0.9, foreach)"
+
+
+def _variants(times: dict, spec) -> dict:
+    """Variant -> (baseline, baseline seconds, seconds) for each ``(variant, baseline,
+    baseline key, key)`` of ``spec`` whose optimizer ran (compiled ones only on request)."""
+    return {v: (base, times[bk], times[k]) for v, base, bk, k in spec if k in times}
+
+
 def torch_rows(name, device, reps, compile_):
     build, arg = MODELS[name]
     kinds = ("sgd", "gsgd", "sgdm", "gsgdm", "adam", "gadam") + (
@@ -142,15 +151,11 @@ def torch_rows(name, device, reps, compile_):
     t = {}
     for group in (("sgd", "gsgd", "gsgdc"), ("sgdm", "gsgdm", "gsgdmc"), ("adam", "gadam")):
         t.update(interleaved({k: _stepper(opts[k], device) for k in group if k in opts}, reps))
-    sgd, sgdm = ("SGD(foreach)", t["sgd"]), ("SGD(momentum=0.9, foreach)", t["sgdm"])
-    variants = {"G-SGD": (*sgd, t["gsgd"])}
-    if compile_:
-        variants["G-SGD compiled"] = (*sgd, t["gsgdc"])
-    variants["momentum 0.9"] = (*sgdm, t["gsgdm"])
-    if compile_:
-        variants["momentum 0.9 compiled"] = (*sgdm, t["gsgdmc"])
-    variants["G-Adam"] = ("Adam(foreach)", t["adam"], t["gadam"])
-    return Row(f"torch {device.type}", name, m, variants)
+    return Row(f"torch {device.type}", name, m, _variants(t, [
+        ("G-SGD", SGD, "sgd", "gsgd"), ("G-SGD compiled", SGD, "sgd", "gsgdc"),
+        ("momentum 0.9", SGDM, "sgdm", "gsgdm"),
+        ("momentum 0.9 compiled", SGDM, "sgdm", "gsgdmc"),
+        ("G-Adam", "Adam(foreach)", "adam", "gadam")]))
 
 
 def psi_row(device, reps, compile_):
@@ -171,14 +176,10 @@ def psi_row(device, reps, compile_):
     t = {}
     for group in (("sgd", "psi", "psic"), ("sgdm", "psim", "psimc")):
         t.update(interleaved({k: _stepper(opts[k], device) for k in group if k in opts}, reps))
-    sgd, sgdm = ("SGD(foreach)", t["sgd"]), ("SGD(momentum=0.9, foreach)", t["sgdm"])
-    variants = {"PSI-SGD (GSGD, bn='psi')": (*sgd, t["psi"])}
-    if compile_:
-        variants["PSI-SGD compiled"] = (*sgd, t["psic"])
-    variants["PSI-SGDM 0.9"] = (*sgdm, t["psim"])
-    if compile_:
-        variants["PSI-SGDM 0.9 compiled"] = (*sgdm, t["psimc"])
-    return Row(f"torch {device.type}", PSI_MODEL, m, variants)
+    return Row(f"torch {device.type}", PSI_MODEL, m, _variants(t, [
+        ("PSI-SGD (GSGD, bn='psi')", SGD, "sgd", "psi"),
+        ("PSI-SGD compiled", SGD, "sgd", "psic"), ("PSI-SGDM 0.9", SGDM, "sgdm", "psim"),
+        ("PSI-SGDM 0.9 compiled", SGDM, "sgdm", "psimc")]))
 
 
 PSI_MODEL = "ResNet-18 (BN: PSI)"

@@ -270,7 +270,7 @@ class ScaleInvariantOptimizer(Optimizer):
         momentum = hyper_value(group["momentum"])
         # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state): a zero that
         # takes no memory stands for a buffer the state does not have.
-        zero = torch.zeros((), dtype=W[0].dtype, device=W[0].device)
+        zero = None if momentum else torch.zeros((), dtype=W[0].dtype, device=W[0].device)
         U = [local(_buffer(self.state[p], p)) if momentum or "momentum_buffer" in self.state[p]
              else zero.to(w).expand_as(w) for (p, _), w in zip(live, W)]
         psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"]), momentum=momentum,
