@@ -374,6 +374,18 @@ class PatchTokens(nn.Module):
         return self.fc2(F.relu(self.fc1(h)))
 
 
+class TokenMixer(nn.Module):
+    """MLP-Mixer's token mixing: ``conv(x).flatten(2)`` (a partial flatten: channels of
+    tokens), then Linears over the tokens of each channel."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(3, 3, 2, stride=2)
+        self.fc1, self.fc2 = nn.Linear(9, 8), nn.Linear(8, 9)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(self.patch(x).flatten(2))))
+
 class Aliased(nn.Module):
     """One module under two names (``self.head = self.fc2``, a habit for API names): no
     weight is tied."""
@@ -438,6 +450,8 @@ CATALOGUE = {
     "tied autoencoder (decoder = encoder transposed)": (TiedAutoencoder, (4, 8), [], []),
     "ViT-style patch tokens, MLP per token": (PatchTokens, (2, 3, 6, 6), [["fc1", "fc2"]], []),
     "one module under two names": (Aliased, (4, 5), [["fc1", "fc2"]], []),
+    "MLP-Mixer token mixing after flatten(2)": (TokenMixer, (2, 3, 6, 6), [["fc1", "fc2"]],
+                                                []),
 }
 
 # The unsound claims the issue found that shapes alone cannot rule out: forced by hand, a
