@@ -42,7 +42,6 @@ from typing import Any, NamedTuple
 from gsgd_core import Chain
 from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finite_or_zero, kept,
                              path_gradient, safe_div, tau_ratio)
-from gsgd_core.sweeps import products_of_edges
 
 from .plan import StepPlan
 
@@ -120,7 +119,7 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
         scalar(hyper.dampening, W[0].dtype, plan.step_device), hyper.nesterov,
         steps[0] == 0 if M is not None else None)
     lr = scalar(float(lr), W[0].dtype, plan.step_device)
-    v = plan.stage(vector_stage)(kernels, chain, plan.meta, plan.layers, W=W, G=G, C=C, b=b,
+    v = plan.stage(vector_stage)(kernels, chain, plan.stack, W=W, G=G, C=C, b=b,
                                  Gb=Gb, lr=lr, device=plan.step_device, M=M, Mb=Mb, h=h)
     flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
@@ -132,8 +131,7 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
             for A in (W, G, M)]
     plan.stage(bulk_stage_)(plan.layer_kernels, *rows, v=v, lr=lr, tame=tame, h=h,
                             scratch=None if kernels.traced else plan.scratch)
-    for l in range(L):
-        spec = plan.layers[l].spec
+    for l, spec in enumerate(plan.stack.spec):
         kernels.put_(W[l], spec, v.special[l])
         if M is not None:
             kernels.put_(M[l], spec, v.special_m[l])
@@ -143,18 +141,43 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
     return True
 
 
-def backward_sums(kernels, layers, ws, gs, C):
-    """``T_1..T_{L-1}`` as ``T[l]`` from the column sums
-    ``C[l-2] = colsum(W_l * grad_l)``, ``l = 2..L`` (the backward sweep above)."""
-    xp, L = kernels.xp, len(layers)
-    T = [None] * (L + 1)
-    for l in range(L, 1, -1):
-        s = layers[l - 1]
-        below = C[l - 2] - xp.take(ws[l - 1], s.free) * xp.take(gs[l - 1], s.free)
-        if l < L:
-            below = kernels.scatter_add(below, s.carry_src, xp.take(T[l], s.carry_nodes))
-        T[l - 1] = below
+def stacked(xp, parts: list):
+    """Per-layer vectors as one (:class:`~gsgd_backends.plan.Stack`'s order)."""
+    return parts[0] if len(parts) == 1 else xp.concat(parts)
+
+
+def split(v, starts) -> list:
+    """A stacked vector back into its per-layer parts, ``starts`` the first entry of each
+    and the end (views)."""
+    return [v[a:e] for a, e in zip(starts[:-1], starts[1:])]
+
+
+def backward_sums(kernels, st, ws, gs, C):
+    """``T`` of every inner node (``T_1..T_{L-1}`` stacked) from the stacked special edges
+    ``ws``, ``gs`` and the column sums ``C[l-2] = colsum(W_l * grad_l)``, ``l = 2..L``: the
+    backward sweep above with every node's ``colsum - P[free edge]`` carried down its free
+    tau edges at once (``st.carry_from`` to ``st.carry_to``)."""
+    xp = kernels.xp
+    P = xp.take(ws, st.free) * xp.take(gs, st.free)
+    T = stacked(xp, C) - P if C else P
+    if st.carry_from.shape[0]:
+        T = kernels.scatter_add(T, st.carry_to, xp.take(T, st.carry_from))
     return T
+
+
+def chain_products(xp, st, ws, one):
+    """``B`` at every node of layers ``0..L-1`` and ``F`` at every node of layers ``1..L``
+    (stacked) from the stacked special edges ``ws``: :func:`gsgd_core.sweeps.products_of_edges`
+    with each node's factors gathered along its path (``st.b_path``, ``st.f_path``; ``one``
+    a 1-vector: the factor past a path's end) and multiplied in the core's order."""
+    fb, ff = xp.take(ws, st.tau), xp.take(ws, st.free)
+    if st.b_unit is not None:  # in_units: the chain's skeleton scales
+        fb, ff = fb / st.b_unit, ff / st.f_unit
+    rows, n = len(st.spec) - 1, st.nodes
+    B = xp.take(xp.concat([one, fb]), st.b_path)
+    F = xp.take(xp.concat([one, ff]), st.f_path)
+    return (xp.prod(xp.reshape(B, (rows, n[-2])), axis=0),
+            xp.prod(xp.reshape(F, (rows, n[-1] - n[1])), axis=0))
 
 
 class Vectors(NamedTuple):
@@ -173,39 +196,40 @@ class Vectors(NamedTuple):
     flags: Any        # [ok, tame_1..tame_L]
 
 
-def vector_stage(kernels, chain, meta, layers, *, W, G, C, b, Gb, lr, device, M, Mb, h):
+def vector_stage(kernels, chain, st, *, W, G, C, b, Gb, lr, device, M, Mb, h):
     """Everything of the step that lives on node vectors, as one function (compiled whole
-    by traced kernels): the special edges gathered, then :func:`special_vectors`. ``C``
-    holds the sum of layer 1's gradients, then the column sums ``colsum(W_l * grad_l)``,
-    ``l = 2..L``."""
+    by traced kernels): the special edges gathered (``st``: the plan's
+    :class:`~gsgd_backends.plan.Stack`), then :func:`special_vectors`. ``C`` holds the sum
+    of layer 1's gradients, then the column sums ``colsum(W_l * grad_l)``, ``l = 2..L``."""
     xp = kernels.xp
-    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, layers)]
-    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, layers)]
-    ms = None if M is None else [xp.take(flat(xp, m), s.spec) for m, s in zip(M, layers)]
-    return special_vectors(kernels, chain, meta, layers, ws=ws, gs=gs, ms=ms, C=C, b=b, Gb=Gb,
-                           lr=lr, device=device, Mb=Mb, h=h)
+    ws = [xp.take(flat(xp, w), s) for w, s in zip(W, st.spec)]
+    gs = [xp.take(flat(xp, g), s) for g, s in zip(G, st.spec)]
+    ms = None if M is None else [xp.take(flat(xp, m), s) for m, s in zip(M, st.spec)]
+    return special_vectors(kernels, chain, st, ws=ws, gs=gs, ms=ms, C=C, b=b, Gb=Gb, lr=lr,
+                           device=device, Mb=Mb, h=h)
 
 
-def special_vectors(kernels, chain, meta, layers, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
+def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
                     h) -> Vectors:
     """The vector stage from the special edges' values already gathered (``ws``, ``gs``,
     ``ms``: weights, gradients and momentum buffers at each layer's ``spec``), wherever they
-    were gathered from (:mod:`.sharded` sums them over processes): the backward sums ``T``,
-    chain products ``B``, ``F``, new special edges and momentum buffers there, ``rho``, new
+    were gathered from (:mod:`.sharded` sums them over processes), over all layers at once
+    (``st``: the :class:`~gsgd_backends.plan.Stack`): the backward sums ``T``, chain
+    products ``B``, ``F``, new special edges and momentum buffers there, ``rho``, new
     biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias
     gradient and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use
     :func:`recip_rows` (tested for traced kernels on plain steps)."""
     xp, L = kernels.xp, chain.L
-    T = backward_sums(kernels, layers, ws, gs, C[1:])
-    B, F = products_of_edges(
-        xp, chain, meta, [xp.take(ws[l - 1], layers[l - 1].tau) for l in range(1, L)],
-        [xp.take(ws[l], layers[l].free) for l in range(1, L)], ws[0].dtype, device)
-    special, special_m, rho = _special(xp, chain, meta, layers, ws, gs, ms, T=T, B=B, F=F,
-                                       lr=lr, h=h, device=device)
-    bias, bias_m = zip(*[(None, None) if bl is None else _bias(xp, bl, g, f, m, lr, h)
-                         for bl, g, f, m in zip(b, Gb, F[1:], Mb)])
-    # T_1..T_{L-1} sum every weight gradient above layer 1.
-    ok = all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])
+    ws, gs = stacked(xp, ws), stacked(xp, gs)
+    ms = None if ms is None else stacked(xp, ms)
+    one = xp.ones((1,), dtype=ws.dtype, device=device)
+    T = backward_sums(kernels, st, ws, gs, C[1:])
+    B, F = chain_products(xp, st, ws, one)
+    special, special_m, rho = _special(xp, st, ws, gs, ms, T=T, B=B, F=F, lr=lr, h=h, one=one)
+    bias, bias_m = _biases(xp, st, b, Gb, Mb, F, lr, h)
+    ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
+    high = [n - st.nodes[1] for n in st.nodes[1:]]
+    B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
     tame, recips, columns = [], None, None
     if h is not None:
         columns = [tuple(per_column(xp, v, chain.layer_shape(l)[2])
@@ -215,7 +239,8 @@ def special_vectors(kernels, chain, meta, layers, *, ws, gs, ms, C, b, Gb, lr, d
                 for l in range(1, L + 1)]
         recips = [reciprocals(xp, F[l], B[l - 1], rho[l - 1], chain.layer_shape(l)[2])
                   for l in range(1, L + 1)]
-    return Vectors(B, F, rho, recips, columns, special, special_m, list(bias), list(bias_m),
+    return Vectors(B, F, rho, recips, columns, split(special, st.edges),
+                   None if special_m is None else split(special_m, st.edges), bias, bias_m,
                    xp.stack([ok] + tame))
 
 
@@ -307,46 +332,52 @@ def _tame(xp, v, zero_ok: bool):
     return xp.all((inside | (a == 0)) if zero_ok else inside)
 
 
-def _special(xp, chain, meta, layers, ws, gs, ms, *, T, B, F, lr, h, device):
-    """New values of each layer's special edges (new tau edges, free edges unchanged), of
-    the momentum buffers there (``None`` without momentum), and ``rho_0..rho_{L-1}``."""
-    dtype = ws[0].dtype
-    eps = float(xp.finfo(dtype).eps)
-    rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
-    special, special_m = [], None if ms is None else []
-    for l in range(1, chain.L + 1):
-        s, w = layers[l - 1], ws[l - 1]
-        m_free = None
-        if ms is not None:  # free edges carry no path: D = 0 there (icr3)
-            zero = xp.zeros_like(ms[l - 1])
-            m_free = kept(xp, direction(xp, zero, ms[l - 1], zero, h)[1], ms[l - 1])
-        if l == chain.L:
-            special.append(w)
-            if ms is not None:
-                special_m.append(m_free)
-            break
-        tau_new, m_tau, rho_next = _tau_edges(
-            xp, meta[l - 1], xp.take(w, s.tau), xp.take(gs[l - 1], s.tau),
-            None if ms is None else xp.take(ms[l - 1], s.tau), T=T[l], B_prev=B[l - 1],
-            F=F[l], rho=rho[-1], lr=lr, eps=eps, h=h)
-        special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
-        if ms is not None:
-            special_m.append(xp.where(s.moved, xp.take(m_tau, s.node), m_free))
-        rho.append(rho_next)
-    return special, special_m, rho
-
-
-def _tau_edges(xp, m, w, g, M, *, T, B_prev, F, rho, lr, eps, h):
-    """New tau-edge weights and momentum buffers and ``rho_l``, by the rules of
-    :func:`gsgd_core.sweeps.allocate3`: ``D = (P - T_l)/V`` (then
-    :func:`gsgd_core.rules.direction`), ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge
-    ``W * R / rho_{l-1}``."""
-    rho_src = xp.take(rho, m.tau_src)
-    V = (F * xp.take(B_prev, m.tau_src)) * w
+def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
+    """New values of the stacked special edges (new tau edges, free edges unchanged), of the
+    momentum buffers there (``None`` without momentum), and ``rho`` at every node of layers
+    ``0..L-1``, by the rules of :func:`gsgd_core.sweeps.allocate3` on every inner node's tau
+    edge at once: ``D = (P - T)/V`` (then :func:`gsgd_core.rules.direction`),
+    ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``, ``rho_l = R`` or,
+    down a free tau edge, its source's."""
+    eps = float(xp.finfo(ws.dtype).eps)
+    m_free = None
+    if ms is not None:  # free edges carry no path: D = 0 there (icr3)
+        zero = xp.zeros_like(ms)
+        m_free = kept(xp, direction(xp, zero, ms, zero, h)[1], ms)
+    w, g = xp.take(ws, st.tau), xp.take(gs, st.tau)
+    M = None if ms is None else xp.take(ms, st.tau)
+    V = (F[:w.shape[0]] * xp.take(B, st.src)) * w
     step_dir, M_new = direction(xp, path_gradient(xp, w * g - T, V, g), M, V, h)
     R = tau_ratio(xp, lr * safe_div(xp, step_dir, V), eps)
-    return (kept(xp, w * (R / rho_src), w), kept(xp, M_new, M),
-            xp.where(m.tau_free, rho_src, R))
+    rho = xp.take(xp.concat([one, R]), st.rho_from)
+    if not w.shape[0]:  # one layer: no tau edge
+        return ws, m_free, rho
+    tau_new = kept(xp, w * (R / xp.take(rho, st.src)), w)
+    special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
+    if ms is None:
+        return special, None, rho
+    return special, xp.where(st.moved, xp.take(kept(xp, M_new, M), st.node), m_free), rho
+
+
+def _biases(xp, st, b, Gb, Mb, F, lr, h):
+    """:func:`_bias` of every layer that has a bias, stacked (``F`` at layers ``1..L``):
+    the new biases and their momentum buffers per layer (``None`` where none)."""
+    at = [l for l, bl in enumerate(b) if bl is not None]
+    new, new_m = [None] * len(b), [None] * len(b)
+    if not at:
+        return new, new_m
+    low = st.nodes[1]
+    Fb = stacked(xp, [F[st.nodes[l + 1] - low:st.nodes[l + 2] - low] for l in at])
+    b_new, m_new = _bias(xp, stacked(xp, [b[l] for l in at]), stacked(xp, [Gb[l] for l in at]),
+                         Fb, None if Mb[at[0]] is None else stacked(xp, [Mb[l] for l in at]),
+                         lr, h)
+    starts = [0]
+    for l in at:
+        starts.append(starts[-1] + b[l].shape[0])
+    for l, v, m in zip(at, split(b_new, starts), split(m_new, starts) if m_new is not None
+                       else [None] * len(at)):
+        new[l], new_m[l] = v, m
+    return new, new_m
 
 
 def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:

@@ -18,9 +18,7 @@ from typing import NamedTuple
 from gsgd_core import Chain, ElementwiseRule, RuleState
 from gsgd_core.rules import (all_finite, finite_or_zero, kept, path_gradient, safe_div,
                              tau_ratio)
-from gsgd_core.sweeps import products_of_edges
-
-from .fast import backward_sums, flat, per_column, plan_for
+from .fast import backward_sums, chain_products, flat, per_column, plan_for, split, stacked
 from .plan import StepPlan
 
 __all__ = ["rule_step_"]
@@ -62,14 +60,14 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, plan.shapes)]
     rest = [iter(bufs[L:]) for bufs in buffers]
     Mb = [[None if x is None else next(r) for x in b] for r in rest]
-    layers = plan.layers
+    spec = plan.stack.spec
     coef = rule.coefficients(xp, counts[0], W[0].dtype)
     C = plan.column_sums(W, G)
-    ws = [xp.take(flat(xp, w), s.spec) for w, s in zip(W, layers)]
-    gs = [xp.take(flat(xp, g), s.spec) for g, s in zip(G, layers)]
-    ms = [[xp.take(flat(xp, m), s.spec) for m, s in zip(ml, layers)] for ml in M]
-    v = rule_vectors(kernels, chain, plan.meta, layers, rule=rule, coef=coef, ws=ws, gs=gs,
-                     ms=ms, C=C, b=b, Gb=Gb, Mb=Mb, device=plan.step_device)
+    ws = [xp.take(flat(xp, w), s) for w, s in zip(W, spec)]
+    gs = [xp.take(flat(xp, g), s) for g, s in zip(G, spec)]
+    ms = [[xp.take(flat(xp, m), s) for m, s in zip(ml, spec)] for ml in M]
+    v = rule_vectors(kernels, chain, plan.stack, rule=rule, coef=coef, ws=ws, gs=gs, ms=ms,
+                     C=C, b=b, Gb=Gb, Mb=Mb, device=plan.step_device)
     if v is None:
         return False
     for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
@@ -77,9 +75,9 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
                                              [m[l - 1] for m in M], v.F[l], v.B[l - 1],
                                              v.rho[l - 1])
     for l in range(L):
-        kernels.put_(W[l], layers[l].spec, v.special[l])
+        kernels.put_(W[l], spec[l], v.special[l])
         for m, new in zip(M, v.special_m[l]):
-            kernels.put_(m[l], layers[l].spec, new)
+            kernels.put_(m[l], spec[l], new)
         if b[l] is not None:
             kernels.put_(b[l], None, v.bias[l])
             for m, new in zip(Mb, v.bias_m):
@@ -101,29 +99,33 @@ class RuleVectors(NamedTuple):
     bias_m: list
 
 
-def rule_vectors(kernels, chain, meta, layers, *, rule, coef, ws, gs, ms, C, b, Gb, Mb,
+def rule_vectors(kernels, chain, st, *, rule, coef, ws, gs, ms, C, b, Gb, Mb,
                  device) -> RuleVectors | None:
     """The node-vector part of a rule step from the special edges' values (``ws``, ``gs``,
     ``ms`` at each layer's ``spec``), the column sums ``C`` (layer 1's gradient sum first)
     and the biases ``b``, their gradients and buffers, wherever they were gathered from
-    (:mod:`.sharded` sums them over processes); ``None`` when a backward sum, a bias
-    gradient or layer 1's gradients are not finite (the step's one host synchronisation)."""
+    (:mod:`.sharded` sums them over processes), over all layers at once (``st``: the plan's
+    :class:`~gsgd_backends.plan.Stack`); ``None`` when a backward sum, a bias gradient or
+    layer 1's gradients are not finite (the step's one host synchronisation)."""
     xp, L = kernels.xp, chain.L
-    T = backward_sums(kernels, layers, ws, gs, C[1:])
-    B, F = products_of_edges(
-        xp, chain, meta, [xp.take(ws[l - 1], layers[l - 1].tau) for l in range(1, L)],
-        [xp.take(ws[l], layers[l].free) for l in range(1, L)], ws[0].dtype, device)
-    if not bool(all_finite(xp, T[1:L] + Gb) & xp.isfinite(C[0])):
+    ws, gs, ms = stacked(xp, ws), stacked(xp, gs), [stacked(xp, m) for m in ms]
+    one = xp.ones((1,), dtype=ws.dtype, device=device)
+    T = backward_sums(kernels, st, ws, gs, C[1:])
+    if not bool(all_finite(xp, [T] + Gb) & xp.isfinite(C[0])):
         return None
-    special, special_m, rho = rule_special(xp, chain, meta, layers, ws, gs, ms, rule=rule,
-                                           coef=coef, T=T, B=B, F=F, device=device)
+    B, F = chain_products(xp, st, ws, one)
+    special, special_m, rho = rule_special(xp, st, ws, gs, ms, rule=rule, coef=coef, T=T, B=B,
+                                           F=F, one=one)
+    high = [n - st.nodes[1] for n in st.nodes[1:]]
+    B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
     bias, bias_m = [None] * L, [[None] * L for _ in Mb]
     for l in range(L):
         if b[l] is not None:
             bias[l], new = rule_bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
             for j, m in enumerate(new):
                 bias_m[j][l] = m
-    return RuleVectors(special, special_m, rho, B, F, bias, bias_m)
+    special_m = [list(m) for m in zip(*[split(m, st.edges) for m in special_m])] or [[]] * L
+    return RuleVectors(split(special, st.edges), special_m, rho, B, F, bias, bias_m)
 
 
 def _apply(xp, rule, coef, D, V, bufs):
@@ -133,34 +135,25 @@ def _apply(xp, rule, coef, D, V, bufs):
     return finite_or_zero(xp, delta), [kept(xp, n, o) for n, o in zip(new, bufs)]
 
 
-def rule_special(xp, chain, meta, layers, ws, gs, ms, *, rule, coef, T, B, F, device):
-    """New values of each layer's special edges (tau edges moved, free edges kept), of the
-    rule's buffers there (per layer, a list per buffer), and ``rho_0..rho_{L-1}``."""
-    dtype = ws[0].dtype
-    eps = float(xp.finfo(dtype).eps)
-    rho = [xp.ones(chain.sizes[0], dtype=dtype, device=device)]
-    special, special_m = [], []
-    for l in range(1, chain.L + 1):
-        s, w, bufs = layers[l - 1], ws[l - 1], [m[l - 1] for m in ms]
-        zero = xp.zeros_like(w)  # free edges own no path: D = V = 0 there (icr3)
-        _, m_free = _apply(xp, rule, coef, zero, zero, bufs)
-        if l == chain.L:
-            special.append(w)
-            special_m.append(m_free)
-            break
-        m, src = meta[l - 1], meta[l - 1].tau_src
-        w_tau, g_tau = xp.take(w, s.tau), xp.take(gs[l - 1], s.tau)
-        rho_src = xp.take(rho[-1], src)
-        V = (F[l] * xp.take(B[l - 1], src)) * w_tau
-        D = path_gradient(xp, w_tau * g_tau - T[l], V, g_tau)
-        delta, m_tau = _apply(xp, rule, coef, D, V, [xp.take(a, s.tau) for a in bufs])
-        R = tau_ratio(xp, safe_div(xp, delta, V), eps)
-        tau_new = kept(xp, w_tau * (R / rho_src), w_tau)
-        special.append(xp.where(s.moved, xp.take(tau_new, s.node), w))
-        special_m.append([xp.where(s.moved, xp.take(a, s.node), f)
-                          for a, f in zip(m_tau, m_free)])
-        rho.append(xp.where(m.tau_free, rho_src, R))
-    return special, special_m, rho
+def rule_special(xp, st, ws, gs, ms, *, rule, coef, T, B, F, one):
+    """New values of the stacked special edges (tau edges moved, free edges kept), of the
+    rule's buffers there (a stacked vector per buffer), and ``rho`` at every node of layers
+    ``0..L-1`` (:func:`.fast._special` with the rule's step in place of G-SGD's)."""
+    eps = float(xp.finfo(ws.dtype).eps)
+    zero = xp.zeros_like(ws)  # free edges own no path: D = V = 0 there (icr3)
+    _, m_free = _apply(xp, rule, coef, zero, zero, ms)
+    w, g = xp.take(ws, st.tau), xp.take(gs, st.tau)
+    V = (F[:w.shape[0]] * xp.take(B, st.src)) * w
+    D = path_gradient(xp, w * g - T, V, g)
+    delta, m_tau = _apply(xp, rule, coef, D, V, [xp.take(a, st.tau) for a in ms])
+    R = tau_ratio(xp, safe_div(xp, delta, V), eps)
+    rho = xp.take(xp.concat([one, R]), st.rho_from)
+    if not w.shape[0]:  # one layer: no tau edge
+        return ws, m_free, rho
+    tau_new = kept(xp, w * (R / xp.take(rho, st.src)), w)
+    special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
+    return special, [xp.where(st.moved, xp.take(a, st.node), f)
+                     for a, f in zip(m_tau, m_free)], rho
 
 
 def rule_bias(xp, rule, coef, b, Gb, F, bufs):

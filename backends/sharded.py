@@ -199,7 +199,7 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         h = None if not (weight_decay or momentum) else StepRule(
             weight_decay or None, momentum or None, dampening, nesterov,
             step[0] == 0 if momentum else None)
-        v = special_vectors(k, shard.chain, plan.meta, plan.layers, ws=ws, gs=gs,
+        v = special_vectors(k, shard.chain, plan.stack, ws=ws, gs=gs,
                             ms=ms[0] if ms else None, C=C, b=b_full, Gb=Gb_full, lr=float(lr),
                             device=plan.step_device, Mb=Mb_full, h=h)
         if not bool(v.flags[0]):
@@ -246,7 +246,7 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
         if refused:
             return False
         coef = rule.coefficients(xp, count[0], W[0].dtype)
-        v = rule_step.rule_vectors(k, chain, plan.meta, plan.layers, rule=rule, coef=coef,
+        v = rule_step.rule_vectors(k, chain, plan.stack, rule=rule, coef=coef,
                                    ws=ws, gs=gs, ms=ms, C=C, b=full[0], Gb=full[1],
                                    Mb=full[2:], device=plan.step_device)
         if v is None:

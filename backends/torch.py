@@ -87,7 +87,7 @@ class TorchKernels:
                              <= self.small else ON_NUMPY for l in range(1, L + 1)]
             return StepPlan(chain, numpy_kernels.KERNELS, xp=np_compat, device=device,
                             dtype=dtype, layer_kernels=layer_kernels, view=_numpy_views,
-                            step_device="cpu")
+                            step_device="cpu", step_dtype=torch.empty(0, dtype=dtype).numpy().dtype)
         kernels = self if device.type == "cpu" or not self.checked else ON_DEVICE
         return StepPlan(chain, kernels, xp=kernels.xp, device=device, dtype=dtype,
                         layer_kernels=[kernels] * L)
