@@ -1,8 +1,8 @@
 """A step plan: everything a chain's fast step reuses, built once and owned by whoever steps.
 
 A :class:`StepPlan` is built by a kernel set (:meth:`gsgd_backends.kernels.Kernels.plan`)
-for one chain, device and dtype. It holds the index plan of the special edges
-(:class:`LayerPlan`), the core's layer metadata, the kernels each layer's bulk takes (picked
+for one chain, device and dtype. It holds the index plan of the special edges and node
+vectors of every layer (:class:`Stack`), the kernels each layer's bulk takes (picked
 once: this is where a small CPU layer is given NumPy's kernels), the namespace the step
 computes in (with the view that maps the caller's arrays into it), the compiled stages, the
 validated signature of the last call and the scratch buffers (per thread). Nothing is cached
@@ -17,44 +17,22 @@ import threading
 from itertools import chain as concat
 from typing import Any, Callable, NamedTuple, Sequence
 
+import array_api_compat.numpy as np_compat
 import numpy as np
 
 from gsgd_core import Chain
-from gsgd_core.arrays import Prepared, prepare
+from gsgd_core.arrays import Prepared, layer_meta, prepare
 
-__all__ = ["LayerPlan", "Scratch", "Stack", "StepPlan", "layer_plan", "stack_in", "stack_plan"]
-
-
-class LayerPlan(NamedTuple):
-    """Where layer ``l``'s special edges lie, as index arrays of one namespace and device.
-
-    The tau and free edges sit one per row, all over the layer, so each access misses the
-    cache: they are gathered once per step (``spec``) and written back once.
-    """
-
-    spec: Any         # sorted flat indices of the layer's tau and free edges
-    tau: Any          # position in ``spec`` of each node's tau edge (none for l = L)
-    free: Any         # position in ``spec`` of each free edge (one per node of l-1)
-    node: Any         # per position in ``spec``: the node whose tau edge it is (0 if none)
-    moved: Any        # per position in ``spec``: a tau edge that is not free (gets a new value)
-    carry_nodes: Any  # nodes of layer l whose tau edge is free (T_l is carried down them)
-    carry_src: Any    # their tau sources in layer l-1
+__all__ = ["Scratch", "Stack", "StepPlan", "special_edges", "stack_in", "stack_plan"]
 
 
-def layer_plan(chain: Chain, l: int) -> LayerPlan:
-    """Layer ``l``'s :class:`LayerPlan` as NumPy arrays."""
-    tau_idx, free_idx = chain.tau_index(l), chain.free_index(l)
-    spec = np.union1d(tau_idx, free_idx).astype(np.int64)
-    tau, free = np.searchsorted(spec, tau_idx), np.searchsorted(spec, free_idx)
-    tau_free = chain.free_masks[l - 1].reshape(-1)[tau_idx]
-    node, moved = np.zeros(spec.size, np.int64), np.zeros(spec.size, bool)
-    node[tau] = np.arange(tau.size)
-    moved[tau[~tau_free]] = True
-    carry_nodes = np.flatnonzero(tau_free)
-    carry_src = np.asarray(chain.tau[l - 1] if l < chain.L else [], np.int64)[carry_nodes]
-    return LayerPlan(spec, tau, free, node, moved, carry_nodes, carry_src)
+def special_edges(chain: Chain, l: int) -> np.ndarray:
+    """The sorted flat indices of layer ``l``'s tau and free edges (into its 3-D view).
 
-
+    They sit one per row, all over the layer, so each access misses the cache: a step
+    gathers them once and writes them back once."""
+    meta = layer_meta(chain, np_compat, "cpu")[l - 1]
+    return np.union1d(meta.tau_idx, meta.free_idx).astype(np.int64)
 
 
 class Stack(NamedTuple):
@@ -67,7 +45,7 @@ class Stack(NamedTuple):
     or free edges (``F``): each is a gather over precomputed paths, not a loop over layers.
     """
 
-    spec: tuple       # per layer, the flat indices of its special edges (LayerPlan.spec)
+    spec: tuple       # per layer, the flat indices of its special edges (special_edges)
     edges: tuple      # where each layer's special edges start in the stack (and the total)
     nodes: tuple      # where each layer's nodes start, layers 0..L+1
     tau: Any          # per inner node: position of its tau edge in the stack
@@ -87,54 +65,53 @@ class Stack(NamedTuple):
 
 
 def stack_plan(chain: Chain) -> Stack:
-    """The :class:`Stack` of ``chain`` as NumPy arrays."""
+    """The :class:`Stack` of ``chain`` as NumPy arrays (from the core's layer metadata)."""
     L, sizes = chain.L, chain.sizes
+    meta = layer_meta(chain, np_compat, "cpu")
+    spec = tuple(special_edges(chain, l) for l in range(1, L + 1))
     nodes = tuple(int(x) for x in np.cumsum((0,) + tuple(sizes)))
-    plans = [layer_plan(chain, l) for l in range(1, L + 1)]
-    edges = tuple(int(x) for x in np.cumsum([0] + [p.spec.size for p in plans]))
+    edges = tuple(int(x) for x in np.cumsum([0] + [a.size for a in spec]))
     hidden, first, inner = range(1, L), nodes[1], nodes[L] - nodes[1]
 
     def stacked(parts, dtype=np.int64):
         return np.concatenate([np.asarray(p, dtype) for p in parts] + [np.zeros(0, dtype)])
 
-    tau = stacked(edges[l - 1] + plans[l - 1].tau for l in hidden)
-    free = stacked(edges[l] + plans[l].free for l in hidden)
-    src = stacked(nodes[l - 1] + np.asarray(chain.tau[l - 1], np.int64) for l in hidden)
-    up = stacked(nodes[l + 1] + np.asarray(chain.sigma[l - 1], np.int64) for l in hidden)
+    tau = stacked(edges[l - 1] + np.searchsorted(spec[l - 1], meta[l - 1].tau_idx)
+                  for l in hidden)
+    free = stacked(edges[l] + np.searchsorted(spec[l], meta[l].free_idx) for l in hidden)
+    src = stacked(nodes[l - 1] + meta[l - 1].tau_src for l in hidden)
+    up = stacked(nodes[l + 1] + meta[l].sigma for l in hidden)
     layer = stacked(np.full(sizes[l], l) for l in hidden)
-    tau_free = stacked((chain.free_masks[l - 1].reshape(-1)[chain.tau_index(l)] for l in hidden),
-                       bool)
+    tau_free = stacked((meta[l - 1].tau_free for l in hidden), bool)
     b_path = np.zeros((max(L - 1, 0), nodes[L]), np.int64)
     f_path = np.zeros((max(L - 1, 0), nodes[L + 1] - first), np.int64)
     rho_from = np.zeros(nodes[L], np.int64)
     carry = []
-    for i in range(inner):
-        x, carried = i, True  # down the tau chain: B's factors, rho's ratio, T's carries
-        while True:
-            b_path[layer[x] - 1, first + i] = 1 + x
-            if not rho_from[first + i] and not tau_free[x]:
-                rho_from[first + i] = 1 + x
-            if src[x] < first:
-                break
-            carried = carried and tau_free[x]
-            if carried:
-                carry.append((i, src[x] - first))
-            x = src[x] - first
-        x = i  # up the free edges: F's factors
-        while True:
-            f_path[L - 1 - layer[x], i] = 1 + x
-            if up[x] >= nodes[L]:
-                break
-            x = up[x] - first
+    # Every inner node walks down its tau chain (B's factors, the ratio that is its rho, the
+    # nodes its T is carried to) and up its free edges (F's factors), all in step.
+    start = np.arange(inner)
+    x, on, carried = start, np.ones(inner, bool), np.ones(inner, bool)
+    for _ in hidden:
+        b_path[layer[x[on]] - 1, first + start[on]] = 1 + x[on]
+        now = on & (rho_from[first + start] == 0) & ~tau_free[x]
+        rho_from[first + start[now]] = 1 + x[now]
+        on = on & (src[x] >= first)
+        carried = carried & on & tau_free[x]
+        x = np.where(on, src[x] - first, 0)
+        carry.append((start[carried], x[carried]))
+    x, on = start, np.ones(inner, bool)
+    for _ in hidden:
+        f_path[L - 1 - layer[x[on]], start[on]] = 1 + x[on]
+        on = on & (up[x] < nodes[L])
+        x = np.where(on, up[x] - first, 0)
     node, moved = np.zeros(edges[L], np.int64), np.zeros(edges[L], bool)
-    node[tau] = np.arange(inner)
+    node[tau] = start
     moved[tau[~tau_free]] = True
     scale = np.asarray(chain.skeleton_scale, float)
     units = (None, None) if np.all(scale == 1) else (scale[layer - 1], scale[layer])
-    carry_from, carry_to = (np.asarray([c[k] for c in carry], np.int64) for k in (0, 1))
-    return Stack(tuple(p.spec for p in plans), edges, nodes, tau, free, src, carry_from,
-                 carry_to, b_path.reshape(-1), f_path.reshape(-1), rho_from, node, moved,
-                 *units)
+    carry_from, carry_to = (stacked(c[k] for c in carry) for k in (0, 1))
+    return Stack(spec, edges, nodes, tau, free, src, carry_from, carry_to, b_path.reshape(-1),
+                 f_path.reshape(-1), rho_from, node, moved, *units)
 
 
 def stack_in(stack: Stack, xp, device, dtype) -> Stack:

@@ -32,7 +32,7 @@ from gsgd_core.rules import StepRule
 
 from . import rule_step
 from .fast import bulk_stage_, special_vectors
-from .plan import StepPlan, layer_plan
+from .plan import StepPlan, special_edges
 
 __all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
 
@@ -64,7 +64,7 @@ class RowShard:
         self.chain, self.rows, self.reduce = chain, rows, reduce
         self.spec_size, self._local = [], []  # per layer: |spec|; (i0, i1, local indices)
         for l, (r0, r1) in enumerate(rows, 1):
-            spec = layer_plan(chain, l).spec
+            spec = special_edges(chain, l)
             cols = math.prod(chain.layer_shape(l)[1:])
             i0, i1 = (int(i) for i in np.searchsorted(spec, [r0 * cols, r1 * cols]))
             self.spec_size.append(spec.size)
