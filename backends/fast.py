@@ -46,8 +46,9 @@ from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finit
 from .plan import StepPlan
 
 
-def flat(xp, a):
-    return xp.reshape(a, (-1,))
+def gathered(xp, arrays, spec) -> list:
+    """Each layer's special edges: ``arrays[l].flat[spec[l]]`` (new arrays)."""
+    return [xp.take(xp.reshape(a, (-1,)), s) for a, s in zip(arrays, spec)]
 
 
 def recip_square(xp, f):
@@ -202,11 +203,10 @@ def vector_stage(kernels, chain, st, *, W, G, C, b, Gb, lr, device, M, Mb, h):
     :class:`~gsgd_backends.plan.Stack`), then :func:`special_vectors`. ``C`` holds the sum
     of layer 1's gradients, then the column sums ``colsum(W_l * grad_l)``, ``l = 2..L``."""
     xp = kernels.xp
-    ws = [xp.take(flat(xp, w), s) for w, s in zip(W, st.spec)]
-    gs = [xp.take(flat(xp, g), s) for g, s in zip(G, st.spec)]
-    ms = None if M is None else [xp.take(flat(xp, m), s) for m, s in zip(M, st.spec)]
-    return special_vectors(kernels, chain, st, ws=ws, gs=gs, ms=ms, C=C, b=b, Gb=Gb, lr=lr,
-                           device=device, Mb=Mb, h=h)
+    return special_vectors(kernels, chain, st, ws=gathered(xp, W, st.spec),
+                           gs=gathered(xp, G, st.spec),
+                           ms=None if M is None else gathered(xp, M, st.spec), C=C, b=b, Gb=Gb,
+                           lr=lr, device=device, Mb=Mb, h=h)
 
 
 def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,

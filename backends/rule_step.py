@@ -18,7 +18,8 @@ from typing import NamedTuple
 from gsgd_core import Chain, ElementwiseRule, RuleState
 from gsgd_core.rules import (all_finite, finite_or_zero, kept, path_gradient, safe_div,
                              tau_ratio)
-from .fast import backward_sums, chain_products, flat, per_column, plan_for, split, stacked
+from .fast import (backward_sums, chain_products, gathered, per_column, plan_for, split,
+                   stacked)
 from .plan import StepPlan
 
 __all__ = ["rule_step_"]
@@ -63,11 +64,10 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     spec = plan.stack.spec
     coef = rule.coefficients(xp, counts[0], W[0].dtype)
     C = plan.column_sums(W, G)
-    ws = [xp.take(flat(xp, w), s) for w, s in zip(W, spec)]
-    gs = [xp.take(flat(xp, g), s) for g, s in zip(G, spec)]
-    ms = [[xp.take(flat(xp, m), s) for m, s in zip(ml, spec)] for ml in M]
-    v = rule_vectors(kernels, chain, plan.stack, rule=rule, coef=coef, ws=ws, gs=gs, ms=ms,
-                     C=C, b=b, Gb=Gb, Mb=Mb, device=plan.step_device)
+    v = rule_vectors(kernels, chain, plan.stack, rule=rule, coef=coef,
+                     ws=gathered(xp, W, spec), gs=gathered(xp, G, spec),
+                     ms=[gathered(xp, m, spec) for m in M], C=C, b=b, Gb=Gb, Mb=Mb,
+                     device=plan.step_device)
     if v is None:
         return False
     for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
