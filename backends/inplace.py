@@ -78,7 +78,7 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     """
     if kernels is None and plan is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
-    h = _fast_hypers(hyper, state)
+    h = _fast_hypers(hyper, state, plan)
     finite = None  # known once the fast path has declined the step
     if (kernels is not None or plan is not None) and h is not None:
         if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state,
@@ -112,15 +112,23 @@ def _finite(grads, bias_grads) -> bool:
     return bool(all_finite(xp, suspects))
 
 
-def _fast_hypers(hyper: dict, state) -> dict | None:
+def _fast_hypers(hyper: dict, state, plan: StepPlan | None = None) -> dict | None:
     """The hyperparameters of a valid step that the fast path takes (Python numbers, and a
-    state wherever momentum needs one), or ``None``: the core then raises or computes."""
+    state wherever momentum needs one), or ``None``: the core then raises or computes.
+    ``plan`` memoises the check (:meth:`StepPlan.checked`)."""
+    h = _checked_hypers(hyper) if plan is None else plan.checked(hyper, _checked_hypers)
+    return h if h is not None and (h["momentum"] == 0 or state is not None) else None
+
+
+def _checked_hypers(hyper: dict) -> dict | None:
+    """``hyper`` with the defaults filled in, checked (``ValueError`` for a value the core
+    refuses); ``None`` where the core must take them (not all Python numbers, or an
+    unknown name: the core raises its ``TypeError``)."""
     h = dict(dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0), **hyper)
     if set(h) != {"lr", "momentum", "dampening", "nesterov", "weight_decay"}:
-        return None  # the core raises its TypeError
+        return None
     check_update_hypers(**h)
-    numbers_only = all(is_real(v) for v in h.values())
-    return h if numbers_only and (h["momentum"] == 0 or state is not None) else None
+    return h if all(is_real(v) for v in h.values()) else None
 
 
 def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads, *,

@@ -173,6 +173,7 @@ class StepPlan:
         self._stages: dict = {}
         self._signature: tuple | None = None
         self._prepared: Prepared | None = None
+        self._hypers: tuple = (None, None)
 
     def __repr__(self) -> str:
         return (f"StepPlan({self.chain}, {type(self.kernels).__name__}, device={self.device}, "
@@ -181,7 +182,7 @@ class StepPlan:
     def fits(self, chain: Chain, array) -> bool:
         """Whether this plan steps ``chain`` for arrays like ``array`` (same chain, device
         and dtype)."""
-        return (chain == self.chain and array.dtype == self.dtype
+        return ((chain is self.chain or chain == self.chain) and array.dtype == self.dtype
                 and str(getattr(array, "device", "cpu")) == str(self.device))
 
     def mapped(self, lists: list) -> list:
@@ -205,6 +206,20 @@ class StepPlan:
         (the pass over the weights before a step's update)."""
         return [self.xp.sum(G[0])] + [self.layer_kernels[l].colsum(W[l], G[l], self.scratch)
                                       for l in range(1, self.chain.L)]
+
+    def checked(self, hyper: dict, check: Callable[[dict], Any]) -> Any:
+        """``check(hyper)``, memoised on the hyperparameters' names, types and values while
+        they are Python numbers (an array may change in place, so it is checked anew): a
+        training loop passes the same ones step after step, and checking them costs as
+        much as a small layer's update."""
+        key = (tuple(hyper), tuple(map(type, hyper.values())), tuple(hyper.values()))
+        if key[:2] == self._hypers[0]:  # the same names and types: numbers, compared as such
+            if key[2] == self._hypers[1][0]:
+                return self._hypers[1][1]
+        result = check(hyper)
+        numbers = all(map((float, int, bool).__contains__, key[1]))
+        self._hypers = (key[:2], (key[2], result)) if numbers else (None, None)
+        return result
 
     def prepared(self, weights, biases, grads, bias_grads, extra=()) -> Prepared:
         """:func:`gsgd_core.arrays.prepare` of the call, memoised on the arrays' signature

@@ -681,3 +681,30 @@ def test_momentum_block_with_an_overflow_writes_the_cores_buffers(fxp):
     _assert_same(fxp, fxp.tolist(state.momentum), fxp.tolist(core.momentum), "buffers")
     for a, e in zip(fxp.tolist(A), fxp.tolist(W)):  # kept or moved by ~lr
         assert np.all((a == e) | np.isclose(a, e, rtol=_tol(fxp), atol=0))
+
+
+def test_remembered_hyperparameters_are_checked_when_they_change():
+    """A plan remembers the last hyperparameters it checked: a changed value (a negative
+    learning rate set after valid steps, Nesterov without momentum) is refused as on the
+    first call, before anything is written, and the valid ones step as the core."""
+    from gsgd_backends import gsgd_update_, step_plan
+
+    pb = Problem(CHAIN, 5)
+    G, Gb = pb.grads()
+    W, b = [w.copy() for w in pb.W], [None if x is None else x.copy() for x in pb.b]
+    plan = step_plan(CHAIN, W)
+    arrays = W + [x for x in b if x is not None]
+    for hyper in (dict(lr=0.1), dict(lr=0.1), dict(lr=-0.1), dict(lr=0.05),
+                  dict(lr=0.05, nesterov=True), dict(lr=0.05), dict(lr=float("nan"))):
+        before = [a.copy() for a in arrays]
+        try:
+            expected = gc.gsgd_step(CHAIN, W, b, G, Gb, **hyper)
+        except ValueError as exc:
+            with pytest.raises(ValueError, match=str(exc).split(",")[0]):
+                gsgd_update_(CHAIN, None, W, b, G, Gb, plan=plan, **hyper)
+            assert all(np.array_equal(x, y) for x, y in zip(arrays, before))
+            continue
+        gsgd_update_(CHAIN, None, W, b, G, Gb, plan=plan, **hyper)
+        for got, want in zip(W + b, expected[0] + expected[1]):
+            if got is not None:
+                assert_close(got, want, 1e-12)
