@@ -698,7 +698,7 @@ def test_remembered_hyperparameters_are_checked_when_they_change():
                   dict(lr=0.05, nesterov=True), dict(lr=0.05), dict(lr=float("nan"))):
         before = [a.copy() for a in arrays]
         try:
-            expected = gc.gsgd_step(CHAIN, W, b, G, Gb, **hyper)
+            expected = gc.gsgd_update(CHAIN, None, W, b, G, Gb, **hyper)
         except ValueError as exc:
             with pytest.raises(ValueError, match=str(exc).split(",")[0]):
                 gsgd_update_(CHAIN, None, W, b, G, Gb, plan=plan, **hyper)
