@@ -208,17 +208,14 @@ class StepPlan:
                                       for l in range(1, self.chain.L)]
 
     def checked(self, hyper: dict, check: Callable[[dict], Any]) -> Any:
-        """``check(hyper)``, memoised on the hyperparameters' names, types and values while
-        they are Python numbers (an array may change in place, so it is checked anew): a
-        training loop passes the same ones step after step, and checking them costs as
-        much as a small layer's update."""
+        """``check(hyper)``, memoised on the last hyperparameters' names, types and values
+        (a check that raises is not remembered): a training loop passes the same ones step
+        after step, and checking them costs as much as a small layer's update."""
         key = (tuple(hyper), tuple(map(type, hyper.values())), tuple(hyper.values()))
-        if key[:2] == self._hypers[0]:  # the same names and types: numbers, compared as such
-            if key[2] == self._hypers[1][0]:
-                return self._hypers[1][1]
+        if key[:2] == self._hypers[0] and key[2] == self._hypers[1][0]:
+            return self._hypers[1][1]
         result = check(hyper)
-        numbers = all(map((float, int, bool).__contains__, key[1]))
-        self._hypers = (key[:2], (key[2], result)) if numbers else (None, None)
+        self._hypers = (key[:2], (key[2], result))
         return result
 
     def prepared(self, weights, biases, grads, bias_grads, extra=()) -> Prepared:
