@@ -685,8 +685,9 @@ def test_momentum_block_with_an_overflow_writes_the_cores_buffers(fxp):
 
 def test_remembered_hyperparameters_are_checked_when_they_change():
     """A plan remembers the last hyperparameters it checked: a changed value (a negative
-    learning rate set after valid steps, Nesterov without momentum) is refused as on the
-    first call, before anything is written, and the valid ones step as the core."""
+    learning rate set after valid steps, Nesterov without momentum, ``True`` after ``1.0``)
+    is refused as on the first call, before anything is written, and the valid ones step as
+    the core."""
     from gsgd_backends import gsgd_update_, step_plan
 
     pb = Problem(CHAIN, 5)
@@ -695,7 +696,8 @@ def test_remembered_hyperparameters_are_checked_when_they_change():
     plan = step_plan(CHAIN, W)
     arrays = W + [x for x in b if x is not None]
     for hyper in (dict(lr=0.1), dict(lr=0.1), dict(lr=-0.1), dict(lr=0.05),
-                  dict(lr=0.05, nesterov=True), dict(lr=0.05), dict(lr=float("nan"))):
+                  dict(lr=0.05, nesterov=True), dict(lr=0.05), dict(lr=float("nan")),
+                  dict(lr=1.0), dict(lr=True)):  # True == 1.0, but not a learning rate
         before = [a.copy() for a in arrays]
         try:
             expected = gc.gsgd_update(CHAIN, None, W, b, G, Gb, **hyper)
