@@ -262,6 +262,35 @@ def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> 
                     v.recips[l - 1] if tame[l - 1] else None, scratch)
 
 
+def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch) -> None:
+    """The plain bulk update ``W <- (W - lr * G / (F[b] B_prev[a])**2) / rho[a]`` of a
+    ``(n, p*k)`` layer in place, over blocks of rows (``kernels.block_rows``) through one
+    block-sized scratch buffer: ``(G * v) * u + W``, then ``/ rho``, with ``u = 1/F**2`` per
+    row and ``v = -lr/B_prev**2`` per column (:func:`recip_square`; ``-lr`` joins the node
+    vector, one pass fewer), each operand a row or a column vector that broadcasts along
+    contiguous memory. A block whose result is not finite (a zero or overflowing skeleton
+    product, or an overflow: its sum, one host read, tells) is recomputed by the core's
+    per-entry rules (:func:`rows_by_rules`); the eager kernels' ``bulk_``."""
+    xp, mod = kernels.xp, kernels.mod
+    n, m = W.shape
+    k = m // B_prev.shape[0]
+    u = xp.reshape(recip_square(xp, F), (-1, 1))
+    v, r = per_column(xp, recip_square(xp, B_prev) * -lr, k), per_column(xp, rho, k)
+    rows = kernels.block_rows(W)
+    buf = kernels.scratch(scratch, W, rows * m)
+    for i in range(0, n, rows):
+        j = min(n, i + rows)
+        block = mod.reshape(buf[:(j - i) * m], (j - i, m))
+        mod.multiply(G[i:j], v, out=block)
+        mod.multiply(block, u[i:j], out=block)
+        mod.add(block, W[i:j], out=block)
+        mod.divide(block, r, out=block)
+        if not math.isfinite(float(mod.sum(block))):
+            block = rows_by_rules(xp, W[i:j], G[i:j], None, F[i:j], per_column(xp, B_prev, k),
+                                  r, lr, None)[0]
+        W[i:j] = block
+
+
 def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> None:
     """:func:`rows_by_rules` over blocks of rows (``kernels.block_rows``), written in place
     by :func:`momentum_block_`, which falls back to the functional rules for a block it
@@ -393,6 +422,8 @@ def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
 def per_column(xp, v, k: int):
     """A node vector of layer ``l-1`` repeated ``k`` times: one entry per column of the
     layer seen as ``(n, p*k)``."""
+    if k == 1:
+        return v
     return xp.reshape(xp.broadcast_to(v[:, None], (v.shape[0], k)), (-1,))
 
 

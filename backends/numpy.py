@@ -1,9 +1,9 @@
 """NumPy kernels of the fast step (:mod:`.fast`): a fused column sum and a chunked bulk update.
 
 ``einsum`` forms the column sum of ``W * grad`` without a temporary (one read of each).
-The bulk update runs over blocks of rows small enough to stay in cache, so its few in-place
-ufunc calls per block cost one read of ``W`` and ``grad`` and one write of ``W``; each block
-is checked for non-finite values before it is written.
+The bulk update (:func:`.fast.plain_rows_`) runs over blocks of rows small enough to stay in
+cache, so its few in-place ufunc calls per block cost one read of ``W`` and ``grad`` and one
+write of ``W``; each block is checked for non-finite values before it is written.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .fast import exact_rows, momentum_rows_, recip_square
+from .fast import momentum_rows_, plain_rows_
 from .plan import StepPlan
 from .rule_step import rule_bulk_
 
@@ -95,30 +95,9 @@ class ArrayKernels:
         return scratch.get(like, size, lambda n: self.mod.empty(n, dtype=like.dtype))
 
     def bulk_(self, W, G, f, beta, rho, lr: float, recips=None, scratch=None) -> None:
-        """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, block by block; a
-        block with a non-finite result is recomputed by :func:`.fast.exact_rows` (eager
-        kernels never get ``recips``). ``W``, ``G`` come as ``(n, p*k)``."""
-        xp, mod = self.xp, self.mod
-        W, G = W.reshape(W.shape[0], beta.shape[0], -1), G.reshape(G.shape[0], beta.shape[0], -1)
-        n, p, k = W.shape
-        rows = self.block_rows(W)
-        buf = self.scratch(scratch, W, rows * p * (k + 1))
-        u = recip_square(xp, f)
-        # -lr joins the node vector: one pass over the block fewer
-        v3 = mod.reshape(mod.multiply(recip_square(xp, beta), -lr), (1, p, 1))
-        rho3 = mod.reshape(rho, (1, p, 1))
-        for i in range(0, n, rows):
-            j = min(n, i + rows)
-            c = buf[:(j - i) * p].reshape(j - i, p, 1)
-            block = buf[rows * p:rows * p + (j - i) * p * k].reshape(j - i, p, k)
-            mod.multiply(mod.reshape(u[i:j], (-1, 1, 1)), v3, out=c)
-            mod.multiply(G[i:j], c, out=block)
-            mod.add(W[i:j], block, out=block)
-            mod.divide(block, rho3, out=block)
-            if math.isfinite(float(block.sum())):
-                W[i:j] = block
-            else:
-                W[i:j] = exact_rows(xp, W[i:j], G[i:j], f[i:j], beta, rho, lr)
+        """:func:`.fast.plain_rows_`: in-place blocks, each checked before it is written
+        (eager kernels never get ``recips``). ``W``, ``G`` come as ``(n, p*k)``."""
+        plain_rows_(self, W, G, f, beta, rho, lr, scratch)
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """:func:`.fast.momentum_rows_`: in-place blocks, bit-identical to the core."""

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import numpy as numpy_kernels
-from .fast import exact_rows, momentum_rows_, recip_rows, recip_square, rows_by_rules
+from .fast import exact_rows, momentum_rows_, plain_rows_, recip_rows, rows_by_rules
 from .plan import StepPlan
 from .rule_step import rule_bulk_
 
@@ -175,24 +175,7 @@ class TorchKernels:
                                G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
                                lr).view(W.shape))
             return
-        W, G = W.view(W.shape[0], beta.shape[0], -1), G.view(G.shape[0], beta.shape[0], -1)
-        n, p, k = W.shape
-        rows = self.block_rows(W)
-        buf = self.scratch(scratch, W, rows * p * (k + 1))
-        u = recip_square(compat, f)
-        # -lr joins the node vector: one pass over the block fewer
-        v3, rho3 = (recip_square(compat, beta) * -lr).view(1, p, 1), rho.view(1, p, 1)
-        for i in range(0, n, rows):
-            j = min(n, i + rows)
-            c = buf[:(j - i) * p].view(j - i, p, 1)
-            block = buf[rows * p:rows * p + (j - i) * p * k].view(j - i, p, k)
-            torch.mul(u[i:j].view(-1, 1, 1), v3, out=c)
-            torch.mul(G[i:j], c, out=block)
-            block.add_(W[i:j]).div_(rho3)
-            if bool(torch.isfinite(block.sum())):
-                W[i:j].copy_(block)
-            else:
-                W[i:j].copy_(exact_rows(compat, W[i:j], G[i:j], f[i:j], beta, rho, lr))
+        plain_rows_(self, W, G, f, beta, rho, lr, scratch)
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """Weight decay and momentum: compiled or on a GPU, :func:`.fast.rows_by_rules`
