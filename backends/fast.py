@@ -14,7 +14,9 @@ bulk of each layer with one formula and the special edges as short vectors, gath
   (``T_l[b]`` is the sum of ``U = v * dL/dv`` over the basis paths whose tau chain passes
   ``b``), chain products ``B``, ``F``, the tau edges' path ratios ``R`` and ``rho`` (exactly
   :func:`gsgd_core.sweeps.allocate3`'s rules), new biases, and the flags read back in the
-  step's one host synchronisation.
+  step's one host synchronisation. Every layer's vectors are stacked in one
+  (:class:`~gsgd_backends.plan.Stack`): the sweeps along tau chains and free edges are
+  gathers and one scatter over precomputed paths, and each rule is applied once.
 - **Bulk stage**: every layer in place, then its special edges and bias written back::
 
       W' = (W - lr * grad / (F_l[b] B_{l-1}[a])**2) / rho_{l-1}[a]
@@ -29,7 +31,7 @@ Numerics (DESIGN §6) are :mod:`gsgd_core.rules`, the core's own, without a seco
 the weights: the backward sums see every non-finite gradient (``0 * inf`` is NaN), so a step
 that the core would skip or treat specially is handed back to the core before anything is
 written. Eager CPU kernels check each chunk of the bulk while it is still in cache and
-recompute a chunk holding a non-finite value with the per-entry rules (:func:`exact_rows`);
+recompute a chunk holding a non-finite value with the per-entry rules (:func:`plain_rows_`);
 device and compiled kernels apply the per-entry rules to every entry (no host read), compiled
 ones through :func:`recip_rows` on layers whose node vectors are tame.
 """
@@ -227,6 +229,7 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     B, F = chain_products(xp, st, ws, one)
     special, special_m, rho = _special(xp, st, ws, gs, ms, T=T, B=B, F=F, lr=lr, h=h, one=one)
     bias, bias_m = _biases(xp, st, b, Gb, Mb, F, lr, h)
+    # T sums every weight gradient above layer 1 (0 * inf is NaN).
     ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
     high = [n - st.nodes[1] for n in st.nodes[1:]]
     B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
