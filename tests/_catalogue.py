@@ -386,6 +386,58 @@ class TokenMixer(nn.Module):
     def forward(self, x):
         return self.fc2(F.relu(self.fc1(self.patch(x).flatten(2))))
 
+class NamedEnd(nn.Module):
+    """A full flatten of a Conv2d output with its last axis named: ``torch.flatten(x, 1,
+    3)``, ``x.flatten(1, 3)`` or ``nn.Flatten(1, 3)`` (``how``: which)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(4 * 2 * 2, 6), nn.Linear(6, 3)
+        self.how, self.flat = how, nn.Flatten(1, 3)
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.c1(x)), 2)
+        h = F.max_pool2d(F.relu(self.c2(h)), 2)
+        h = {"torch.flatten": lambda: torch.flatten(h, 1, 3), "method": lambda: h.flatten(1, 3),
+             "module": lambda: self.flat(h)}[self.how]()
+        return self.fc2(F.relu(self.fc1(h)))
+
+
+class PartialFlatten(nn.Module):
+    """``torch.flatten(x, 1, 2)`` of a Conv2d output (channels and rows merged), then
+    Linears over its width: the units of the Linear's input are columns, not channels,
+    though its width (4) is a multiple of the channels (2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.relu(self.c2(F.relu(self.c1(x))))
+        return self.fc2(F.relu(self.fc1(torch.flatten(h, 1, 2))))
+
+
+class TutorialNet(nn.Module):
+    """The classic PyTorch tutorial's CIFAR-10 net: ``x.view(-1, 16 * 5 * 5)``. The batch
+    axis is inferred, so the view flattens from axis 1 only if each sample has exactly
+    400 values, which the graph cannot tell: two chains, split there."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.pool = nn.Conv2d(3, 6, 5), nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1, self.fc2 = nn.Linear(16 * 5 * 5, 120), nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = x.view(-1, 16 * 5 * 5)
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
 class Aliased(nn.Module):
     """One module under two names (``self.head = self.fc2``, a habit for API names): no
     weight is tied."""
@@ -452,6 +504,16 @@ CATALOGUE = {
     "one module under two names": (Aliased, (4, 5), [["fc1", "fc2"]], []),
     "MLP-Mixer token mixing after flatten(2)": (TokenMixer, (2, 3, 6, 6), [["fc1", "fc2"]],
                                                 []),
+    "torch.flatten(x, 1, 3)": (lambda: NamedEnd("torch.flatten"), (2, 2, 8, 8),
+                               [["c1", "c2", "fc1", "fc2"]], []),
+    "x.flatten(1, 3)": (lambda: NamedEnd("method"), (2, 2, 8, 8),
+                        [["c1", "c2", "fc1", "fc2"]], []),
+    "nn.Flatten(1, 3)": (lambda: NamedEnd("module"), (2, 2, 8, 8),
+                         [["c1", "c2", "fc1", "fc2"]], []),
+    "partial flatten(1, 2) of a Conv2d output": (PartialFlatten, (2, 2, 3, 4),
+                                                 [["c1", "c2"], ["fc1", "fc2"]], []),
+    "tutorial net, x.view(-1, 16 * 5 * 5)": (TutorialNet, (2, 3, 32, 32),
+                                             [["conv1", "conv2"], ["fc1", "fc2", "fc3"]], []),
 }
 
 # The unsound claims the issue found that shapes alone cannot rule out: forced by hand, a
@@ -465,4 +527,5 @@ UNSOUND = {
     "head tied to an Embedding": ["fc", "head"],
     "Linear + LayerNorm": ["0", "3"],
     "tied autoencoder (decoder = encoder transposed)": ["enc1", "enc2"],
+    "partial flatten(1, 2) of a Conv2d output": ["c2", "fc1"],
 }

@@ -133,15 +133,17 @@ def _arg(node: fx.Node, i: int, name: str, default):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-def _is_flatten(node: fx.Node, mod) -> bool:
+def _is_flatten(node: fx.Node, mod, layout: tuple) -> bool:
     """A flatten of every axis from 1 on (``nn.Flatten()``, ``torch.flatten(x, 1)``,
-    ``x.flatten(1)``, ``x.view(x.size(0), -1)``, ``x.reshape(n, -1)``)."""
+    ``x.flatten(1)``, ``x.view(x.size(0), -1)``, ``x.reshape(n, -1)``) of a tensor of
+    ``layout``; the last axis may be named (``torch.flatten(x, 1, 3)`` of a Conv2d
+    output: its number of axes is the layout's)."""
+    last = (-1, layout[1] + 1) if layout[0] == "conv" else (-1,)
     if isinstance(mod, nn.Flatten):
-        return mod.start_dim == 1 and mod.end_dim == -1
-    if node.op == "call_function" and node.target is torch.flatten:
-        return _arg(node, 1, "start_dim", 0) == 1 and _arg(node, 2, "end_dim", -1) == -1
-    if node.op == "call_method" and node.target == "flatten":
-        return _arg(node, 1, "start_dim", 0) == 1 and _arg(node, 2, "end_dim", -1) == -1
+        return mod.start_dim == 1 and mod.end_dim in last
+    if (node.op == "call_function" and node.target is torch.flatten) or (
+            node.op == "call_method" and node.target == "flatten"):
+        return _arg(node, 1, "start_dim", 0) == 1 and _arg(node, 2, "end_dim", -1) in last
     if node.op == "call_method" and node.target in ("view", "reshape"):
         shape = node.args[1:]
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
@@ -176,7 +178,7 @@ def _through(node: fx.Node, mod, layout: tuple) -> tuple[tuple | None, str]:
             return layout, ""
         return None, (f"{what} pools over the unit axis of a {_describe(layout)} output "
                       "(it mixes units)")
-    if _is_flatten(node, mod):
+    if _is_flatten(node, mod, layout):
         if layout[0] == "conv":
             return ("flat",), ""
         return None, (f"the flatten of a {_describe(layout)} output may not be channel-major "
