@@ -127,13 +127,22 @@ _HYPERS = st.sampled_from([
     dict(momentum=0.9, nesterov=True, weight_decay=1e-3)])
 
 
-def _momentum_steps(ns, chain, seed, hyper, steps, fast_kernels=None, chunk=None):
+def _momentum_steps(ns, chain, seed, hyper, steps, fast_kernels=None, chunk=None,
+                    buffers=False):
     """``steps`` updates of one problem through the fast path (asserted to run) and through
-    the core; returns both results as host (weights, biases, buffers, bias buffers)."""
+    the core; returns both results as host (weights, biases, buffers, bias buffers).
+    ``buffers``: start both from the same random buffers, past the first step."""
     pb = Problem(chain, seed)
     A, Ab = ns.aslist(pb.W), ns.aslist(pb.b)
     state = gc.gsgd_init(chain, A, Ab)
     W, b, core = pb.W, pb.b, gc.gsgd_init(chain, pb.W, pb.b)
+    if buffers:
+        rng = np.random.default_rng(seed)
+        M = [rng.standard_normal(w.shape) for w in pb.W]
+        Mb = [None if x is None else rng.standard_normal(x.shape) for x in pb.b]
+        core = gc.GSGDState(tuple(M), tuple(Mb), np.asarray(1))
+        state = state._replace(momentum=tuple(ns.aslist(M)), bias_momentum=tuple(ns.aslist(Mb)))
+        assign(state.step, state.step + 1)
     kernels = fast_kernels or gb.kernels_for(A[0])
     for _ in range(steps):
         G, Gb = pb.grads(W, b)
@@ -152,6 +161,16 @@ def test_momentum_and_weight_decay_steps_equal_the_core(fxp, chain, seed, hyper,
     """Three steps (the first sets the buffers): weights, biases and momentum buffers, the
     special edges' and the biases' included, are the core's."""
     got, expected = _momentum_steps(fxp, chain, seed, hyper, 3, chunk=chunk)
+    for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
+        _assert_same(fxp, g, e, what)
+
+
+@pytest.mark.parametrize("hyper", [dict(momentum=0.9, nesterov=True),
+                                   dict(momentum=0.5, dampening=0.3, weight_decay=1e-2)])
+def test_momentum_steps_from_buffers_that_are_not_zero_equal_the_core(fxp, hyper):
+    """Buffers a state brings along (loaded, or carried over): those at free edges, which
+    carry no path gradient, decay as the core's, and Nesterov's direction there too."""
+    got, expected = _momentum_steps(fxp, CHAIN, 8, hyper, 2, buffers=True)
     for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
         _assert_same(fxp, g, e, what)
 
