@@ -728,3 +728,22 @@ def test_remembered_hyperparameters_are_checked_when_they_change():
         for got, want in zip(W + b, expected[0] + expected[1]):
             if got is not None:
                 assert_close(got, want, 1e-12)
+
+
+def test_a_plan_checks_the_same_hyperparameters_once():
+    """The memo itself: a call with the names, types and values of the last one is not
+    checked again; any change is."""
+    from gsgd_backends import step_plan
+
+    plan = step_plan(CHAIN, Problem(CHAIN, 5).W)
+    seen = []
+
+    def check(hyper):
+        seen.append(dict(hyper))
+        return len(seen)
+
+    for hyper, checks in ((dict(lr=0.1), 1), (dict(lr=0.1), 1), (dict(lr=0.2), 2),
+                          (dict(lr=0.2, momentum=0.0), 3), (dict(lr=0.2, momentum=0), 4),
+                          (dict(lr=0.2, momentum=0), 4)):
+        assert plan.checked(hyper, check) == checks
+        assert len(seen) == checks
