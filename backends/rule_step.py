@@ -18,6 +18,7 @@ from typing import NamedTuple
 from gsgd_core import Chain, ElementwiseRule, RuleState
 from gsgd_core.rules import (all_finite, finite_or_zero, kept, path_gradient, safe_div,
                              tau_ratio)
+
 from .fast import (backward_sums, chain_products, gathered, per_column, plan_for, split,
                    stacked)
 from .plan import StepPlan
