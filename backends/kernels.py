@@ -24,6 +24,10 @@ class LayerKernels(Protocol):
     is the plan's :class:`~gsgd_backends.plan.Scratch` (``None`` for traced kernels).
     """
 
+    def total(self, G) -> Any:
+        """The sum of every entry of ``G`` (0-d; it checks them: a NaN or Inf makes it
+        non-finite)."""
+
     def colsum(self, W, G, scratch) -> Any:
         """``sum(W * G, axis=(0, 2))`` of a ``(n, p, k)`` layer."""
 

@@ -62,6 +62,9 @@ class ArrayKernels:
             return None
         return w.reshape(shape)
 
+    def total(self, G):
+        return self.mod.sum(G)
+
     def colsum(self, W, G, scratch=None):
         """``sum(W * G, axis=(0, 2))``. A conv layer's (``k > 1``) of :data:`ROWWISE`
         weights or more: one ``einsum`` over the columns of the ``(n, p*k)`` views, whose

@@ -204,8 +204,8 @@ class StepPlan:
         """The sum of layer 1's gradients (it checks them: a non-finite gradient makes it
         non-finite), then ``colsum(W_l * grad_l)``, ``l = 2..L``, by each layer's kernels
         (the pass over the weights before a step's update)."""
-        return [self.xp.sum(G[0])] + [self.layer_kernels[l].colsum(W[l], G[l], self.scratch)
-                                      for l in range(1, self.chain.L)]
+        return [self.layer_kernels[0].total(G[0])] + [
+            self.layer_kernels[l].colsum(W[l], G[l], self.scratch) for l in range(1, self.chain.L)]
 
     def checked(self, hyper: dict, check: Callable[[dict], Any]) -> Any:
         """``check(hyper)``, memoised on the last hyperparameters' names, types and values

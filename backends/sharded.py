@@ -140,7 +140,7 @@ class RowShard:
         """The sum of the local layer-1 gradients and the local ``colsum(W_l * grad_l)``,
         ``l = 2..L`` by each layer's kernels (zeros for a layer with no local rows)."""
         xp = plan.xp
-        C = [xp.sum(G[0])]
+        C = [plan.layer_kernels[0].total(G[0])]
         for l in range(1, self.chain.L):
             if W[l].shape[0]:
                 C.append(plan.layer_kernels[l].colsum(W[l], G[l], plan.scratch))

@@ -137,6 +137,9 @@ class TorchKernels:
         return scratch.get(like, size, lambda n: torch.empty(n, dtype=like.dtype,
                                                               device=like.device))
 
+    def total(self, G):
+        return G.sum()
+
     def colsum(self, W, G, scratch):
         """``sum(W * G, dim=(0, 2))``: blocks of rows accumulated by ``addcmul_`` into one
         cache-resident block of partial sums (row-major streaming; ATen's and inductor's
@@ -201,6 +204,11 @@ class TorchOnNumPy:
 
     def __init__(self, kernels: TorchKernels) -> None:
         self.kernels = kernels
+
+    def total(self, G):
+        """On torch's threads: NumPy's pairwise sum of a large layer is several times
+        slower."""
+        return self.kernels.total(torch.from_numpy(G)).numpy()
 
     def colsum(self, W, G, scratch):
         return self.kernels.colsum(torch.from_numpy(W), torch.from_numpy(G), scratch).numpy()
