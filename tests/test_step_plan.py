@@ -209,9 +209,11 @@ def test_cpu_plan_updates_finite_blocks_in_place(monkeypatch, momentum):
     """On the CPU a large layer's blocks are computed in cache and checked there: a finite
     step never builds the per-entry rules' temporaries (the GPU plan always does)."""
     calls = []
-    for name in ("exact_rows", "rows_by_rules"):
-        real = getattr(gbt, name)
-        monkeypatch.setattr(gbt, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    for module in (gbt, fast):  # the eager blocks' fallback lives in fast, the GPU's in gbt
+        for name in ("exact_rows", "rows_by_rules"):
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name,
+                                lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     chain = gc.Chain.mlp([300, 500, 8], bias=False)  # 150,000 weights: ON_NUMPY
     rng = np.random.default_rng(0)
     W = [torch.tensor(rng.uniform(0.5, 1.5, s)) for s in [(500, 300), (8, 500)]]
@@ -226,6 +228,22 @@ def test_cpu_plan_updates_finite_blocks_in_place(monkeypatch, momentum):
     assert gb.gsgd_update_(chain, state, W, None, G, None, lr=0.1, momentum=momentum,
                            plan=device)
     assert calls  # the unchecked kernels take the rules
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_cpu_plan_checks_a_large_first_layer_on_torch(bad):
+    """Layer 1's gradients are in no backward sum: a large first layer (ON_NUMPY) is checked
+    by its own kernels' sum, and a NaN or Inf there hands the step back unwritten."""
+    chain = gc.Chain.mlp([300, 500, 8], bias=False)  # 150,000 weights: ON_NUMPY
+    rng = np.random.default_rng(1)
+    W = [torch.tensor(rng.uniform(0.5, 1.5, s)) for s in [(500, 300), (8, 500)]]
+    G = [torch.tensor(rng.standard_normal(w.shape) * 1e-3) for w in W]
+    G[0][7, 11] = bad
+    plan = gbt.KERNELS.plan(chain, W[0])
+    assert plan.layer_kernels[0] is gbt.ON_NUMPY
+    before = [w.clone() for w in W]
+    assert not fast.fast_step_(gbt.KERNELS, chain, W, None, G, None, 0.1, plan=plan)
+    assert all(torch.equal(w, x) for w, x in zip(W, before))
 
 
 @pytest.mark.parametrize("widths", [[3, 1, 2], [4, 3, 1], [2, 1, 1, 3]], ids=str)
