@@ -228,11 +228,11 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     T = backward_sums(kernels, st, ws, gs, C[1:])
     B, F = chain_products(xp, st, ws, one)
     special, special_m, rho = _special(xp, st, ws, gs, ms, T=T, B=B, F=F, lr=lr, h=h, one=one)
-    bias, bias_m = _biases(xp, st, b, Gb, Mb, F, lr, h)
     # T sums every weight gradient above layer 1 (0 * inf is NaN).
     ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
     high = [n - st.nodes[1] for n in st.nodes[1:]]
     B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
+    bias, bias_m = _biases(xp, b, Gb, Mb, F, lr, h)
     tame, recips, columns = [], None, None
     if h is not None:
         columns = [tuple(per_column(xp, v, chain.layer_shape(l)[2])
@@ -391,18 +391,16 @@ def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     return special, xp.where(st.moved, xp.take(kept(xp, M_new, M), st.node), m_free), rho
 
 
-def _biases(xp, st, b, Gb, Mb, F, lr, h):
-    """:func:`_bias` of every layer that has a bias, stacked (``F`` at layers ``1..L``):
-    the new biases and their momentum buffers per layer (``None`` where none)."""
+def _biases(xp, b, Gb, Mb, F, lr, h):
+    """:func:`_bias` of every layer that has a bias, stacked (``F[l]``: layer ``l``'s): the
+    new biases and their momentum buffers per layer (``None`` where none)."""
     at = [l for l, bl in enumerate(b) if bl is not None]
     new, new_m = [None] * len(b), [None] * len(b)
     if not at:
         return new, new_m
-    low = st.nodes[1]
-    Fb = stacked(xp, [F[st.nodes[l + 1] - low:st.nodes[l + 2] - low] for l in at])
     b_new, m_new = _bias(xp, stacked(xp, [b[l] for l in at]), stacked(xp, [Gb[l] for l in at]),
-                         Fb, None if Mb[at[0]] is None else stacked(xp, [Mb[l] for l in at]),
-                         lr, h)
+                         stacked(xp, [F[l + 1] for l in at]),
+                         None if Mb[at[0]] is None else stacked(xp, [Mb[l] for l in at]), lr, h)
     starts = [0]
     for l in at:
         starts.append(starts[-1] + b[l].shape[0])

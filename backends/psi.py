@@ -157,6 +157,7 @@ class PSIPlan:
         overflows row by row, by the core's rules."""
         if not weights:
             return True
+
         def tensors(*values):  # as the graphs take them (a new float would recompile)
             return (torch.full((), float(v), dtype=weights[0].dtype, device=weights[0].device)
                     for v in values)
@@ -196,7 +197,7 @@ def _plain_rows_(W, G, lr, max_norm) -> None:
 
 def _momentum_rows_(W, G, U, SQ, lr, momentum) -> None:
     """PSI-SGDM's update of each ``(rows, rest)`` weight and buffer in place from the rows'
-    squared norms ``SQ``, without the per-row rules (:meth:`PSIPlan.step_` checks first)::
+    squared norms ``SQ``, without the per-row rules (:func:`psi_step_` checks first)::
 
         u_i' = momentum u_i + ||w_i||^2 g_i,   w_i' = w_i - lr u_i'"""
     for w, g, u, sq in zip(W, G, U, SQ):
