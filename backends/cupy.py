@@ -1,8 +1,9 @@
 """CuPy kernels of the fast step: the NumPy kernels over ``cupy``, one block per layer.
 
 A GPU gains nothing from cache-sized blocks, so each layer is one block: the column sum is
-``cupy.einsum`` and the bulk update five elementwise kernels plus one reduction that checks
-the result. Fusing them into one ``ElementwiseKernel`` is the next step (issue 3).
+``cupy.einsum`` and the bulk update four elementwise kernels plus one reduction that checks
+the result (:func:`.fast.plain_rows_`). Fusing them into one ``ElementwiseKernel`` is the
+next step (issue 3).
 """
 
 from __future__ import annotations

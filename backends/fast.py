@@ -38,6 +38,7 @@ ones through :func:`recip_rows` on layers whose node vectors are tame.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -268,30 +269,53 @@ def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> 
 def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch) -> None:
     """The plain bulk update ``W <- (W - lr * G / (F[b] B_prev[a])**2) / rho[a]`` of a
     ``(n, p*k)`` layer in place, over blocks of rows (``kernels.block_rows``) through one
-    block-sized scratch buffer: ``(G * v) * u + W``, then ``/ rho``, with ``u = 1/F**2`` per
-    row and ``v = -lr/B_prev**2`` per column (:func:`recip_square`; ``-lr`` joins the node
-    vector, one pass fewer), each operand a row or a column vector that broadcasts along
-    contiguous memory. A block whose result is not finite (a zero or overflowing skeleton
-    product, or an overflow: its sum, one host read, tells) is recomputed by the core's
-    per-entry rules (:func:`rows_by_rules`); the eager kernels' ``bulk_``."""
+    block-sized scratch buffer: ``(G * v) * u + W`` (``kernels.add_product_``), then
+    ``/ rho``, with ``u = 1/F**2`` per row and ``v = -lr/B_prev**2`` per column
+    (:func:`recip_square`; ``-lr`` joins the node vector, one pass fewer), each operand a row
+    or a column vector that broadcasts along contiguous memory.
+
+    Each block is checked before it is written, with one host read. Where every
+    ``|rho| >= 4 / sqrt(max)`` (:func:`_divides_finitely`), a finite sum of the block's
+    squares bounds every entry by ``sqrt(max)``, so its quotient by ``rho`` is finite and is
+    written into ``W`` directly. Otherwise (or where that sum is not finite: an entry
+    beyond ``sqrt(max)``, a NaN or an Inf) the quotient is formed in the block and its sum
+    checked; a block whose result is not finite (a zero or overflowing skeleton product, or
+    an overflow) is recomputed by the core's per-entry rules (:func:`rows_by_rules`). The
+    eager kernels' ``bulk_``."""
     xp, mod = kernels.xp, kernels.mod
     n, m = W.shape
     k = m // B_prev.shape[0]
     u = xp.reshape(recip_square(xp, F), (-1, 1))
     v, r = per_column(xp, recip_square(xp, B_prev) * -lr, k), per_column(xp, rho, k)
+    direct = _divides_finitely(xp, rho)
     rows = kernels.block_rows(W)
     buf = kernels.scratch(scratch, W, rows * m)
     for i in range(0, n, rows):
         j = min(n, i + rows)
-        block = mod.reshape(buf[:(j - i) * m], (j - i, m))
+        flat = buf[:(j - i) * m]
+        block = mod.reshape(flat, (j - i, m))
         mod.multiply(G[i:j], v, out=block)
-        mod.multiply(block, u[i:j], out=block)
-        mod.add(block, W[i:j], out=block)
+        kernels.add_product_(block, u[i:j], W[i:j])
+        if direct and math.isfinite(float(mod.vdot(flat, flat))):
+            mod.divide(block, r, out=W[i:j])
+            continue
         mod.divide(block, r, out=block)
         if not math.isfinite(float(mod.sum(block))):
             block = rows_by_rules(xp, W[i:j], G[i:j], None, F[i:j], per_column(xp, B_prev, k),
                                   r, lr, None)[0]
         W[i:j] = block
+
+
+def _divides_finitely(xp, rho) -> bool:
+    """Every ``|rho| >= 4 / sqrt(max)`` of its dtype (one host read): a quotient by ``rho``
+    of a number whose square is finite is then finite (:func:`plain_rows_`)."""
+    return float(xp.min(xp.abs(rho))) >= _least_divisor(xp, rho.dtype)
+
+
+@functools.cache
+def _least_divisor(xp, dtype) -> float:
+    """``4 / sqrt(max)`` of ``dtype``: :func:`_divides_finitely`'s bound."""
+    return 4 / math.sqrt(float(xp.finfo(dtype).max))
 
 
 def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> None:

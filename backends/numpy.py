@@ -97,6 +97,11 @@ class ArrayKernels:
         """A flat buffer of at least ``size`` elements of ``like``'s dtype from ``scratch``."""
         return scratch.get(like, size, lambda n: self.mod.empty(n, dtype=like.dtype))
 
+    def add_product_(self, block, u, W) -> None:
+        """``block <- block * u + W`` in place (``u`` a column of row factors)."""
+        self.mod.multiply(block, u, out=block)
+        self.mod.add(block, W, out=block)
+
     def bulk_(self, W, G, f, beta, rho, lr: float, recips=None, scratch=None) -> None:
         """:func:`.fast.plain_rows_`: in-place blocks, each checked before it is written
         (eager kernels never get ``recips``). ``W``, ``G`` come as ``(n, p*k)``."""

@@ -165,6 +165,10 @@ class TorchKernels:
         else:
             dst.view(-1).index_copy_(0, index, values)
 
+    def add_product_(self, block, u, W) -> None:
+        """``block <- W + block * u`` in place (``u`` a column of row factors), one pass."""
+        torch.addcmul(W, block, u, out=block)
+
     def bulk_(self, W, G, f, beta, rho, lr, recips=None, scratch=None) -> None:
         """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, ``W`` and ``G`` as
         ``(n, p*k)``. Compiled (traced inside the compiled bulk stage) or on a GPU: one

@@ -3,6 +3,7 @@ generic core: the same numbers on every drawn chain, the numerics rules on hosti
 and the cases it must hand back to the core (non-finite gradients, views it cannot write)."""
 
 import contextlib
+import copy
 import sys
 
 import numpy as np
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 import gsgd_backends as gb
 import gsgd_backends.fast as fast
+from gsgd_backends.plan import Scratch
 import gsgd_core as gc
 from gsgd_backends._dispatch import FAST, assign
 from _helpers import Problem, assert_close
@@ -253,6 +255,51 @@ def test_overflowing_block_is_recomputed_by_the_core_rules(fxp, monkeypatch):
         if e is not None:  # entries are either kept or moved by ~lr: compare them exactly
             same = a == e
             assert np.all(same | np.isclose(a, e, rtol=_tol(fxp), atol=0))
+
+
+class _Counting:
+    """A module whose function ``name`` logs its calls in ``log``."""
+
+    def __init__(self, mod, name: str, log: list) -> None:
+        self._mod, self._name, self._log = mod, name, log
+
+    def __getattr__(self, attr: str):
+        f = getattr(self._mod, attr)
+        if attr != self._name:
+            return f
+        return lambda *a, **k: self._log.append(attr) or f(*a, **k)
+
+
+@pytest.mark.parametrize("case", ["ordinary", "tiny rho", "huge entries"])
+def test_block_loop_divides_into_the_weights_only_when_it_cannot_overflow(fxp, case):
+    """:func:`fast.plain_rows_` writes ``block / rho`` into the weights unchecked when every
+    ``|rho| >= 4/sqrt(max)`` and the block's squares sum finitely. A ``rho`` below that
+    bound, or entries whose squares overflow, send the block to the checked path: its
+    overflowing quotients keep their weights, as in the core's rules, instead of an Inf."""
+    big = float(np.finfo(np.float64 if fxp.is_f64 else np.float32).max)
+    W = np.array([[1.0, -2.0, 0.5], [3.0, 0.25, -1.0]])
+    G = np.array([[0.5, 1.0, -1.0], [2.0, -0.5, 1.0]])
+    F, B, R = np.array([1.0, 2.0]), np.array([0.5, 1.0, 2.0]), np.array([0.75, 1.25, 0.5])
+    if case == "tiny rho":  # W's squares are finite, but W / rho overflows
+        R[1], W[:, 1] = (1e-300 if fxp.is_f64 else 1e-30), 1e10
+    elif case == "huge entries":  # rho is ordinary, but W[0, 2] / rho overflows
+        W[0] = [big / 4, big / 8, big / 1.5]
+    kernels = copy.copy(gb.kernels_for(fxp.asarray(W)))
+    checks = []  # the checked path's sums of quotients
+    kernels.mod = _Counting(kernels.mod, "sum", checks)
+    Wx, Gx, Fx, Bx, Rx = (fxp.asarray(a) for a in (W, G, F, B, R))
+    with kernels.context():
+        expected = fxp.to_numpy(fast.rows_by_rules(kernels.xp, Wx, Gx, None, Fx, Bx, Rx, 0.1,
+                                                   None)[0])
+        fast.plain_rows_(kernels, Wx, Gx, Fx, Bx, Rx, 0.1, Scratch())
+    assert bool(checks) == (case != "ordinary"), "an ordinary block is written unchecked"
+    got = fxp.to_numpy(Wx)
+    assert np.all(np.isfinite(got))
+    with np.errstate(over="ignore"):  # the overflows are the point
+        overflowed = np.abs(W.astype(got.dtype) / R.astype(got.dtype)) > big / 2
+    assert overflowed.any() == (case != "ordinary")
+    np.testing.assert_array_equal(got[overflowed], W.astype(got.dtype)[overflowed])
+    np.testing.assert_allclose(got, expected, rtol=_tol(fxp), atol=0)
 
 
 @pytest.mark.parametrize("case", ["zero tau", "zero free", "underflow", "huge gradient"])
@@ -562,7 +609,6 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     """The eager kernels' in-place block (four scratch buffers) gives exactly
     ``rows_by_rules``'s numbers; with a zero ``F`` (a frozen path, ``G/0``) it writes
     nothing and hands the block to the rules."""
-    from gsgd_backends.plan import Scratch
     from gsgd_core.rules import StepRule
 
     rng = np.random.default_rng(seed)
