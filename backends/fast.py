@@ -293,7 +293,7 @@ def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch) -> None:
     for i in range(0, n, rows):
         j = min(n, i + rows)
         flat = buf[:(j - i) * m]
-        block = mod.reshape(flat, (j - i, m))
+        block = flat.reshape((j - i, m))
         mod.multiply(G[i:j], v, out=block)
         kernels.add_product_(block, u[i:j], W[i:j])
         if direct and math.isfinite(float(mod.vdot(flat, flat))):

@@ -8,9 +8,26 @@ picks each layer's kernels once, so no kernel re-dispatches while a step runs.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
-__all__ = ["Kernels", "LayerKernels"]
+__all__ = ["Kernels", "LayerKernels", "Namespace", "namespace"]
+
+
+class Namespace(types.SimpleNamespace):
+    """An array namespace as :func:`namespace` builds it; like a module, it equals and
+    hashes as itself."""
+
+    __eq__, __hash__ = object.__eq__, object.__hash__
+
+
+def namespace(base, **functions: Callable) -> Namespace:
+    """The array namespace ``base`` (its public names and ``__name__``) with some of its
+    functions replaced by ``functions``: the fast step calls a few functions dozens of times
+    per step on short vectors, where a library's Python wrappers around them cost more than
+    the work. A copy, not a proxy: a lookup costs no Python call."""
+    names = {n: getattr(base, n) for n in dir(base) if not n.startswith("_")}
+    return Namespace(**{**names, "__name__": base.__name__, **functions})
 
 
 @runtime_checkable

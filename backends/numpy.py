@@ -11,12 +11,19 @@ from __future__ import annotations
 import importlib
 import math
 
+import array_api_compat.numpy as np_compat
 import numpy as np
 
 from .fast import momentum_rows_, plain_rows_
+from .kernels import namespace
 from .plan import StepPlan
 from .rule_step import rule_bulk_
 
+#: ``array_api_compat.numpy`` with ``take`` as the arrays' own method: NumPy's function wraps
+#: it in three Python calls (a dispatcher, the function, ``_wrapfunc``). The fast step's
+#: takes gather 1-D arrays (never NumPy scalars) by indices that are never negative, so
+#: ``ndarray.take`` does what ``take`` does.
+NAMESPACE = namespace(np_compat, take=np.ndarray.take)
 #: Elements per block of the bulk update (512 KiB of float64: well inside a 1 MiB L2).
 CHUNK = 1 << 16
 #: Conv layers from this many weights take the row-wise column sum (timed: below it the
@@ -34,7 +41,8 @@ class ArrayKernels:
 
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk
-        self.xp = importlib.import_module(f"array_api_compat.{mod.__name__}")
+        self.xp = (NAMESPACE if mod is np else
+                   importlib.import_module(f"array_api_compat.{mod.__name__}"))
 
     def plan(self, chain, array) -> StepPlan:
         """Every layer on these kernels."""

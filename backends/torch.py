@@ -25,13 +25,13 @@ from __future__ import annotations
 import math
 import types
 
-import array_api_compat.numpy as np_compat
 import array_api_compat.torch as compat
 import numpy as np
 import torch
 
 from . import numpy as numpy_kernels
 from .fast import exact_rows, momentum_rows_, plain_rows_, recip_rows, rows_by_rules
+from .kernels import namespace
 from .plan import StepPlan
 from .rule_step import rule_bulk_
 
@@ -42,17 +42,15 @@ CHUNK = 1 << 19
 SMALL = 1 << 17
 
 
-class _Namespace:
-    """``array_api_compat.torch`` with ``take`` as a bare ``index_select``: the fast step's
-    indices are never negative, and compat's ``take`` spends three more ops per call making
-    negative ones positive (the eager step makes dozens of such calls)."""
+def _take(x, indices, /, *, axis: int = 0):
+    """``take`` as a bare ``index_select``: the fast step's indices are never negative, and
+    compat's ``take`` spends three more ops per call making negative ones positive (the
+    eager step makes dozens of such calls)."""
+    return torch.index_select(x, axis, indices)
 
-    def __getattr__(self, name: str):
-        return getattr(compat, name)
 
-    @staticmethod
-    def take(x, indices, /, *, axis: int = 0):
-        return torch.index_select(x, axis, indices)
+#: ``array_api_compat.torch`` with :func:`_take` (eager kernels).
+NAMESPACE = namespace(compat, take=_take)
 
 
 def _numpy_views(tensors) -> list:
@@ -74,7 +72,7 @@ class TorchKernels:
         self.host, self.small = host and not compiled, SMALL
         #: Eager bulk blocks are checked by a host read each (else: per-entry rules).
         self.checked = checked and not compiled
-        self.xp = compat if compiled else _Namespace()
+        self.xp = compat if compiled else NAMESPACE
 
     def plan(self, chain, array) -> StepPlan:
         """Eager float32/float64 CPU tensors: a plan on NumPy views, each layer on NumPy's
@@ -85,7 +83,7 @@ class TorchKernels:
         if self.host and device.type == "cpu" and dtype in (torch.float32, torch.float64):
             layer_kernels = [numpy_kernels.KERNELS if math.prod(chain.layer_shape(l))
                              <= self.small else ON_NUMPY for l in range(1, L + 1)]
-            return StepPlan(chain, numpy_kernels.KERNELS, xp=np_compat, device=device,
+            return StepPlan(chain, numpy_kernels.KERNELS, xp=numpy_kernels.NAMESPACE, device=device,
                             dtype=dtype, layer_kernels=layer_kernels, view=_numpy_views,
                             step_device="cpu", step_dtype=torch.empty(0, dtype=dtype).numpy().dtype)
         kernels = self if device.type == "cpu" or not self.checked else ON_DEVICE

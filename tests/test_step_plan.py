@@ -143,6 +143,26 @@ def test_kernel_sets_declare_the_interface():
     assert isinstance(gbt.ON_NUMPY, gb.LayerKernels)
 
 
+def test_eager_namespaces_are_copies_with_cheaper_takes():
+    """The eager kernels' namespaces are their libraries' compat namespaces, copied (a
+    lookup is no Python call, unlike a proxy's ``__getattr__``), hashable as themselves,
+    with a ``take`` that gathers as compat's does on the step's vectors."""
+    import array_api_compat.numpy as np_compat
+    import array_api_compat.torch as torch_compat
+
+    import gsgd_backends.numpy as gbn
+    from gsgd_backends.kernels import namespace
+
+    for kernels, base, x in ((gbn.KERNELS, np_compat, np.arange(5.0)),
+                             (gbt.KERNELS, torch_compat, torch.arange(5.0))):
+        xp = kernels.xp
+        assert xp.__name__ == base.__name__ and xp.where is base.where
+        assert not hasattr(type(xp), "__getattr__")
+        assert xp == xp and xp != namespace(base) and {xp: 1}[xp] == 1
+        index = base.asarray([3, 0, 3])
+        assert base.all(xp.take(x, index) == base.take(x, index))
+
+
 def test_cpu_plans_pick_each_layers_kernels_once():
     """Eager CPU tensors: the step computes on NumPy views; small layers take NumPy's
     kernels and a layer above ``small`` weights torch's (on the same memory)."""
