@@ -324,10 +324,12 @@ def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> Non
     cannot take (the eager kernels' ``rows_bulk_``)."""
     n = W.shape[0]
     rows = kernels.block_rows(W)
+    direct = _divides_finitely(kernels.xp, rho_cols)
     for i in range(0, n, rows):
         sl = slice(i, min(n, i + rows))
         blocks = [None if a is None else a[sl] for a in (W, G, M)]
-        if momentum_block_(kernels, *blocks, F[sl], B_cols, rho_cols, lr, h, scratch):
+        if momentum_block_(kernels, *blocks, F[sl], B_cols, rho_cols, lr, h, scratch,
+                           direct=direct):
             continue
         w, m = rows_by_rules(kernels.xp, *blocks, F[sl], B_cols, rho_cols, lr, h)
         kernels.put_(blocks[0], None, w)
@@ -335,37 +337,49 @@ def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> Non
             kernels.put_(blocks[2], None, m)
 
 
-def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> bool:
+def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch, *,
+                    direct: bool = False) -> bool:
     """:func:`rows_by_rules` on one ``(r, p*k)`` block through four block-sized scratch
     buffers and no other temporary: the core's operations in its order, so the results are
     bit-identical. Writes ``W`` and ``M`` and returns ``True`` when every new value is
     finite; otherwise writes nothing and returns ``False`` (a zero or overflowing ``F B``,
-    or an overflow: the per-entry rules treat those specially)."""
+    or an overflow: the per-entry rules treat those specially).
+
+    Only ``W' = (W - lr * dir / fb) / rho`` is checked: a new buffer that is not finite makes
+    ``dir / fb``, and so ``W'``, not finite. ``direct`` (every ``|rho| >= 4/sqrt(max)``,
+    :func:`_divides_finitely`): the quotient by ``rho`` goes into ``W`` itself when the
+    squares of the dividend sum finitely (as in :func:`plain_rows_`)."""
     mod = kernels.mod
     r, m = W.shape
     buf = kernels.scratch(scratch, W, 4 * r * m)
-    fb, D, Mn, T = (mod.reshape(buf[j * r * m:(j + 1) * r * m], (r, m)) for j in range(4))
+    fb, D, Mn, T = (buf[j * r * m:(j + 1) * r * m].reshape((r, m)) for j in range(4))
     mod.multiply(F[:, None], B_cols[None, :], out=fb)
     mod.divide(G, fb, out=D)
     if h.weight_decay is not None:  # D + wd * (fb * W)
         mod.multiply(fb, W, out=T)
         mod.add(D, mod.multiply(T, h.weight_decay, out=T), out=D)
-    step_dir, checked = D, (T,)
+    step_dir = D
     if M is not None:  # M' = D first, else mu M + (1 - dampening) D
         if h.first:
             Mn[...] = D
         else:
             mod.multiply(M, h.momentum, out=Mn)
-            mod.add(Mn, mod.multiply(D, 1.0 - h.dampening, out=T), out=Mn)
-        step_dir, checked = Mn, (T, Mn)
+            # (1 - 0) * D is D: the product is skipped, not the rounding changed
+            mod.add(Mn, mod.multiply(D, 1.0 - h.dampening, out=T) if h.dampening else D,
+                    out=Mn)
+        step_dir = Mn
         if h.nesterov:  # D + mu M'
             step_dir = mod.add(D, mod.multiply(Mn, h.momentum, out=T), out=D)
     mod.divide(step_dir, fb, out=T)  # W' = (W - lr * dir / fb) / rho
     mod.subtract(W, mod.multiply(T, lr, out=T), out=T)
-    mod.divide(T, rho_cols[None, :], out=T)
-    if not math.isfinite(sum(float(mod.sum(a)) for a in checked)):
-        return False
-    W[...] = T
+    flat = buf[3 * r * m:4 * r * m]
+    if direct and math.isfinite(float(mod.vdot(flat, flat))):
+        mod.divide(T, rho_cols[None, :], out=W)
+    else:
+        mod.divide(T, rho_cols[None, :], out=T)
+        if not math.isfinite(float(mod.sum(T))):
+            return False
+        W[...] = T
     if M is not None:
         M[...] = Mn
     return True

@@ -270,12 +270,17 @@ class _Counting:
         return lambda *a, **k: self._log.append(attr) or f(*a, **k)
 
 
+@pytest.mark.parametrize("momentum", [False, True])
 @pytest.mark.parametrize("case", ["ordinary", "tiny rho", "huge entries"])
-def test_block_loop_divides_into_the_weights_only_when_it_cannot_overflow(fxp, case):
-    """:func:`fast.plain_rows_` writes ``block / rho`` into the weights unchecked when every
-    ``|rho| >= 4/sqrt(max)`` and the block's squares sum finitely. A ``rho`` below that
-    bound, or entries whose squares overflow, send the block to the checked path: its
-    overflowing quotients keep their weights, as in the core's rules, instead of an Inf."""
+def test_block_loops_divide_into_the_weights_only_when_it_cannot_overflow(fxp, case, momentum):
+    """The eager block loops (:func:`fast.plain_rows_`, :func:`fast.momentum_rows_`) write
+    ``block / rho`` into the weights unchecked when every ``|rho| >= 4/sqrt(max)`` and the
+    block's squares sum finitely. A ``rho`` below that bound, or entries whose squares
+    overflow, send the block to the checked path: its overflowing quotients keep their
+    weights, as in the core's rules, instead of an Inf (with momentum: bit for bit, buffers
+    too)."""
+    from gsgd_core.rules import StepRule
+
     big = float(np.finfo(np.float64 if fxp.is_f64 else np.float32).max)
     W = np.array([[1.0, -2.0, 0.5], [3.0, 0.25, -1.0]])
     G = np.array([[0.5, 1.0, -1.0], [2.0, -0.5, 1.0]])
@@ -287,11 +292,17 @@ def test_block_loop_divides_into_the_weights_only_when_it_cannot_overflow(fxp, c
     kernels = copy.copy(gb.kernels_for(fxp.asarray(W)))
     checks = []  # the checked path's sums of quotients
     kernels.mod = _Counting(kernels.mod, "sum", checks)
-    Wx, Gx, Fx, Bx, Rx = (fxp.asarray(a) for a in (W, G, F, B, R))
+    Wx, Gx, Mx, Fx, Bx, Rx = (fxp.asarray(a) for a in (W, G, G[::-1] * 3, F, B, R))
+    rule = StepRule(None, 0.9, 0.0, False, fxp.xp.asarray(False, device=fxp.device))
+    rule = rule if momentum else None
+    Mx = Mx if momentum else None
     with kernels.context():
-        expected = fxp.to_numpy(fast.rows_by_rules(kernels.xp, Wx, Gx, None, Fx, Bx, Rx, 0.1,
-                                                   None)[0])
-        fast.plain_rows_(kernels, Wx, Gx, Fx, Bx, Rx, 0.1, Scratch())
+        expected = [None if e is None else fxp.to_numpy(e) for e in
+                    fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)]
+        if momentum:
+            fast.momentum_rows_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch())
+        else:
+            fast.plain_rows_(kernels, Wx, Gx, Fx, Bx, Rx, 0.1, Scratch())
     assert bool(checks) == (case != "ordinary"), "an ordinary block is written unchecked"
     got = fxp.to_numpy(Wx)
     assert np.all(np.isfinite(got))
@@ -299,7 +310,11 @@ def test_block_loop_divides_into_the_weights_only_when_it_cannot_overflow(fxp, c
         overflowed = np.abs(W.astype(got.dtype) / R.astype(got.dtype)) > big / 2
     assert overflowed.any() == (case != "ordinary")
     np.testing.assert_array_equal(got[overflowed], W.astype(got.dtype)[overflowed])
-    np.testing.assert_allclose(got, expected, rtol=_tol(fxp), atol=0)
+    if momentum:
+        np.testing.assert_array_equal(got, expected[0])
+        np.testing.assert_array_equal(fxp.to_numpy(Mx), expected[1])
+    else:
+        np.testing.assert_allclose(got, expected[0], rtol=_tol(fxp), atol=0)
 
 
 @pytest.mark.parametrize("case", ["zero tau", "zero free", "underflow", "huge gradient"])
