@@ -338,7 +338,7 @@ def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> Non
 
 
 def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch, *,
-                    direct: bool = False) -> bool:
+                    direct: bool) -> bool:
     """:func:`rows_by_rules` on one ``(r, p*k)`` block through four block-sized scratch
     buffers and no other temporary: the core's operations in its order, so the results are
     bit-identical. Writes ``W`` and ``M`` and returns ``True`` when every new value is
@@ -372,7 +372,7 @@ def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch, *,
             step_dir = mod.add(D, mod.multiply(Mn, h.momentum, out=T), out=D)
     mod.divide(step_dir, fb, out=T)  # W' = (W - lr * dir / fb) / rho
     mod.subtract(W, mod.multiply(T, lr, out=T), out=T)
-    flat = buf[3 * r * m:4 * r * m]
+    flat = T.reshape(-1)
     if direct and math.isfinite(float(mod.vdot(flat, flat))):
         mod.divide(T, rho_cols[None, :], out=W)
     else:

@@ -619,11 +619,14 @@ def test_compiled_reciprocal_bulk_keeps_its_finite_checks():
 
 
 @settings(max_examples=examples(40))
-@given(seed=seeds, hyper=_HYPERS, first=st.booleans(), zero_f=st.booleans())
-def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, first, zero_f):
+@given(seed=seeds, hyper=_HYPERS, first=st.booleans(), zero_f=st.booleans(),
+       direct=st.booleans())
+def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, first, zero_f,
+                                                              direct):
     """The eager kernels' in-place block (four scratch buffers) gives exactly
-    ``rows_by_rules``'s numbers; with a zero ``F`` (a frozen path, ``G/0``) it writes
-    nothing and hands the block to the rules."""
+    ``rows_by_rules``'s numbers, its quotient by ``rho`` written into the weights directly
+    or checked first; with a zero ``F`` (a frozen path, ``G/0``) it writes nothing and hands
+    the block to the rules."""
     from gsgd_core.rules import StepRule
 
     rng = np.random.default_rng(seed)
@@ -641,7 +644,8 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)
     before = [fxp.to_numpy(a).copy() for a in (Wx, Mx) if a is not None]
     with kernels.context():
-        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch())
+        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch(),
+                                     direct=direct)
     assert wrote == (not zero_f)
     after = [fxp.to_numpy(a) for a in (Wx, Mx) if a is not None]
     targets = [fxp.to_numpy(e) for e in expected if e is not None] if wrote else before
