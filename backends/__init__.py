@@ -11,9 +11,9 @@ JAX arrays are immutable and get a clear error pointing to the functional core.
 from ._dispatch import kernels_for
 from .inplace import (canonicalize_, gsgd_step_, gsgd_update_, path_sgd_step_, path_update_,
                       psi_update_, rescale_, skeleton_init_, step_plan)
-from .kernels import Kernels, LayerKernels
+from .kernels import BlockKernels, Kernels, LayerKernels
 from .plan import StepPlan
 
-__all__ = ["Kernels", "LayerKernels", "StepPlan", "kernels_for", "step_plan", "canonicalize_",
-           "gsgd_step_", "gsgd_update_", "path_sgd_step_", "path_update_", "psi_update_",
-           "rescale_", "skeleton_init_"]
+__all__ = ["BlockKernels", "Kernels", "LayerKernels", "StepPlan", "kernels_for", "step_plan",
+           "canonicalize_", "gsgd_step_", "gsgd_update_", "path_sgd_step_", "path_update_",
+           "psi_update_", "rescale_", "skeleton_init_"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
-__all__ = ["Kernels", "LayerKernels", "Namespace", "namespace"]
+__all__ = ["BlockKernels", "Kernels", "LayerKernels", "Namespace", "namespace"]
 
 
 class Namespace(types.SimpleNamespace):
@@ -94,3 +94,26 @@ class Kernels(LayerKernels, Protocol):
 
     def put_(self, dst, index, values) -> None:
         """``dst.flat[index] = values`` in place (all of ``dst`` if ``index`` is ``None``)."""
+
+
+@runtime_checkable
+class BlockKernels(Protocol):
+    """What the eager block loops (:func:`.fast.plain_rows_`, :func:`.fast.momentum_rows_`,
+    :func:`.rule_step.rule_bulk_`) ask of a kernel set besides :class:`Kernels`: in-place
+    operations on blocks of a layer's rows through one scratch buffer, each block checked by
+    a host read."""
+
+    #: array-api-compat namespace of the kernels' arrays.
+    xp: Any
+    #: The array module whose functions write into ``out=`` (``numpy``, ``torch``, ``cupy``).
+    mod: Any
+
+    def block_rows(self, W) -> int:
+        """Rows per block of a ``(n, p*k)`` layer ``W`` (cache-sized on a CPU)."""
+
+    def scratch(self, scratch, like, size: int) -> Any:
+        """A flat buffer of at least ``size`` elements of ``like``'s dtype and device, kept
+        in ``scratch`` (the plan's :class:`~gsgd_backends.plan.Scratch`)."""
+
+    def add_product_(self, block, u, W) -> None:
+        """``block <- W + block * u`` in place, ``u`` a column of row factors."""

@@ -140,6 +140,8 @@ def test_kernel_sets_declare_the_interface():
 
     for k in (gbn.KERNELS, gbt.KERNELS, gbt.COMPILED, gbt.ON_DEVICE):
         assert isinstance(k, gb.Kernels), k
+    for k in (gbn.KERNELS, gbt.KERNELS, gbt.ON_DEVICE):  # the eager ones run block loops
+        assert isinstance(k, gb.BlockKernels), k
     assert isinstance(gbt.ON_NUMPY, gb.LayerKernels)
 
 
