@@ -192,6 +192,7 @@ class Vectors(NamedTuple):
     F: list
     rho: list
     recips: Any       # per layer (1/F, 1/B, 1/rho) for recip_rows, or None
+    squares: Any      # per layer (1/F**2, -lr/B**2 per column) for plain_rows_, or None
     columns: Any      # per layer (B, rho) repeated per column, for rows_by_rules, or None
     special: list
     special_m: Any
@@ -221,7 +222,9 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     products ``B``, ``F``, new special edges and momentum buffers there, ``rho``, new
     biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias
     gradient and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use
-    :func:`recip_rows` (tested for traced kernels on plain steps)."""
+    :func:`recip_rows` (tested for traced kernels on plain steps). An eager plain step also
+    gets every layer's factors of :func:`plain_rows_` (``squares``), formed on the stacked
+    node vectors: per layer they cost more in calls than in arithmetic."""
     xp, L = kernels.xp, chain.L
     ws, gs = stacked(xp, ws), stacked(xp, gs)
     ms = None if ms is None else stacked(xp, ms)
@@ -232,6 +235,11 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     # T sums every weight gradient above layer 1 (0 * inf is NaN).
     ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
     high = [n - st.nodes[1] for n in st.nodes[1:]]
+    squares = None
+    if h is None and not kernels.traced:  # the eager bulk's factors, every layer at once
+        u, v = split(recip_square(xp, F), high), split(recip_square(xp, B) * -lr, st.nodes[:-1])
+        squares = [(u[l - 1], per_column(xp, v[l - 1], chain.layer_shape(l)[2]))
+                   for l in range(1, L + 1)]
     B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
     bias, bias_m = _biases(xp, b, Gb, Mb, F, lr, h)
     tame, recips, columns = [], None, None
@@ -243,7 +251,7 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
                 for l in range(1, L + 1)]
         recips = [reciprocals(xp, F[l], B[l - 1], rho[l - 1], chain.layer_shape(l)[2])
                   for l in range(1, L + 1)]
-    return Vectors(B, F, rho, recips, columns, split(special, st.edges),
+    return Vectors(B, F, rho, recips, squares, columns, split(special, st.edges),
                    None if special_m is None else split(special_m, st.edges), bias, bias_m,
                    xp.stack([ok] + tame))
 
@@ -263,10 +271,11 @@ def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> 
                          *v.columns[l - 1], lr, h, scratch)
         else:
             k.bulk_(W[l - 1], G[l - 1], v.F[l], v.B[l - 1], v.rho[l - 1], lr,
-                    v.recips[l - 1] if tame[l - 1] else None, scratch)
+                    v.recips[l - 1] if tame[l - 1] else None, scratch,
+                    squares=None if v.squares is None else v.squares[l - 1])
 
 
-def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch) -> None:
+def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch, squares=None) -> None:
     """The plain bulk update ``W <- (W - lr * G / (F[b] B_prev[a])**2) / rho[a]`` of a
     ``(n, p*k)`` layer in place, over blocks of rows (``kernels.block_rows``) through one
     block-sized scratch buffer: ``(G * v) * u + W`` (``kernels.add_product_``), then
@@ -285,8 +294,10 @@ def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch) -> None:
     xp, mod = kernels.xp, kernels.mod
     n, m = W.shape
     k = m // B_prev.shape[0]
-    u = xp.reshape(recip_square(xp, F), (-1, 1))
-    v, r = per_column(xp, recip_square(xp, B_prev) * -lr, k), per_column(xp, rho, k)
+    if squares is None:
+        squares = recip_square(xp, F), per_column(xp, recip_square(xp, B_prev) * -lr, k)
+    u, v = xp.reshape(squares[0], (-1, 1)), squares[1]
+    r = per_column(xp, rho, k)
     direct = _divides_finitely(xp, rho)
     rows = kernels.block_rows(W)
     buf = kernels.scratch(scratch, W, rows * m)

@@ -48,9 +48,11 @@ class LayerKernels(Protocol):
     def colsum(self, W, G, scratch) -> Any:
         """``sum(W * G, axis=(0, 2))`` of a ``(n, p, k)`` layer."""
 
-    def bulk_(self, W, G, F, B, rho, lr, recips, scratch) -> None:
+    def bulk_(self, W, G, F, B, rho, lr, recips, scratch, *, squares=None) -> None:
         """The plain bulk update ``W <- (W - lr G / (F[b] B[a])**2) / rho[a]`` by the
-        core's rules (``recips``: :func:`.fast.reciprocals` for a tame layer, or ``None``)."""
+        core's rules (``recips``: :func:`.fast.reciprocals` for a tame layer, or ``None``;
+        ``squares``: ``(1/F**2, -lr/B**2)``, ``B`` per column, from the vector stage for
+        eager kernels, or ``None``: computed here)."""
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
         """The bulk update with weight decay and momentum (:func:`.fast.rows_by_rules`),

@@ -110,10 +110,11 @@ class ArrayKernels:
         self.mod.multiply(block, u, out=block)
         self.mod.add(block, W, out=block)
 
-    def bulk_(self, W, G, f, beta, rho, lr: float, recips=None, scratch=None) -> None:
+    def bulk_(self, W, G, f, beta, rho, lr: float, recips=None, scratch=None, *,
+              squares=None) -> None:
         """:func:`.fast.plain_rows_`: in-place blocks, each checked before it is written
         (eager kernels never get ``recips``). ``W``, ``G`` come as ``(n, p*k)``."""
-        plain_rows_(self, W, G, f, beta, rho, lr, scratch)
+        plain_rows_(self, W, G, f, beta, rho, lr, scratch, squares)
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """:func:`.fast.momentum_rows_`: in-place blocks, bit-identical to the core."""

@@ -208,8 +208,9 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         rows = [None if A is None else
                 [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
                 for A in (W, G, Ms if M is not None else None)]
-        bulk_stage_(plan.layer_kernels, *rows, v=v._replace(F=local_F), lr=float(lr),
-                    tame=(False,) * L, h=h, scratch=plan.scratch)
+        # the vector stage's squares are of whole layers: the kernels form their rows' own
+        bulk_stage_(plan.layer_kernels, *rows, v=v._replace(F=local_F, squares=None),
+                    lr=float(lr), tame=(False,) * L, h=h, scratch=plan.scratch)
         shard.put_(plan, W, v.special)
         shard.put_rows_(plan, b, v.bias)
         if M is not None:

@@ -167,7 +167,8 @@ class TorchKernels:
         """``block <- W + block * u`` in place (``u`` a column of row factors), one pass."""
         torch.addcmul(W, block, u, out=block)
 
-    def bulk_(self, W, G, f, beta, rho, lr, recips=None, scratch=None) -> None:
+    def bulk_(self, W, G, f, beta, rho, lr, recips=None, scratch=None, *,
+              squares=None) -> None:
         """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, ``W`` and ``G`` as
         ``(n, p*k)``. Compiled (traced inside the compiled bulk stage) or on a GPU: one
         loop, :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
@@ -180,7 +181,7 @@ class TorchKernels:
                                G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
                                lr).view(W.shape))
             return
-        plain_rows_(self, W, G, f, beta, rho, lr, scratch)
+        plain_rows_(self, W, G, f, beta, rho, lr, scratch, squares)
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """Weight decay and momentum: compiled or on a GPU, :func:`.fast.rows_by_rules`
@@ -215,8 +216,9 @@ class TorchOnNumPy:
     def colsum(self, W, G, scratch):
         return self.kernels.colsum(torch.from_numpy(W), torch.from_numpy(G), scratch).numpy()
 
-    def bulk_(self, W, G, F, B, rho, lr, recips, scratch) -> None:
-        self.kernels.bulk_(*_tensors((W, G, F, B, rho)), lr, None, scratch)
+    def bulk_(self, W, G, F, B, rho, lr, recips, scratch, *, squares=None) -> None:
+        self.kernels.bulk_(*_tensors((W, G, F, B, rho)), lr, None, scratch,
+                           squares=_tensors(squares))
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
         self.kernels.rows_bulk_(*_tensors((W, G, M, F, B_cols, rho_cols)), lr,
