@@ -269,6 +269,29 @@ def test_cpu_plan_checks_a_large_first_layer_on_torch(bad):
     assert all(torch.equal(w, x) for w, x in zip(W, before))
 
 
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_eager_plain_step_forms_its_bulk_factors_once(monkeypatch, lib):
+    """The eager bulk's ``1/F**2`` and ``-lr/B**2`` come from the vector stage, formed once
+    on the stacked node vectors (two ``recip_square`` calls a step), not layer by layer:
+    small layers and large ones (torch's ``ON_NUMPY``) alike, and the step equals the
+    core."""
+    calls = []
+    real = fast.recip_square
+    monkeypatch.setattr(fast, "recip_square", lambda *a: calls.append(1) or real(*a))
+    chain = gc.Chain.mlp([300, 500, 8, 6], bias=True)  # 150,000 weights: ON_NUMPY on torch
+    pb = Problem(chain, 2)
+    G, Gb = pb.grads()
+    wrap = torch.tensor if lib == "torch" else np.copy
+    W, b = [wrap(w) for w in pb.W], [wrap(x) for x in pb.b]
+    kernels = gb.kernels_for(W[0])
+    assert fast.fast_step_(kernels, chain, W, b, [wrap(g) for g in G], [wrap(g) for g in Gb],
+                           0.1)
+    assert len(calls) == 2, f"recip_square ran {len(calls)} times for {chain.L} layers"
+    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
+    for got, want in zip(W + b, eW + eb):
+        assert_close(np.asarray(got), want, 1e-12)
+
+
 @pytest.mark.parametrize("widths", [[3, 1, 2], [4, 3, 1], [2, 1, 1, 3]], ids=str)
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_layers_of_one_unit_step_like_the_core(lib, widths):
