@@ -61,6 +61,13 @@ def recip_square(xp, f):
     return xp.where(f == 0, 0.0, 1.0 / xp.where(f == 0, 1.0, f * f))
 
 
+def bulk_factors(xp, F, B_prev, lr):
+    """``(1/F**2, -lr/B_prev**2)`` (:func:`recip_square`): the node vectors by which
+    :func:`plain_rows_` scales a layer's rows and columns (``-lr`` joins the second, one
+    pass fewer over the weights)."""
+    return recip_square(xp, F), recip_square(xp, B_prev) * -lr
+
+
 def plan_for(kernels, chain: Chain, weights, plan: StepPlan | None) -> StepPlan:
     """``plan`` if given (it must fit ``chain`` and the weights), else a new plan of
     ``kernels`` (built for this call only: pass a plan to reuse one)."""
@@ -222,9 +229,10 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     products ``B``, ``F``, new special edges and momentum buffers there, ``rho``, new
     biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias
     gradient and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use
-    :func:`recip_rows` (tested for traced kernels on plain steps). An eager plain step also
-    gets every layer's factors of :func:`plain_rows_` (``squares``), formed on the stacked
-    node vectors: per layer they cost more in calls than in arithmetic."""
+    :func:`recip_rows` (tested for traced kernels on plain steps). A plain step of kernels
+    that run the block loops (``kernels.checked``) also gets every layer's
+    :func:`bulk_factors` (``squares``), formed on the stacked node vectors: per layer they
+    cost more in calls than in arithmetic."""
     xp, L = kernels.xp, chain.L
     ws, gs = stacked(xp, ws), stacked(xp, gs)
     ms = None if ms is None else stacked(xp, ms)
@@ -236,8 +244,9 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
     high = [n - st.nodes[1] for n in st.nodes[1:]]
     squares = None
-    if h is None and not kernels.traced:  # the eager bulk's factors, every layer at once
-        u, v = split(recip_square(xp, F), high), split(recip_square(xp, B) * -lr, st.nodes[:-1])
+    if h is None and kernels.checked:  # the block loops' factors, every layer at once
+        u, v = bulk_factors(xp, F, B, lr)
+        u, v = split(u, high), split(v, st.nodes[:-1])
         squares = [(u[l - 1], per_column(xp, v[l - 1], chain.layer_shape(l)[2]))
                    for l in range(1, L + 1)]
     B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
@@ -275,13 +284,13 @@ def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> 
                     squares=None if v.squares is None else v.squares[l - 1])
 
 
-def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch, squares=None) -> None:
+def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch, squares) -> None:
     """The plain bulk update ``W <- (W - lr * G / (F[b] B_prev[a])**2) / rho[a]`` of a
     ``(n, p*k)`` layer in place, over blocks of rows (``kernels.block_rows``) through one
     block-sized scratch buffer: ``(G * v) * u + W`` (``kernels.add_product_``), then
-    ``/ rho``, with ``u = 1/F**2`` per row and ``v = -lr/B_prev**2`` per column
-    (:func:`recip_square`; ``-lr`` joins the node vector, one pass fewer), each operand a row
-    or a column vector that broadcasts along contiguous memory.
+    ``/ rho``, with ``(u, v) = squares``: :func:`bulk_factors`, ``u = 1/F**2`` per row and
+    ``v = -lr/B_prev**2`` per column, each a row or a column vector that broadcasts along
+    contiguous memory.
 
     Each block is checked before it is written, with one host read. Where every
     ``|rho| >= 4 / sqrt(max)`` (:func:`_divides_finitely`), a finite sum of the block's
@@ -294,8 +303,6 @@ def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch, squares=None) -> Non
     xp, mod = kernels.xp, kernels.mod
     n, m = W.shape
     k = m // B_prev.shape[0]
-    if squares is None:
-        squares = recip_square(xp, F), per_column(xp, recip_square(xp, B_prev) * -lr, k)
     u, v = xp.reshape(squares[0], (-1, 1)), squares[1]
     r = per_column(xp, rho, k)
     direct = _divides_finitely(xp, rho)

@@ -51,8 +51,8 @@ class LayerKernels(Protocol):
     def bulk_(self, W, G, F, B, rho, lr, recips, scratch, *, squares=None) -> None:
         """The plain bulk update ``W <- (W - lr G / (F[b] B[a])**2) / rho[a]`` by the
         core's rules (``recips``: :func:`.fast.reciprocals` for a tame layer, or ``None``;
-        ``squares``: ``(1/F**2, -lr/B**2)``, ``B`` per column, from the vector stage for
-        eager kernels, or ``None``: computed here)."""
+        ``squares``: :func:`.fast.bulk_factors` of the layer, ``B``'s per column, which
+        kernels whose ``checked`` is true need)."""
 
     def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
         """The bulk update with weight decay and momentum (:func:`.fast.rows_by_rules`),
@@ -73,6 +73,9 @@ class Kernels(LayerKernels, Protocol):
     #: The stages are traced by a compiler (functional, no scratch buffers, no host reads):
     #: the bulk then takes precomputed reciprocals on layers whose node vectors are tame.
     traced: bool
+    #: The plain bulk runs the eager block loops (:func:`.fast.plain_rows_`, each block
+    #: checked by a host read): the vector stage then forms their factors (``squares``).
+    checked: bool
 
     def plan(self, chain, array) -> Any:
         """The :class:`~gsgd_backends.plan.StepPlan` of ``chain`` for arrays like

@@ -37,7 +37,7 @@ class ArrayKernels:
     :mod:`.cupy`)."""
 
     #: Eager: blocks are updated by in-place ufuncs (``out=``) and checked as they go.
-    traced = False
+    traced, checked = False, True
 
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk

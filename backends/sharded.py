@@ -205,11 +205,12 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         if not bool(v.flags[0]):
             return False
         local_F = [None] + [f[r0:r1] for f, (r0, r1) in zip(v.F[1:], shard.rows)]
+        local_sq = None if v.squares is None else [
+            (u[r0:r1], w) for (u, w), (r0, r1) in zip(v.squares, shard.rows)]
         rows = [None if A is None else
                 [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) for a in A]
                 for A in (W, G, Ms if M is not None else None)]
-        # the vector stage's squares are of whole layers: the kernels form their rows' own
-        bulk_stage_(plan.layer_kernels, *rows, v=v._replace(F=local_F, squares=None),
+        bulk_stage_(plan.layer_kernels, *rows, v=v._replace(F=local_F, squares=local_sq),
                     lr=float(lr), tame=(False,) * L, h=h, scratch=plan.scratch)
         shard.put_(plan, W, v.special)
         shard.put_rows_(plan, b, v.bias)

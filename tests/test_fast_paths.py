@@ -302,7 +302,8 @@ def test_block_loops_divide_into_the_weights_only_when_it_cannot_overflow(fxp, c
         if momentum:
             fast.momentum_rows_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch())
         else:
-            fast.plain_rows_(kernels, Wx, Gx, Fx, Bx, Rx, 0.1, Scratch())
+            fast.plain_rows_(kernels, Wx, Gx, Fx, Bx, Rx, 0.1, Scratch(),
+                             fast.bulk_factors(kernels.xp, Fx, Bx, 0.1))
     assert bool(checks) == (case != "ordinary"), "an ordinary block is written unchecked"
     got = fxp.to_numpy(Wx)
     assert np.all(np.isfinite(got))
