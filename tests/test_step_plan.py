@@ -292,6 +292,25 @@ def test_eager_plain_step_forms_its_bulk_factors_once(monkeypatch, lib):
         assert_close(np.asarray(got), want, 1e-12)
 
 
+def test_device_plan_forms_no_block_loop_factors(monkeypatch):
+    """The plan GPUs take (``ON_DEVICE``, run here on the CPU) applies the per-entry rules to
+    whole layers: its vector stage forms no factors for the block loops it never runs."""
+    calls = []
+    real = fast.recip_square
+    monkeypatch.setattr(fast, "recip_square", lambda *a: calls.append(1) or real(*a))
+    chain = gc.Chain.mlp([6, 5, 4], bias=True)
+    pb = Problem(chain, 3)
+    G, Gb = pb.grads()
+    W, b = [torch.tensor(w) for w in pb.W], [torch.tensor(x) for x in pb.b]
+    plan = gbt.ON_DEVICE.plan(chain, W[0])
+    assert fast.fast_step_(gbt.ON_DEVICE, chain, W, b, [torch.tensor(g) for g in G],
+                           [torch.tensor(g) for g in Gb], 0.1, plan=plan)
+    assert not calls
+    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
+    for got, want in zip(W + b, eW + eb):
+        assert_close(got.numpy(), want, 1e-12)
+
+
 @pytest.mark.parametrize("widths", [[3, 1, 2], [4, 3, 1], [2, 1, 1, 3]], ids=str)
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_layers_of_one_unit_step_like_the_core(lib, widths):
