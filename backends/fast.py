@@ -250,7 +250,7 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
         squares = [(u[l - 1], per_column(xp, v[l - 1], chain.layer_shape(l)[2]))
                    for l in range(1, L + 1)]
     B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
-    bias, bias_m = _biases(xp, b, Gb, Mb, F, lr, h)
+    bias, bias_m = _biases(xp, b, Gb, Mb, F=F, lr=lr, h=h)
     tame, recips, columns = [], None, None
     if h is not None:
         columns = [tuple(per_column(xp, v, chain.layer_shape(l)[2])
@@ -276,15 +276,16 @@ def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> 
             continue
         k = layer_kernels[l - 1]
         if h is not None:
-            k.rows_bulk_(W[l - 1], G[l - 1], None if M is None else M[l - 1], v.F[l],
-                         *v.columns[l - 1], lr, h, scratch)
+            B_cols, rho_cols = v.columns[l - 1]
+            k.rows_bulk_(W[l - 1], G[l - 1], None if M is None else M[l - 1], F=v.F[l],
+                         B_cols=B_cols, rho_cols=rho_cols, lr=lr, rule=h, scratch=scratch)
         else:
-            k.bulk_(W[l - 1], G[l - 1], v.F[l], v.B[l - 1], v.rho[l - 1], lr,
-                    v.recips[l - 1] if tame[l - 1] else None, scratch,
+            k.bulk_(W[l - 1], G[l - 1], F=v.F[l], B=v.B[l - 1], rho=v.rho[l - 1], lr=lr,
+                    recips=v.recips[l - 1] if tame[l - 1] else None, scratch=scratch,
                     squares=None if v.squares is None else v.squares[l - 1])
 
 
-def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch, squares) -> None:
+def plain_rows_(kernels, W, G, *, F, B_prev, rho, lr, scratch, squares) -> None:
     """The plain bulk update ``W <- (W - lr * G / (F[b] B_prev[a])**2) / rho[a]`` of a
     ``(n, p*k)`` layer in place, over blocks of rows (``kernels.block_rows``) through one
     block-sized scratch buffer: ``(G * v) * u + W`` (``kernels.add_product_``), then
@@ -319,8 +320,9 @@ def plain_rows_(kernels, W, G, F, B_prev, rho, lr, scratch, squares) -> None:
             continue
         mod.divide(block, r, out=block)
         if not math.isfinite(float(mod.sum(block))):
-            block = rows_by_rules(xp, W[i:j], G[i:j], None, F[i:j], per_column(xp, B_prev, k),
-                                  r, lr, None)[0]
+            block = rows_by_rules(xp, W[i:j], G[i:j], None, F=F[i:j],
+                                  B_cols=per_column(xp, B_prev, k), rho_cols=r, lr=lr,
+                                  rule=None)[0]
         W[i:j] = block
 
 
@@ -336,7 +338,7 @@ def _least_divisor(xp, dtype) -> float:
     return 4 / math.sqrt(float(xp.finfo(dtype).max))
 
 
-def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> None:
+def momentum_rows_(kernels, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch) -> None:
     """:func:`rows_by_rules` over blocks of rows (``kernels.block_rows``), written in place
     by :func:`momentum_block_`, which falls back to the functional rules for a block it
     cannot take (the eager kernels' ``rows_bulk_``)."""
@@ -346,16 +348,17 @@ def momentum_rows_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch) -> Non
     for i in range(0, n, rows):
         sl = slice(i, min(n, i + rows))
         blocks = [None if a is None else a[sl] for a in (W, G, M)]
-        if momentum_block_(kernels, *blocks, F[sl], B_cols, rho_cols, lr, h, scratch,
-                           direct=direct):
+        if momentum_block_(kernels, *blocks, F=F[sl], B_cols=B_cols, rho_cols=rho_cols, lr=lr,
+                           rule=rule, scratch=scratch, direct=direct):
             continue
-        w, m = rows_by_rules(kernels.xp, *blocks, F[sl], B_cols, rho_cols, lr, h)
+        w, m = rows_by_rules(kernels.xp, *blocks, F=F[sl], B_cols=B_cols, rho_cols=rho_cols,
+                             lr=lr, rule=rule)
         kernels.put_(blocks[0], None, w)
         if M is not None:
             kernels.put_(blocks[2], None, m)
 
 
-def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch, *,
+def momentum_block_(kernels, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch,
                     direct: bool) -> bool:
     """:func:`rows_by_rules` on one ``(r, p*k)`` block through four block-sized scratch
     buffers and no other temporary: the core's operations in its order, so the results are
@@ -373,21 +376,21 @@ def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch, *,
     fb, D, Mn, T = (buf[j * r * m:(j + 1) * r * m].reshape((r, m)) for j in range(4))
     mod.multiply(F[:, None], B_cols[None, :], out=fb)
     mod.divide(G, fb, out=D)
-    if h.weight_decay is not None:  # D + wd * (fb * W)
+    if rule.weight_decay is not None:  # D + wd * (fb * W)
         mod.multiply(fb, W, out=T)
-        mod.add(D, mod.multiply(T, h.weight_decay, out=T), out=D)
+        mod.add(D, mod.multiply(T, rule.weight_decay, out=T), out=D)
     step_dir = D
     if M is not None:  # M' = D first, else mu M + (1 - dampening) D
-        if h.first:
+        if rule.first:
             Mn[...] = D
         else:
-            mod.multiply(M, h.momentum, out=Mn)
+            mod.multiply(M, rule.momentum, out=Mn)
             # (1 - 0) * D is D: the product is skipped, not the rounding changed
-            mod.add(Mn, mod.multiply(D, 1.0 - h.dampening, out=T) if h.dampening else D,
+            mod.add(Mn, mod.multiply(D, 1.0 - rule.dampening, out=T) if rule.dampening else D,
                     out=Mn)
         step_dir = Mn
-        if h.nesterov:  # D + mu M'
-            step_dir = mod.add(D, mod.multiply(Mn, h.momentum, out=T), out=D)
+        if rule.nesterov:  # D + mu M'
+            step_dir = mod.add(D, mod.multiply(Mn, rule.momentum, out=T), out=D)
     mod.divide(step_dir, fb, out=T)  # W' = (W - lr * dir / fb) / rho
     mod.subtract(W, mod.multiply(T, lr, out=T), out=T)
     flat = T.reshape(-1)
@@ -403,7 +406,7 @@ def momentum_block_(kernels, W, G, M, F, B_cols, rho_cols, lr, h, scratch, *,
     return True
 
 
-def _bias(xp, b, Gb, F, Mb, lr, h):
+def _bias(xp, b, Gb, Mb, *, F, lr, h):
     """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow),
     weight decay and momentum applied to ``Db`` (``Vb = b F``); returns ``b'`` and ``Mb'``."""
     step_dir, Mb_new = direction(xp, path_gradient(xp, Gb, F, Gb), Mb, b * F, h)
@@ -447,7 +450,7 @@ def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     return special, xp.where(st.moved, xp.take(kept(xp, M_new, M), st.node), m_free), rho
 
 
-def _biases(xp, b, Gb, Mb, F, lr, h):
+def _biases(xp, b, Gb, Mb, *, F, lr, h):
     """:func:`_bias` of every layer that has a bias, stacked (``F[l]``: layer ``l``'s): the
     new biases and their momentum buffers per layer (``None`` where none)."""
     at = [l for l, bl in enumerate(b) if bl is not None]
@@ -455,8 +458,8 @@ def _biases(xp, b, Gb, Mb, F, lr, h):
     if not at:
         return new, new_m
     b_new, m_new = _bias(xp, stacked(xp, [b[l] for l in at]), stacked(xp, [Gb[l] for l in at]),
-                         stacked(xp, [F[l + 1] for l in at]),
-                         None if Mb[at[0]] is None else stacked(xp, [Mb[l] for l in at]), lr, h)
+                         None if Mb[at[0]] is None else stacked(xp, [Mb[l] for l in at]),
+                         F=stacked(xp, [F[l + 1] for l in at]), lr=lr, h=h)
     starts = [0]
     for l in at:
         starts.append(starts[-1] + b[l].shape[0])
@@ -466,13 +469,14 @@ def _biases(xp, b, Gb, Mb, F, lr, h):
     return new, new_m
 
 
-def exact_rows(xp, W, G, F, B_prev, rho, lr) -> Any:
+def exact_rows(xp, W, G, *, F, B_prev, rho, lr) -> Any:
     """The plain bulk update of a ``(n, p, k)`` block by the core's per-entry rules
     (:func:`rows_by_rules`), for a block holding an overflow or a layer whose node vectors
     are not tame."""
     n, p, k = W.shape
-    new, _ = rows_by_rules(xp, xp.reshape(W, (n, p * k)), xp.reshape(G, (n, p * k)), None, F,
-                           per_column(xp, B_prev, k), per_column(xp, rho, k), lr, None)
+    new, _ = rows_by_rules(xp, xp.reshape(W, (n, p * k)), xp.reshape(G, (n, p * k)), None, F=F,
+                           B_cols=per_column(xp, B_prev, k), rho_cols=per_column(xp, rho, k),
+                           lr=lr, rule=None)
     return xp.reshape(new, (n, p, k))
 
 
@@ -492,7 +496,7 @@ def reciprocals(xp, F, B_prev, rho, k: int) -> tuple:
             per_column(xp, 1.0 / rho, k))
 
 
-def rows_by_rules(xp, W, G, M, F, B_cols, rho_cols, lr, rule) -> tuple:
+def rows_by_rules(xp, W, G, M, *, F, B_cols, rho_cols, lr, rule) -> tuple:
     """The bulk update by the core's per-entry rules, ``W``, ``G``, ``M`` as ``(n, p*k)``
     with ``B`` and ``rho`` per column: ``D = G/(F B)`` (0 if that overflows: frozen path),
     weight decay and momentum (:func:`gsgd_core.rules.direction`, ``V = F B W``),

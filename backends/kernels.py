@@ -48,17 +48,17 @@ class LayerKernels(Protocol):
     def colsum(self, W, G, scratch) -> Any:
         """``sum(W * G, axis=(0, 2))`` of a ``(n, p, k)`` layer."""
 
-    def bulk_(self, W, G, F, B, rho, lr, recips, scratch, *, squares=None) -> None:
+    def bulk_(self, W, G, *, F, B, rho, lr, recips=None, scratch=None, squares=None) -> None:
         """The plain bulk update ``W <- (W - lr G / (F[b] B[a])**2) / rho[a]`` by the
         core's rules (``recips``: :func:`.fast.reciprocals` for a tame layer, or ``None``;
         ``squares``: :func:`.fast.bulk_factors` of the layer, ``B``'s per column, which
         kernels whose ``checked`` is true need)."""
 
-    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
+    def rows_bulk_(self, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """The bulk update with weight decay and momentum (:func:`.fast.rows_by_rules`),
         ``W`` and ``M`` in place; ``B`` and ``rho`` given per column."""
 
-    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
+    def rule_bulk_(self, rule, coef, W, G, M, *, F, B, rho) -> None:
         """An elementwise path rule's bulk update (:func:`.rule_step.rule_bulk_`), ``W``
         and every buffer of ``M`` in place."""
 

@@ -110,18 +110,19 @@ class ArrayKernels:
         self.mod.multiply(block, u, out=block)
         self.mod.add(block, W, out=block)
 
-    def bulk_(self, W, G, f, beta, rho, lr: float, recips=None, scratch=None, *,
+    def bulk_(self, W, G, *, F, B, rho, lr: float, recips=None, scratch=None,
               squares=None) -> None:
         """:func:`.fast.plain_rows_`: in-place blocks, each checked before it is written
         (eager kernels never get ``recips``). ``W``, ``G`` come as ``(n, p*k)``."""
-        plain_rows_(self, W, G, f, beta, rho, lr, scratch, squares)
+        plain_rows_(self, W, G, F=F, B_prev=B, rho=rho, lr=lr, scratch=scratch, squares=squares)
 
-    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
+    def rows_bulk_(self, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """:func:`.fast.momentum_rows_`: in-place blocks, bit-identical to the core."""
-        momentum_rows_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch)
+        momentum_rows_(self, W, G, M, F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr, rule=rule,
+                       scratch=scratch)
 
-    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
-        rule_bulk_(self, rule, coef, W, G, M, F, B, rho)
+    def rule_bulk_(self, rule, coef, W, G, M, *, F, B, rho) -> None:
+        rule_bulk_(self, rule, coef, W, G, M, F=F, B_prev=B, rho=rho)
 
 
 KERNELS = ArrayKernels(np, CHUNK)

@@ -73,8 +73,8 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
         return False
     for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
         plan.layer_kernels[l - 1].rule_bulk_(rule, coef, W[l - 1], G[l - 1],
-                                             [m[l - 1] for m in M], v.F[l], v.B[l - 1],
-                                             v.rho[l - 1])
+                                             [m[l - 1] for m in M], F=v.F[l], B=v.B[l - 1],
+                                             rho=v.rho[l - 1])
     for l in range(L):
         kernels.put_(W[l], spec[l], v.special[l])
         for m, new in zip(M, v.special_m[l]):
@@ -163,7 +163,7 @@ def rule_bias(xp, rule, coef, b, Gb, F, bufs):
     return kept(xp, b - safe_div(xp, delta, F), b), new
 
 
-def rule_bulk_(kernels, rule, coef, W, G, M, F, B_prev, rho, *, checked: bool = True) -> None:
+def rule_bulk_(kernels, rule, coef, W, G, M, *, F, B_prev, rho, checked: bool = True) -> None:
     """Every edge of a layer by the rule, in blocks of rows, in place: ``D = G/(F B)``,
     ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges are
     overwritten afterwards. ``checked``: each block is computed without the per-entry guards

@@ -167,9 +167,8 @@ class TorchKernels:
         """``block <- W + block * u`` in place (``u`` a column of row factors), one pass."""
         torch.addcmul(W, block, u, out=block)
 
-    def bulk_(self, W, G, f, beta, rho, lr, recips=None, scratch=None, *,
-              squares=None) -> None:
-        """``W <- (W - lr * G / (f[b] beta[a])**2) / rho[a]`` in place, ``W`` and ``G`` as
+    def bulk_(self, W, G, *, F, B, rho, lr, recips=None, scratch=None, squares=None) -> None:
+        """``W <- (W - lr * G / (F[b] B[a])**2) / rho[a]`` in place, ``W`` and ``G`` as
         ``(n, p*k)``. Compiled (traced inside the compiled bulk stage) or on a GPU: one
         loop, :func:`.fast.recip_rows` for a tame layer (``recips`` given) and
         :func:`.fast.exact_rows` otherwise, with no host read. Eager on the CPU: block by
@@ -177,27 +176,29 @@ class TorchKernels:
         if not self.checked:
             # written into W itself: through a view, inductor stages a copy
             W.copy_(recip_rows(compat, W, G, recips, lr) if recips is not None else
-                    exact_rows(compat, W.view(W.shape[0], beta.shape[0], -1),
-                               G.view(G.shape[0], beta.shape[0], -1), f, beta, rho,
-                               lr).view(W.shape))
+                    exact_rows(compat, W.view(W.shape[0], B.shape[0], -1),
+                               G.view(G.shape[0], B.shape[0], -1), F=F, B_prev=B, rho=rho,
+                               lr=lr).view(W.shape))
             return
-        plain_rows_(self, W, G, f, beta, rho, lr, scratch, squares)
+        plain_rows_(self, W, G, F=F, B_prev=B, rho=rho, lr=lr, scratch=scratch, squares=squares)
 
-    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
+    def rows_bulk_(self, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
         """Weight decay and momentum: compiled or on a GPU, :func:`.fast.rows_by_rules`
         whole (no host read); eager on the CPU, :func:`.fast.momentum_rows_` (in-place
         blocks, bit-identical to the core)."""
         if not self.checked:
-            w, m = rows_by_rules(compat, W, G, M, F, B_cols, rho_cols, lr, rule)
+            w, m = rows_by_rules(compat, W, G, M, F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr,
+                                 rule=rule)
             W.copy_(w)
             if M is not None:
                 M.copy_(m)
             return
-        momentum_rows_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch)
+        momentum_rows_(self, W, G, M, F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr, rule=rule,
+                       scratch=scratch)
 
-    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
+    def rule_bulk_(self, rule, coef, W, G, M, *, F, B, rho) -> None:
         """:func:`.rule_step.rule_bulk_`, its blocks checked by a host read on the CPU only."""
-        rule_bulk_(self, rule, coef, W, G, M, F, B, rho, checked=self.checked)
+        rule_bulk_(self, rule, coef, W, G, M, F=F, B_prev=B, rho=rho, checked=self.checked)
 
 
 class TorchOnNumPy:
@@ -216,16 +217,19 @@ class TorchOnNumPy:
     def colsum(self, W, G, scratch):
         return self.kernels.colsum(torch.from_numpy(W), torch.from_numpy(G), scratch).numpy()
 
-    def bulk_(self, W, G, F, B, rho, lr, recips, scratch, *, squares=None) -> None:
-        self.kernels.bulk_(*_tensors((W, G, F, B, rho)), lr, None, scratch,
+    def bulk_(self, W, G, *, F, B, rho, lr, recips=None, scratch=None, squares=None) -> None:
+        W, G, F, B, rho = _tensors((W, G, F, B, rho))
+        self.kernels.bulk_(W, G, F=F, B=B, rho=rho, lr=lr, scratch=scratch,
                            squares=_tensors(squares))
 
-    def rows_bulk_(self, W, G, M, F, B_cols, rho_cols, lr, rule, scratch) -> None:
-        self.kernels.rows_bulk_(*_tensors((W, G, M, F, B_cols, rho_cols)), lr,
-                                _tensors(rule), scratch)
+    def rows_bulk_(self, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch=None) -> None:
+        W, G, M, F, B_cols, rho_cols = _tensors((W, G, M, F, B_cols, rho_cols))
+        self.kernels.rows_bulk_(W, G, M, F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr,
+                                rule=_tensors(rule), scratch=scratch)
 
-    def rule_bulk_(self, rule, coef, W, G, M, F, B, rho) -> None:
-        self.kernels.rule_bulk_(rule, _tensors(coef), *_tensors((W, G, M, F, B, rho)))
+    def rule_bulk_(self, rule, coef, W, G, M, *, F, B, rho) -> None:
+        W, G, M, F, B, rho = _tensors((W, G, M, F, B, rho))
+        self.kernels.rule_bulk_(rule, _tensors(coef), W, G, M, F=F, B=B, rho=rho)
 
 
 def _tensors(x):

@@ -243,7 +243,7 @@ def test_overflowing_block_is_recomputed_by_the_core_rules(fxp, monkeypatch):
     in the core, and only the blocks holding an overflow take the slow rules."""
     calls = []
     real = fast.rows_by_rules
-    monkeypatch.setattr(fast, "rows_by_rules", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fast, "rows_by_rules", lambda *a, **k: calls.append(1) or real(*a, **k))
     pb = Problem(CHAIN, 3)
     G, Gb = pb.grads()
     lr = 1e308 if fxp.is_f64 else 3e38
@@ -298,12 +298,14 @@ def test_block_loops_divide_into_the_weights_only_when_it_cannot_overflow(fxp, c
     Mx = Mx if momentum else None
     with kernels.context():
         expected = [None if e is None else fxp.to_numpy(e) for e in
-                    fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)]
+                    fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx,
+                                       lr=0.1, rule=rule)]
         if momentum:
-            fast.momentum_rows_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch())
+            fast.momentum_rows_(kernels, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=0.1,
+                                rule=rule, scratch=Scratch())
         else:
-            fast.plain_rows_(kernels, Wx, Gx, Fx, Bx, Rx, 0.1, Scratch(),
-                             fast.bulk_factors(kernels.xp, Fx, Bx, 0.1))
+            fast.plain_rows_(kernels, Wx, Gx, F=Fx, B_prev=Bx, rho=Rx, lr=0.1, scratch=Scratch(),
+                             squares=fast.bulk_factors(kernels.xp, Fx, Bx, 0.1))
     assert bool(checks) == (case != "ordinary"), "an ordinary block is written unchecked"
     got = fxp.to_numpy(Wx)
     assert np.all(np.isfinite(got))
@@ -540,7 +542,7 @@ def test_reciprocal_bulk_equals_the_core_rules_on_tame_vectors(seed, f, beta, rh
         if not all(np.all(np.isfinite(a)) for a in (W, G, F, B, R)) or np.any(R == 0):
             return
         tame = bool(fast._tame(np, F, True) & fast._tame(np, B, True) & fast._tame(np, R, False))
-        exact = fast.exact_rows(np, W, G, F, B, R, lr)
+        exact = fast.exact_rows(np, W, G, F=F, B_prev=B, rho=R, lr=lr)
         recip = fast.recip_rows(np, W.reshape(4, 6), G.reshape(4, 6),
                                 fast.reciprocals(np, F, B, R, 2), lr).reshape(W.shape)
     assert np.all(np.isfinite(exact)) and np.all(np.isfinite(recip))
@@ -565,7 +567,7 @@ def test_tame_refuses_vectors_whose_products_underflow():
     F, B, R = np.array([1e-310]), np.array([1e300]), np.ones(1)
     assert not bool(fast._tame(np, F, True))
     with np.errstate(all="ignore"):
-        exact = fast.exact_rows(np, W, G, F, B, R, 1e-3)
+        exact = fast.exact_rows(np, W, G, F=F, B_prev=B, rho=R, lr=1e-3)
         recip = fast.recip_rows(np, W[0], G[0], fast.reciprocals(np, F, B, R, 1), 1e-3)[None]
     assert exact[0, 0, 0] != 1.0 and recip[0, 0, 0] == 1.0
 
@@ -610,7 +612,8 @@ def test_compiled_reciprocal_bulk_keeps_its_finite_checks():
     G = np.array([[1e300, -1e300], [1.0, 1.0], [1.0, -1.0]])
     F, B, R = np.array([1e-10, 1.0, 2.0]), np.array([1e-10, 1.0]), np.array([0.5, 0.25])
     with np.errstate(all="ignore"):
-        exact = fast.exact_rows(np, W[:, :, None], G[:, :, None], F, B, R, 0.1)[:, :, 0]
+        exact = fast.exact_rows(np, W[:, :, None], G[:, :, None], F=F, B_prev=B, rho=R,
+                                lr=0.1)[:, :, 0]
     assert np.array_equal(exact[:2], [[2.0, -8.0], [1e308, -1e308]])
     recips = [torch.tensor(v) for v in fast.reciprocals(np, F, B, R, 1)]
     compiled = torch.compile(fast.recip_rows, dynamic=False)
@@ -642,11 +645,12 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     Wx, Gx, Mx = (fxp.asarray(a) for a in (W, G, M))
     Mx = Mx if mu else None
     Fx, Bx, Rx = (fxp.asarray(a) for a in (F, B, R))
-    expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule)
+    expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=0.1,
+                                  rule=rule)
     before = [fxp.to_numpy(a).copy() for a in (Wx, Mx) if a is not None]
     with kernels.context():
-        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, Fx, Bx, Rx, 0.1, rule, Scratch(),
-                                     direct=direct)
+        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=0.1,
+                                     rule=rule, scratch=Scratch(), direct=direct)
     assert wrote == (not zero_f)
     after = [fxp.to_numpy(a) for a in (Wx, Mx) if a is not None]
     targets = [fxp.to_numpy(e) for e in expected if e is not None] if wrote else before

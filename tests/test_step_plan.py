@@ -145,6 +145,26 @@ def test_kernel_sets_declare_the_interface():
     assert isinstance(gbt.ON_NUMPY, gb.LayerKernels)
 
 
+def test_layer_kernels_take_the_declared_keywords():
+    """The steps pass a layer's node vectors, learning rate and buffers by keyword, so every
+    set of layer kernels names its parameters as :class:`LayerKernels` declares them, down to
+    which are keyword-only (a kernel set that a step rarely reaches, CuPy's on a GPU, is
+    checked here rather than on the step that would reach it)."""
+    import inspect
+
+    import gsgd_backends.numpy as gbn
+
+    def shape(f):
+        return [(p.name, p.kind) for p in inspect.signature(f).parameters.values()
+                if p.name != "self"]
+
+    for name in ("bulk_", "rows_bulk_", "rule_bulk_"):
+        declared = shape(getattr(gb.LayerKernels, name))
+        assert sum(kind == inspect.Parameter.KEYWORD_ONLY for _, kind in declared) >= 3, name
+        for k in (gbn.KERNELS, gbt.KERNELS, gbt.COMPILED, gbt.ON_DEVICE, gbt.ON_NUMPY):
+            assert shape(getattr(k, name)) == declared, (type(k).__name__, name)
+
+
 def test_eager_namespaces_are_copies_with_cheaper_takes():
     """The eager kernels' namespaces are their libraries' compat namespaces, copied (a
     lookup is no Python call, unlike a proxy's ``__getattr__``), hashable as themselves,
@@ -236,7 +256,7 @@ def test_cpu_plan_updates_finite_blocks_in_place(monkeypatch, momentum):
         for name in ("exact_rows", "rows_by_rules"):
             real = getattr(module, name)
             monkeypatch.setattr(module, name,
-                                lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+                                lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     chain = gc.Chain.mlp([300, 500, 8], bias=False)  # 150,000 weights: ON_NUMPY
     rng = np.random.default_rng(0)
     W = [torch.tensor(rng.uniform(0.5, 1.5, s)) for s in [(500, 300), (8, 500)]]
