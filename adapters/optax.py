@@ -105,7 +105,7 @@ def _get(index, leaves, path, transposed=False):
     return x.T if transposed and x.ndim == 2 else x
 
 
-def _sgd_rest(g, p, buf, count, lr, momentum, dampening, nesterov, weight_decay):
+def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_decay):
     """torch.optim.SGD's update of one leaf outside the chains: returns (update, buffer)."""
     if weight_decay:
         g = g + weight_decay * p

@@ -51,7 +51,7 @@ def psi_step_(weights, grads, buffers, *, lr: float, momentum: float, max_norm: 
     with torch.no_grad():
         sq = [torch.linalg.vector_norm(w, dim=1, keepdim=True).square_() for w in W]
         top = torch.stack([s.max() if s.numel() else s.new_zeros(()) for s in sq])
-        ok, may_pass = _bounds(W, G, U, top, lr, momentum, max_norm)
+        ok, may_pass = _bounds(W, G, U, top, lr=lr, momentum=momentum, max_norm=max_norm)
         if not ok:
             return False
         if momentum and update is not None:
@@ -85,7 +85,7 @@ def _rows(weights, grads, buffers, momentum):
     return W, G, U
 
 
-def _bounds(W, G, U, top, lr, momentum, max_norm) -> tuple[bool, bool]:
+def _bounds(W, G, U, top, *, lr, momentum, max_norm) -> tuple[bool, bool]:
     """Whether every gradient is finite and no new value can overflow, and whether a row
     might end above ``max_norm`` (one host synchronisation for both), from ``top``: per
     weight, at least its largest squared row norm."""

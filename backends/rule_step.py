@@ -122,7 +122,8 @@ def rule_vectors(kernels, chain, st, *, rule, coef, ws, gs, ms, C, b, Gb, Mb,
     bias, bias_m = [None] * L, [[None] * L for _ in Mb]
     for l in range(L):
         if b[l] is not None:
-            bias[l], new = rule_bias(xp, rule, coef, b[l], Gb[l], F[l + 1], [m[l] for m in Mb])
+            bias[l], new = rule_bias(xp, rule, coef, b[l], Gb[l], F=F[l + 1],
+                                     bufs=[m[l] for m in Mb])
             for j, m in enumerate(new):
                 bias_m[j][l] = m
     special_m = [list(m) for m in zip(*[split(m, st.edges) for m in special_m])] or [[]] * L
@@ -157,7 +158,7 @@ def rule_special(xp, st, ws, gs, ms, *, rule, coef, T, B, F, one):
                      for a, f in zip(m_tau, m_free)], rho
 
 
-def rule_bias(xp, rule, coef, b, Gb, F, bufs):
+def rule_bias(xp, rule, coef, b, Gb, *, F, bufs):
     """``b' = b - Delta / F`` with ``Delta`` the rule's step at ``Db = Gb / F``, ``Vb = b F``."""
     delta, new = _apply(xp, rule, coef, path_gradient(xp, Gb, F, Gb), b * F, bufs)
     return kept(xp, b - safe_div(xp, delta, F), b), new

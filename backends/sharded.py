@@ -87,7 +87,7 @@ class RowShard:
         return [(r1 - r0,) + self.chain.layer_shape(l)[1:]
                 for l, (r0, r1) in enumerate(self.rows, 1)]
 
-    def gather(self, plan: StepPlan, W, G, M, C, vectors, refused: bool):
+    def gather(self, plan: StepPlan, W, G, M, C, *, vectors, refused: bool):
         """The full vectors from every process's local pieces, by one ``reduce``.
 
         ``W``, ``G``: local 3-D views; ``M``: lists (one per buffer) of local 3-D buffers;
@@ -193,7 +193,7 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
         Ms, ok_m = ([], True) if M is None else _views(k, shard, M)
         ws, gs, ms, C, (b_full, Gb_full, Mb_full), refused = shard.gather(
             plan, W, G, [Ms] if M is not None else [], shard.column_sums(plan, W, G),
-            [b, Gb, Mb], refused or not (ok_w and ok_m))
+            vectors=[b, Gb, Mb], refused=refused or not (ok_w and ok_m))
         if refused:
             return False
         h = None if not (weight_decay or momentum) else StepRule(
@@ -244,7 +244,8 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
         rest = [iter(bufs[L:]) for bufs in buffers]
         Mb = [[None if x is None else next(r) for x in b] for r in rest]
         ws, gs, ms, C, full, refused = shard.gather(
-            plan, W, G, M, shard.column_sums(plan, W, G), [b, Gb] + Mb, refused or not ok)
+            plan, W, G, M, shard.column_sums(plan, W, G), vectors=[b, Gb] + Mb,
+            refused=refused or not ok)
         if refused:
             return False
         coef = rule.coefficients(xp, count[0], W[0].dtype)

@@ -97,7 +97,7 @@ class GAdam(ScaleInvariantOptimizer):
 
     kernels = KERNELS
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed, stepper) -> bool:
+    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper) -> bool:
         rule = _rule(group, self.decoupled)
         for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
             for name in rule.buffers:

@@ -343,8 +343,8 @@ class ScaleInvariantOptimizer(Optimizer):
         b = [x.detach().clone() if f else x for x, f in zip(b, fixed)]
         G = [_row_norm_scaled(g, w) if part.normalised[i] else g
              for g, w, i in zip(G, W, layers)]
-        applied = self._apply(chain, W, b, G, Gb, group, state, fixed,
-                              self._stepper(chain, W, names))
+        applied = self._apply(chain, W, b, G, Gb, group=group, state=state, fixed=fixed,
+                              stepper=self._stepper(chain, W, names))
         if not applied:
             self._skipped += 1
             if self._skipped == 1:
@@ -461,7 +461,7 @@ class GSGD(ScaleInvariantOptimizer):
     def kernels(self):
         return gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed, stepper) -> bool:
+    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper) -> bool:
         momentum = hyper_value(group["momentum"])
         st = None
         if momentum != 0:
@@ -525,7 +525,7 @@ class PathSGD(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
 
-    def _apply(self, chain, W, b, G, Gb, group, state, fixed, stepper) -> bool:
+    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper) -> bool:
         def full(a):
             path_sgd_step_(chain, *a, hyper_value(group["lr"]))
             return True
