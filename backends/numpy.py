@@ -19,11 +19,12 @@ from .kernels import namespace
 from .plan import StepPlan
 from .rule_step import rule_bulk_
 
-#: ``array_api_compat.numpy`` with ``take`` as the arrays' own method: NumPy's function wraps
-#: it in three Python calls (a dispatcher, the function, ``_wrapfunc``). The fast step's
-#: takes gather 1-D arrays (never NumPy scalars) by indices that are never negative, so
-#: ``ndarray.take`` does what ``take`` does.
-NAMESPACE = namespace(np_compat, take=np.ndarray.take)
+#: ``array_api_compat.numpy`` with ``take`` and ``reshape`` as the arrays' own methods:
+#: NumPy's functions wrap them in three Python calls each (a dispatcher, the function,
+#: ``_wrapfunc``). The fast step takes and reshapes arrays (never NumPy scalars), gathers by
+#: indices that are never negative and reshapes without ``copy=``, so the methods do what
+#: the functions do.
+NAMESPACE = namespace(np_compat, take=np.ndarray.take, reshape=np.ndarray.reshape)
 #: Elements per block of the bulk update (512 KiB of float64: well inside a 1 MiB L2).
 CHUNK = 1 << 16
 #: Conv layers from this many weights take the row-wise column sum (timed: below it the
@@ -64,14 +65,15 @@ class ArrayKernels:
         """A ``(n, p, k)`` view of ``w`` sharing its memory, or ``None`` if ``w`` cannot be
         written in place (not contiguous or read-only); read-only use reshapes any array."""
         if not writable:
-            return self.mod.reshape(w, shape)
+            return w.reshape(shape)
         flags = w.flags
         if not flags.c_contiguous or not getattr(flags, "writeable", True):
             return None
         return w.reshape(shape)
 
     def total(self, G):
-        return self.mod.sum(G)
+        """A 0-d array, not a NumPy scalar (which the namespace's ``reshape`` refuses)."""
+        return G.sum(keepdims=True).reshape(())
 
     def colsum(self, W, G, scratch=None):
         """``sum(W * G, axis=(0, 2))``. A conv layer's (``k > 1``) of :data:`ROWWISE`
@@ -81,8 +83,8 @@ class ArrayKernels:
         mod, (n, p, k) = self.mod, W.shape
         if k == 1 or n * p * k < ROWWISE:
             return mod.einsum("bak,bak->a", W, G)
-        s = mod.einsum("bc,bc->c", mod.reshape(W, (n, p * k)), mod.reshape(G, (n, p * k)))
-        return mod.sum(mod.reshape(s, (p, k)), axis=1)
+        s = mod.einsum("bc,bc->c", W.reshape(n, p * k), G.reshape(n, p * k))
+        return s.reshape(p, k).sum(axis=1)
 
     def scatter_add(self, target, index, values):
         out = target.copy()

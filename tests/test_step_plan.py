@@ -165,7 +165,7 @@ def test_layer_kernels_take_the_declared_keywords():
             assert shape(getattr(k, name)) == declared, (type(k).__name__, name)
 
 
-def test_eager_namespaces_are_copies_with_cheaper_takes():
+def test_eager_namespaces_are_copies_with_cheaper_takes_and_reshapes():
     """The eager kernels' namespaces are their libraries' compat namespaces, copied (a
     lookup is no Python call, unlike a proxy's ``__getattr__``), hashable as themselves,
     with a ``take`` that gathers as compat's does on the step's vectors."""
@@ -184,6 +184,12 @@ def test_eager_namespaces_are_copies_with_cheaper_takes():
         assert xp == xp and xp != namespace(base) and {xp: 1}[xp] == 1
         index = base.asarray([3, 0, 3])
         assert base.all(xp.take(x, index) == base.take(x, index))
+    # NumPy's reshape is the method too: a view with compat's shape and values
+    xp, a = gbn.KERNELS.xp, np.arange(12.0).reshape(3, 4)
+    assert xp.reshape is not np_compat.reshape, "the NumPy kernels reshape through a wrapper"
+    for shape in [(-1,), (4, -1), (2, 3, 2)]:
+        r = xp.reshape(a, shape)
+        assert np.shares_memory(r, a) and np.array_equal(r, np_compat.reshape(a, shape))
 
 
 def test_cpu_plans_pick_each_layers_kernels_once():
