@@ -26,9 +26,10 @@ from .plan import StepPlan
 __all__ = ["rule_step_"]
 
 #: Elements per block of a CPU bulk update. A rule's block makes some twenty passes over
-#: its temporaries, so blocks stay well inside L2 (chosen by timing G-Adam's step against
-#: larger blocks with ``python -m benchmarks.step_overhead``).
-BLOCK = 1 << 15
+#: its temporaries, so blocks stay near L2; each pass is an op whose call costs as much as
+#: a few thousand elements' work, so blocks are not much smaller (chosen by timing G-Adam's
+#: step on the benchmark's MLPs and CNNs with blocks of 2^15, 2^16 and 2^17 elements).
+BLOCK = 1 << 16
 
 
 def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, weights, biases,
