@@ -22,9 +22,9 @@ RULES = {"adam": lambda: gc.adam_rule(0.01),
                                              weight_decay=1e-3)}
 
 
-def _runs(ns, chain, pb, rule, steps, W=None, chunk=None):
-    """``steps`` steps by the fast path (in place) and by the core; host copies of both,
-    and whether every fast step ran fast."""
+def _runs(ns, chain, pb, rule, steps, W=None, chunk=None, grad_scale=1.0):
+    """``steps`` steps by the fast path (in place) and by the core (gradients times
+    ``grad_scale``); host copies of both, and whether every fast step ran fast."""
     W = pb.W if W is None else W
     A, Ab = ns.aslist(W), ns.aslist(pb.b)
     E, Eb = ns.aslist(W), ns.aslist(pb.b)
@@ -32,6 +32,7 @@ def _runs(ns, chain, pb, rule, steps, W=None, chunk=None):
     kernels, ran = gb.kernels_for(A[0]), []
     for _ in range(steps):
         G, Gb = pb.grads(ns.tolist(E), ns.tolist(Eb))
+        G = [g * grad_scale for g in G]
         with _chunk(kernels, chunk):
             ran.append(rule_step_(kernels, chain, rule, fs, A, Ab, ns.aslist(G), ns.aslist(Gb)))
         fs = fs._replace(count=fs.count + 1)
@@ -72,7 +73,7 @@ class SignRule(gc.ElementwiseRule):
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw-amsgrad", "sign"])
-@pytest.mark.parametrize("case", ["zero tau", "zero free", "huge gradient"])
+@pytest.mark.parametrize("case", ["zero tau", "zero free", "huge gradient", "overflowing D"])
 def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case, name):
     """A zero skeleton weight (``F B = 0``: frozen paths) or a ``D`` that overflows makes a
     block's sums non-finite: the block is recomputed by the core's per-entry rules."""
@@ -82,11 +83,15 @@ def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case, name):
         W[0][CHAIN.tau_mask(1)] = 0.0
     elif case == "zero free":
         W[1][CHAIN.free_mask(2)] = 0.0
-    else:
+    elif case == "huge gradient":
         tiny = 1e-150 if fxp.is_f64 else 1e-18
         W[0] = W[0] * tiny  # B_1 ~ tiny: D = G / (F B) of layer 2 overflows
+    else:  # D = G / (F B) overflows, a step of size lr / (F B) would not
+        W[0] = W[0] * (1e-160 if fxp.is_f64 else 1e-8)
+    scale = (1e160 if fxp.is_f64 else 1e32) if case == "overflowing D" else 1.0
     rule = SignRule() if name == "sign" else RULES[name]()
-    ran, fast, core = _runs(fxp, CHAIN, pb, rule, 2, W=W, chunk=5)
+    steps = 1 if case == "overflowing D" else 2  # its step moves weights far
+    ran, fast, core = _runs(fxp, CHAIN, pb, rule, steps, W=W, chunk=5, grad_scale=scale)
     assert ran
     assert all(np.all(np.isfinite(x)) for x in fast[0] + fast[1] if x is not None)
     _assert_same(fxp, fast, core)
