@@ -171,10 +171,11 @@ def rule_bulk_(kernels, rule, coef, W, G, M, *, F, B_prev, rho, checked: bool = 
     ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges are
     overwritten afterwards. ``checked``: each block is computed without the per-entry guards
     and checked through the sums of ``D``, ``W'`` and the new buffers, each read on the host
-    (a CPU's read costs less than the ops that would stack them): where every sum is finite the guards would have changed nothing (a zero ``F B``
-    or an overflow makes ``D`` or ``W'`` non-finite), else the block is recomputed by the
-    core's per-entry rules. Unchecked, every block takes the per-entry rules (no host
-    read)."""
+    (on a CPU a read costs less than the ops that would stack them): where every sum is
+    finite the guards would have changed nothing (a zero ``F B`` or an overflow makes ``D``,
+    ``W'`` or a buffer non-finite; ``D`` is checked itself, since a rule may squash it), else
+    the block is recomputed by the core's per-entry rules. Unchecked, every block takes the
+    per-entry rules (no host read)."""
     xp = kernels.xp
     n, p, k = W.shape
     rows = kernels.block_rows(W)

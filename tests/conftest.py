@@ -30,6 +30,7 @@ except ImportError:
 
 from _namespaces import available_namespaces  # noqa: E402
 from _strategies import fixed_shapes  # noqa: E402
+from gsgd_backends._dispatch import FAST  # noqa: E402
 
 # ``hxp`` is function-scoped only to hold JAX's fixed-shape context around a test; it keeps
 # no per-example state, so Hypothesis may reuse it across examples.
@@ -57,6 +58,14 @@ def _use(ns):
 @pytest.fixture(scope="session", params=available_namespaces(), ids=lambda ns: ns.id)
 def xp(request):
     """Every array namespace and float dtype: numpy, array-api-strict, torch, jax, cupy."""
+    return _use(request.param)
+
+
+@pytest.fixture(scope="session", ids=lambda ns: ns.id,
+                params=[ns for ns in available_namespaces() if ns.name in FAST])
+def fxp(request):
+    """The namespaces with a fast path (gsgd_backends): numpy, torch, cupy (float64 and
+    float32)."""
     return _use(request.param)
 
 

@@ -39,9 +39,9 @@ def test_dense_references_refuse_more_paths_than_max_paths():
     assert ref.n_paths(big) == 20_001 and ref.n_paths(small) == 6
     for chain in (big, small):
         W = [np.ones((n, n_prev)) for n_prev, n in zip(chain.sizes[:-1], chain.sizes[1:])]
-        calls = (lambda **k: ref.enumerate_paths(chain, **k),
-                 lambda **k: ref.structure_matrix(chain, **k),
-                 lambda **k: ref.path_sgd_gamma(chain, W, **k))
+        calls = (lambda chain=chain, **k: ref.enumerate_paths(chain, **k),
+                 lambda chain=chain, **k: ref.structure_matrix(chain, **k),
+                 lambda chain=chain, W=W, **k: ref.path_sgd_gamma(chain, W, **k))
         for call in calls:
             if chain is big:
                 with pytest.raises(ValueError, match="more than max_paths=20000"):

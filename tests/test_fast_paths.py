@@ -15,22 +15,12 @@ import gsgd_backends as gb
 import gsgd_backends.fast as fast
 from gsgd_backends.plan import Scratch
 import gsgd_core as gc
-from gsgd_backends._dispatch import FAST, assign
+from gsgd_backends._dispatch import assign
 from _helpers import Problem, assert_close
-from _namespaces import available_namespaces
 from _strategies import chains, examples, random_params, seeds
 
 CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
                              bias=[True, False, True, True])
-
-
-@pytest.fixture(scope="session", ids=lambda ns: ns.id,
-                params=[ns for ns in available_namespaces() if ns.name in FAST])
-def fxp(request):
-    """The namespaces with a fast path: numpy, torch, cupy (float64 and float32)."""
-    if request.param.skip_reason:
-        pytest.skip(request.param.skip_reason)
-    return request.param
 
 
 def _tol(ns):

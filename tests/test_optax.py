@@ -344,7 +344,7 @@ def test_in_path_space_composes_inside_optax_chain():
     for _ in range(3):
         g = grad(p)
         scale = jnp.minimum(1.0, 0.1 / optax.tree.norm(g))
-        u, state = inner.update(jax.tree_util.tree_map(lambda x: x * scale, g), state, p)
+        u, state = inner.update(jax.tree_util.tree_map(lambda x, s=scale: x * s, g), state, p)
         p = optax.apply_updates(p, u)
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(p)):
         assert_close(np.asarray(a), np.asarray(b), 1e-12)

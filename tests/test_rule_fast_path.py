@@ -13,7 +13,7 @@ import gsgd_core as gc
 from gsgd_backends.rule_step import rule_step_
 from _helpers import Problem, assert_close
 from _strategies import chains, seeds
-from test_fast_paths import CHAIN, _chunk, _tol, fxp  # noqa: F401  (the fixture)
+from test_fast_paths import CHAIN, _chunk, _tol
 
 RULES = {"adam": lambda: gc.adam_rule(0.01),
          "adamw-amsgrad": lambda: gc.adamw_rule(0.01, betas=(0.8, 0.99), weight_decay=0.1,
@@ -119,7 +119,8 @@ def test_non_finite_gradients_are_handed_back(fxp, layer):
 def test_the_dispatch_takes_the_fast_path_and_counts_the_step(fxp, monkeypatch):
     import gsgd_backends.inplace as inplace
     calls = []
-    monkeypatch.setattr(inplace, "rule_step_", lambda *a, **k: calls.append(1) or rule_step_(*a, **k))
+    monkeypatch.setattr(inplace, "rule_step_",
+                        lambda *a, **k: calls.append(1) or rule_step_(*a, **k))
     monkeypatch.setattr(gc, "path_update", None)  # the core is never reached
     pb = Problem(CHAIN, 5)
     rule = RULES["adam"]()

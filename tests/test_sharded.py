@@ -107,7 +107,7 @@ def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
         G, Gb = pb.grads(W, b)
         W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **hyper)
 
-        def step(rank, reduce):
+        def step(rank, reduce, G=G, Gb=Gb):
             loc, rows = locs[rank], split[rank]
             shard = RowShard(chain, rows, reduce)
             done = sharded_gsgd_update_(_kernels(lib, loc["W"][0]), shard, loc["st"],
@@ -148,7 +148,7 @@ def test_sharded_rule_equals_the_core(lib, data, chain, seed, world):
         G, Gb = pb.grads(W, b)
         W, b, state = gc.path_update(chain, rule, state, W, b, G, Gb)
 
-        def step(rank, reduce):
+        def step(rank, reduce, G=G, Gb=Gb):
             loc, rows = locs[rank], split[rank]
             shard = RowShard(chain, rows, reduce)
             done = sharded_path_update_(_kernels(lib, loc["W"][0]), shard, rule, loc["st"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import numpy as np
@@ -50,11 +51,10 @@ def skeleton_init_(model: nn.Module, chains=None, *, skeleton: str = "he") -> li
     found = _chains(model, chains)
     rest = math.sqrt(1.0 - HE_SKELETON_SHARE) if skeleton == "he" else 1.0
     for c in found:
-        def init(a, chain=scaled(c.chain, skeleton)):
-            skeleton_init_chain_(chain, a, keep_signs=(skeleton == "he"), rest_scale=rest)
-
         # FSDP2-sharded layers are initialised on the gathered weights, rows written back.
-        sharded_step([m.weight for m in c.modules], None, init)
+        sharded_step([m.weight for m in c.modules], None,
+                     functools.partial(skeleton_init_chain_, scaled(c.chain, skeleton),
+                                       keep_signs=(skeleton == "he"), rest_scale=rest))
     return found
 
 
