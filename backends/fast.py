@@ -293,14 +293,10 @@ def plain_rows_(kernels, W, G, *, F, B_prev, rho, lr, scratch, squares) -> None:
     ``v = -lr/B_prev**2`` per column, each a row or a column vector that broadcasts along
     contiguous memory.
 
-    Each block is checked before it is written, with one host read. Where every
-    ``|rho| >= 4 / sqrt(max)`` (:func:`_divides_finitely`), a finite sum of the block's
-    squares bounds every entry by ``sqrt(max)``, so its quotient by ``rho`` is finite and is
-    written into ``W`` directly. Otherwise (or where that sum is not finite: an entry
-    beyond ``sqrt(max)``, a NaN or an Inf) the quotient is formed in the block and its sum
-    checked; a block whose result is not finite (a zero or overflowing skeleton product, or
-    an overflow) is recomputed by the core's per-entry rules (:func:`rows_by_rules`). The
-    eager kernels' ``bulk_``."""
+    Each block's quotient by ``rho`` is checked before it is written (:func:`_quotient_into_`:
+    unchecked only where it cannot overflow); a block whose result is not finite (a zero or
+    overflowing skeleton product, or an overflow) is recomputed by the core's per-entry
+    rules (:func:`rows_by_rules`). The eager kernels' ``bulk_``."""
     xp, mod = kernels.xp, kernels.mod
     n, m = W.shape
     k = m // B_prev.shape[0]
@@ -311,19 +307,32 @@ def plain_rows_(kernels, W, G, *, F, B_prev, rho, lr, scratch, squares) -> None:
     buf = kernels.scratch(scratch, W, rows * m)
     for i in range(0, n, rows):
         j = min(n, i + rows)
-        flat = buf[:(j - i) * m]
-        block = flat.reshape((j - i, m))
+        block = buf[:(j - i) * m].reshape((j - i, m))
         mod.multiply(G[i:j], v, out=block)
         kernels.add_product_(block, u[i:j], W[i:j])
-        if direct and math.isfinite(float(mod.vdot(flat, flat))):
-            mod.divide(block, r, out=W[i:j])
-            continue
-        mod.divide(block, r, out=block)
-        if not math.isfinite(float(mod.sum(block))):
-            block = rows_by_rules(xp, W[i:j], G[i:j], None, F=F[i:j],
-                                  B_cols=per_column(xp, B_prev, k), rho_cols=r, lr=lr,
-                                  rule=None)[0]
-        W[i:j] = block
+        if not _quotient_into_(kernels, W[i:j], block, r, direct):
+            W[i:j] = rows_by_rules(xp, W[i:j], G[i:j], None, F=F[i:j],
+                                   B_cols=per_column(xp, B_prev, k), rho_cols=r, lr=lr,
+                                   rule=None)[0]
+
+
+def _quotient_into_(kernels, dst, block, rho_cols, direct: bool) -> bool:
+    """``dst <- block / rho_cols`` (``rho`` per column) when every quotient is finite;
+    ``False``, ``dst`` untouched, otherwise (the block loops then take the core's per-entry
+    rules). ``direct`` (:func:`_divides_finitely`): a finite sum of the block's squares
+    bounds every entry by ``sqrt(max)``, so the quotient goes into ``dst`` unchecked; else,
+    or where that sum is not finite, it is formed in ``block`` and its sum checked. One host
+    read, two where the first fails."""
+    mod = kernels.mod
+    flat = block.reshape(-1)
+    if direct and math.isfinite(float(mod.vdot(flat, flat))):
+        mod.divide(block, rho_cols, out=dst)
+        return True
+    mod.divide(block, rho_cols, out=block)
+    if not math.isfinite(float(mod.sum(block))):
+        return False
+    dst[...] = block
+    return True
 
 
 def _divides_finitely(xp, rho) -> bool:
@@ -366,10 +375,9 @@ def momentum_block_(kernels, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch,
     finite; otherwise writes nothing and returns ``False`` (a zero or overflowing ``F B``,
     or an overflow: the per-entry rules treat those specially).
 
-    Only ``W' = (W - lr * dir / fb) / rho`` is checked: a new buffer that is not finite makes
-    ``dir / fb``, and so ``W'``, not finite. ``direct`` (every ``|rho| >= 4/sqrt(max)``,
-    :func:`_divides_finitely`): the quotient by ``rho`` goes into ``W`` itself when the
-    squares of the dividend sum finitely (as in :func:`plain_rows_`)."""
+    Only ``W' = (W - lr * dir / fb) / rho`` is checked (:func:`_quotient_into_`, ``direct``
+    as there): a new buffer that is not finite makes ``dir / fb``, and so ``W'``, not
+    finite."""
     mod = kernels.mod
     r, m = W.shape
     buf = kernels.scratch(scratch, W, 4 * r * m)
@@ -393,14 +401,8 @@ def momentum_block_(kernels, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch,
             step_dir = mod.add(D, mod.multiply(Mn, rule.momentum, out=T), out=D)
     mod.divide(step_dir, fb, out=T)  # W' = (W - lr * dir / fb) / rho
     mod.subtract(W, mod.multiply(T, lr, out=T), out=T)
-    flat = T.reshape(-1)
-    if direct and math.isfinite(float(mod.vdot(flat, flat))):
-        mod.divide(T, rho_cols[None, :], out=W)
-    else:
-        mod.divide(T, rho_cols[None, :], out=T)
-        if not math.isfinite(float(mod.sum(T))):
-            return False
-        W[...] = T
+    if not _quotient_into_(kernels, W, T, rho_cols, direct):
+        return False
     if M is not None:
         M[...] = Mn
     return True
