@@ -295,46 +295,41 @@ def test_cpu_plan_checks_a_large_first_layer_on_torch(bad):
     assert all(torch.equal(w, x) for w, x in zip(W, before))
 
 
+def _factor_calls(monkeypatch, chain, seed, wrap, kernels=None) -> int:
+    """``recip_square`` calls of one plain fast step of ``chain`` on arrays made by ``wrap``
+    (through ``kernels``' own plan if given), after checking that the step equals the
+    core's."""
+    calls = []
+    real = fast.recip_square
+    monkeypatch.setattr(fast, "recip_square", lambda *a: calls.append(1) or real(*a))
+    pb = Problem(chain, seed)
+    G, Gb = pb.grads()
+    W, b = [wrap(w) for w in pb.W], [wrap(x) for x in pb.b]
+    kernels = kernels or gb.kernels_for(W[0])
+    assert fast.fast_step_(kernels, chain, W, b, [wrap(g) for g in G], [wrap(g) for g in Gb],
+                           0.1, plan=kernels.plan(chain, W[0]))
+    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
+    for got, want in zip(W + b, eW + eb):
+        assert_close(np.asarray(got), want, 1e-12)
+    return len(calls)
+
+
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 def test_eager_plain_step_forms_its_bulk_factors_once(monkeypatch, lib):
     """The eager bulk's ``1/F**2`` and ``-lr/B**2`` come from the vector stage, formed once
     on the stacked node vectors (two ``recip_square`` calls a step), not layer by layer:
     small layers and large ones (torch's ``ON_NUMPY``) alike, and the step equals the
     core."""
-    calls = []
-    real = fast.recip_square
-    monkeypatch.setattr(fast, "recip_square", lambda *a: calls.append(1) or real(*a))
     chain = gc.Chain.mlp([300, 500, 8, 6], bias=True)  # 150,000 weights: ON_NUMPY on torch
-    pb = Problem(chain, 2)
-    G, Gb = pb.grads()
-    wrap = torch.tensor if lib == "torch" else np.copy
-    W, b = [wrap(w) for w in pb.W], [wrap(x) for x in pb.b]
-    kernels = gb.kernels_for(W[0])
-    assert fast.fast_step_(kernels, chain, W, b, [wrap(g) for g in G], [wrap(g) for g in Gb],
-                           0.1)
-    assert len(calls) == 2, f"recip_square ran {len(calls)} times for {chain.L} layers"
-    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
-    for got, want in zip(W + b, eW + eb):
-        assert_close(np.asarray(got), want, 1e-12)
+    calls = _factor_calls(monkeypatch, chain, 2, torch.tensor if lib == "torch" else np.copy)
+    assert calls == 2, f"recip_square ran {calls} times for {chain.L} layers"
 
 
 def test_device_plan_forms_no_block_loop_factors(monkeypatch):
     """The plan GPUs take (``ON_DEVICE``, run here on the CPU) applies the per-entry rules to
     whole layers: its vector stage forms no factors for the block loops it never runs."""
-    calls = []
-    real = fast.recip_square
-    monkeypatch.setattr(fast, "recip_square", lambda *a: calls.append(1) or real(*a))
     chain = gc.Chain.mlp([6, 5, 4], bias=True)
-    pb = Problem(chain, 3)
-    G, Gb = pb.grads()
-    W, b = [torch.tensor(w) for w in pb.W], [torch.tensor(x) for x in pb.b]
-    plan = gbt.ON_DEVICE.plan(chain, W[0])
-    assert fast.fast_step_(gbt.ON_DEVICE, chain, W, b, [torch.tensor(g) for g in G],
-                           [torch.tensor(g) for g in Gb], 0.1, plan=plan)
-    assert not calls
-    eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
-    for got, want in zip(W + b, eW + eb):
-        assert_close(got.numpy(), want, 1e-12)
+    assert not _factor_calls(monkeypatch, chain, 3, torch.tensor, gbt.ON_DEVICE)
 
 
 @pytest.mark.parametrize("widths", [[3, 1, 2], [4, 3, 1], [2, 1, 1, 3]], ids=str)
