@@ -106,6 +106,36 @@ def test_step_overhead_plot_takes_every_row_of_a_full_run(tmp_path):
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+@pytest.mark.parametrize("name", ["MLP 64-64-64-10", "CNN c=8"])
+def test_memory_floor_reads_what_the_column_sums_read(name, monkeypatch):
+    """The "memory floor" rows time reads of exactly the tensors that a step's column-sum
+    pass reads (layer 1's gradients and, above it, weights and gradients), each once."""
+    pytest.importorskip("tqdm")
+    torch = pytest.importorskip("torch")
+    so = from_repository("benchmarks.step_overhead")
+    from gsgd_adapters.torch import GSGD, skeleton_init_
+    from gsgd_backends.plan import StepPlan
+
+    build, arg = so.MODELS[name]
+    model = build(arg)
+    skeleton_init_(model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    read = []
+    column_sums = StepPlan.column_sums
+
+    def spy(self, W, G):
+        read.extend([G[0]] + [a for l in range(1, len(W)) for a in (W[l], G[l])])
+        return column_sums(self, W, G)
+
+    monkeypatch.setattr(StepPlan, "column_sums", spy)
+    GSGD(model, lr=0.01).step()
+    address = lambda a: a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data  # noqa: E731
+    floor = [t.data_ptr() for t in so.floor_reads(model)]
+    assert len(read) == len(floor) > 1 and sorted(map(address, read)) == sorted(floor)
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_fsdp_benchmark_counts_what_each_step_sends(tmp_path):
     """Two FSDP2 processes: G-SGD's step sends one small vector (the sum of the chain's
     widths and skeleton edges, a few KiB), SGD's sends nothing, and a training step moves
