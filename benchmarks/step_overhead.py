@@ -11,7 +11,7 @@ Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs f
   ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` against ``torch.optim.Adam(foreach=True)``;
   ResNet-18 with batch norm, where ``GSGD`` is PSI-SGD(M) on every conv weight. Beside
   them, each model's measured memory floor (:func:`floor_reads` then SGD's step): the least
-  a G-SGD step can cost on this machine.
+  a plain G-SGD step can cost on this machine.
 - NumPy: ``w -= lr * g`` and a preallocated in-place SGD against ``gsgd_step_``.
 - CuPy (GPU only): ``w -= lr * g`` against ``gsgd_step_``.
 """
