@@ -19,6 +19,11 @@ import gsgd_core
 from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkippedStepWarning,
                                  skeleton_init_)
 
+# Models here step from their default init (compared with the core, checkpointed, or run
+# across processes): the skeleton warning is expected, and its own tests use pytest.warns,
+# which still sees it.
+pytestmark = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")
+
 
 class ConvBNNet(nn.Module):
     """A PSI layer (c3 + BN), a chain (c1 -> c2) and plain parameters (BN, head); float64."""
