@@ -7,9 +7,23 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 
 from _nets import loss_and_grads, make_data
 from _strategies import random_params
+
+
+#: For tests whose models step from their default init (compared with the core,
+#: checkpointed, run across processes): the skeleton warning is expected there. Its own
+#: tests use ``pytest.warns``, which still sees it.
+DEFAULT_INIT = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")
+
+
+def reverse_axes(a):
+    """A view of ``a`` (NumPy or torch) with its axes reversed: not contiguous for 2+ axes
+    (torch deprecates ``.T`` beyond two)."""
+    axes = tuple(range(a.ndim - 1, -1, -1))
+    return a.permute(*axes) if hasattr(a, "permute") else np.transpose(a, axes)
 
 
 def assert_close(actual, expected, rtol, what=""):

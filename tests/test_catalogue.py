@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from _catalogue import CATALOGUE, UNSOUND
+from _helpers import DEFAULT_INIT
 from gsgd_adapters.torch import (GSGD, SkeletonWarning, chain_of, check_invariance, discover,
                                  random_rescale_, skeleton_init_)
 
@@ -56,7 +57,7 @@ def test_discovery_verdict(name):
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if CATALOGUE[n][2]])
-@pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")  # the twin's, rescaled
+@DEFAULT_INIT  # the twin's, rescaled
 def test_claimed_chains_are_invariant_and_rescaled_twins_train_identically(name):
     model, x, chains, _ = _build(name)
     changes = check_invariance(model, x)

@@ -16,13 +16,11 @@ import torch
 import torch.nn as nn
 
 import gsgd_core
+from _helpers import DEFAULT_INIT
 from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkippedStepWarning,
                                  skeleton_init_)
 
-# Models here step from their default init (compared with the core, checkpointed, or run
-# across processes): the skeleton warning is expected, and its own tests use pytest.warns,
-# which still sees it.
-pytestmark = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")
+pytestmark = DEFAULT_INIT
 
 
 class ConvBNNet(nn.Module):

@@ -17,7 +17,7 @@ import gsgd_backends.fast as fast
 from gsgd_backends.plan import Scratch
 import gsgd_core as gc
 from gsgd_backends._dispatch import assign
-from _helpers import Problem, assert_close
+from _helpers import Problem, assert_close, reverse_axes
 from _strategies import chains, examples, random_params, seeds
 
 CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
@@ -736,9 +736,8 @@ def test_gradients_that_are_not_contiguous_take_the_fast_path_and_equal_the_core
     G, Gb = pb.grads()
     A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
     # each gradient a view with its axes reversed, of a copy with its axes reversed: same
-    # values, not contiguous (torch's ``.T`` of a conv layer's 4-d gradient is deprecated)
-    Gt = [fxp.asarray(np.ascontiguousarray(g.T)) for g in G]
-    Gnc = [fxp.xp.permute_dims(g, tuple(reversed(range(g.ndim)))) for g in Gt]
+    # values, not contiguous
+    Gnc = [reverse_axes(fxp.asarray(np.ascontiguousarray(g.T))) for g in G]
     assert not all(fxp.to_numpy(g).flags["C_CONTIGUOUS"] for g in Gnc)
     kernels = gb.kernels_for(A[0])
     assert fast.fast_step_(kernels, CHAIN, A, Ab, Gnc, fxp.aslist(Gb), 0.1)

@@ -10,16 +10,13 @@ import warnings
 import pytest
 import torch
 
-# Models here step from their default init (compared with the core, checkpointed, or run
-# across processes): the skeleton warning is expected, and its own tests use pytest.warns,
-# which still sees it.
+from _helpers import DEFAULT_INIT, spawn_workers
+
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(),
-                                 reason="torch.distributed missing"),
-              pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")]
+                                 reason="torch.distributed missing"), DEFAULT_INIT]
 
 
 import _fsdp_worker as fw  # noqa: E402
-from _helpers import spawn_workers  # noqa: E402
 
 
 def _spawn(world: int, tmp, ckpt: str = "") -> dict:

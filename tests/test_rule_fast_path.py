@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.rule_step import rule_step_
-from _helpers import Problem, assert_close
+from _helpers import Problem, assert_close, reverse_axes
 from _strategies import chains, seeds
 from test_fast_paths import CHAIN, _chunk, _tol
 
@@ -165,18 +165,13 @@ def test_non_finite_steps_and_non_contiguous_gradients_as_in_the_core(fxp):
     A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
     E, Eb = fxp.aslist(pb.W), fxp.aslist(pb.b)
     # not contiguous: the transpose (all axes reversed) of a contiguous transposed copy
-    AG = [_reverse_axes(fxp.asarray(np.ascontiguousarray(np.transpose(g)))) for g in G]
+    AG = [reverse_axes(fxp.asarray(np.ascontiguousarray(np.transpose(g)))) for g in G]
     state, es = gc.path_init(CHAIN, rule, A, Ab), gc.path_init(CHAIN, rule, E, Eb)
     assert rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, AG, fxp.aslist(Gb))
     E, Eb, es = gc.path_update(CHAIN, rule, es, E, Eb, fxp.aslist(G), fxp.aslist(Gb))
     fs = state._replace(count=state.count + 1)
     _assert_same(fxp, (fxp.tolist(A), fxp.tolist(Ab), fs), (fxp.tolist(E), fxp.tolist(Eb), es))
     assert all(np.all(np.isfinite(x)) for x in fxp.tolist(A) + fxp.tolist(Ab) if x is not None)
-
-
-def _reverse_axes(a):
-    axes = tuple(range(a.ndim - 1, -1, -1))
-    return a.permute(*axes) if hasattr(a, "permute") else np.transpose(a, axes)
 
 
 @pytest.mark.parametrize("sizes", [[5_000, 20, 2], [500, 20, 2]])

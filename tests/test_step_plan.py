@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends import fast, rule_step
-from _helpers import Problem, assert_close, from_repository
+from _helpers import Problem, assert_close, from_repository, reverse_axes
 from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
@@ -240,8 +240,7 @@ def test_device_plan_hands_back_a_weight_it_cannot_write_in_place():
     step back before writing anything, and the in-place layer then takes the core's step."""
     pb = Problem(CHAIN, 4)
     W, b = _tensors(pb.W), _tensors(pb.b)
-    axes = tuple(reversed(range(W[2].ndim)))  # torch's .T of a conv weight is deprecated
-    W[2] = W[2].permute(axes).contiguous().permute(axes)  # same values, reversed strides
+    W[2] = reverse_axes(reverse_axes(W[2]).contiguous())  # same values, reversed strides
     assert not W[2].is_contiguous()
     G, Gb = _grads(pb)
     plan = gbt.ON_DEVICE.plan(CHAIN, W[0])

@@ -13,15 +13,12 @@ import torch
 import torch.nn as nn
 
 import gsgd_core as gc
-from _helpers import assert_close
+from _helpers import DEFAULT_INIT, assert_close
 from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkeletonWarning,
                                  SkippedStepWarning, check_invariance, discover,
                                  random_rescale_, skeleton_init_)
 
-# Models here step from their default init (compared with the core, checkpointed, or run
-# across processes): the skeleton warning is expected, and its own tests use pytest.warns,
-# which still sees it.
-pytestmark = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")
+pytestmark = DEFAULT_INIT
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -4,13 +4,10 @@ import pytest
 import torch
 
 from _ddp_worker import model_and_data, train, worker
-from _helpers import spawn_workers
+from _helpers import DEFAULT_INIT, spawn_workers
 from gsgd_adapters.torch import GSGD
 
-# Models here step from their default init (compared with the core, checkpointed, or run
-# across processes): the skeleton warning is expected, and its own tests use pytest.warns,
-# which still sees it.
-pytestmark = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")
+pytestmark = DEFAULT_INIT
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
