@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import gsgd_core as gc
 from gsgd_backends import psi_update_
 from gsgd_backends.psi import psi_step_
+from _strategies import examples
 
 torch = pytest.importorskip("torch")
 
@@ -41,7 +42,7 @@ def _assert_close(got, want, rtol):
         assert torch.allclose(a, b, rtol=rtol, atol=rtol), float((a - b).abs().max())
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(shapes=SHAPES, seed=st.integers(0, 2**16), momentum=st.sampled_from([0.0, 0.9]),
        dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_fast_psi_equals_the_core(shapes, seed, momentum, dtype):

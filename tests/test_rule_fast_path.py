@@ -5,14 +5,16 @@ precision)."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.rule_step import rule_step_
 from _helpers import Problem, assert_close, reverse_axes
-from _strategies import chains, seeds
+from _conditioning import (assert_paths_close, gradient_rounding, step_tolerance,
+                          well_conditioned)
+from _strategies import chains, examples, seeds
 from test_fast_paths import CHAIN, _chunk, _tol
 
 RULES = {"adam": lambda: gc.adam_rule(0.01),
@@ -49,15 +51,82 @@ def _assert_same(ns, fast, core):
             assert_close(ns.to_numpy(x), ns.to_numpy(y), _tol(ns), f"buffer {j}[{i}]")
 
 
+def _state(ns, chain, rule, W, b, buffers, count):
+    """Weights, biases and a rule state in ``ns`` from host copies (``buffers`` None: the
+    rule's initial state)."""
+    A, Ab = ns.aslist(W), ns.aslist(b)
+    state = gc.path_init(chain, rule, A, Ab)
+    if buffers is not None:
+        state = state._replace(buffers=tuple(tuple(ns.aslist(list(bufs))) for bufs in buffers),
+                               count=state.count + count)
+    return A, Ab, state
+
+
+def _synced_steps(ns, chain, pb, rule, steps, chunk=None) -> bool:
+    """``steps`` steps along the core's trajectory, each taken by the fast path and by the
+    core from the same state and compared by :func:`_assert_same_paths` with the tolerance
+    the rule's conditioning gives (:mod:`_conditioning`). Whether every fast step ran fast."""
+    W, b, buffers, ran = ns.tolist(ns.aslist(pb.W)), ns.tolist(ns.aslist(pb.b)), None, []
+    for count in range(steps):
+        G, Gb = (ns.tolist(ns.aslist(g)) for g in pb.grads(W, b))  # in the step's dtype
+        D, dD, V = gradient_rounding(chain, W, b, G, Gb)
+        zeros = tuple(tuple(np.zeros_like(v) for v in V) for _ in rule.buffers)
+        tol_delta, tol_bufs = step_tolerance(rule, count, D, dD, V, buffers or zeros)
+        A, Ab, fs = _state(ns, chain, rule, W, b, buffers, count)
+        kernels = gb.kernels_for(A[0])
+        with _chunk(kernels, chunk):
+            ran.append(rule_step_(kernels, chain, rule, fs, A, Ab, ns.aslist(G), ns.aslist(Gb)))
+        E, Eb, es = _state(ns, chain, rule, W, b, buffers, count)
+        E, Eb, es = gc.path_update(chain, rule, es, E, Eb, ns.aslist(G), ns.aslist(Gb))
+        W, b = ns.tolist(E), ns.tolist(Eb)
+        buffers = tuple(tuple(ns.tolist(list(x))) for x in es.buffers)
+        _assert_same_paths(ns, chain, (ns.tolist(A), ns.tolist(Ab), fs), (W, b, buffers),
+                           tol_delta, tol_bufs)
+    return all(ran)
+
+
+def _assert_same_paths(ns, chain, fast, core, tol_delta, tol_bufs) -> None:
+    """Fast against core after one step from one state: free weights bit for bit, path
+    values and buffers path by path within the conditioning's tolerance, and the weights
+    themselves where that tolerance is below rounding."""
+    (W_f, b_f, fs), (W_c, b_c, bufs_c) = fast, core
+    for l, (a, e) in enumerate(zip(W_f, W_c), start=1):
+        free = chain.free_mask(l)
+        np.testing.assert_array_equal(np.reshape(a, free.shape)[free],
+                                      np.reshape(e, free.shape)[free])
+    V_f, V_c = (_flat(*gc.path_values(chain, W, b)) for W, b in ((W_f, b_f), (W_c, b_c)))
+    for i, (a, e, t) in enumerate(zip(V_f, V_c, tol_delta)):
+        assert_paths_close(a, e, _tol(ns), np.reshape(t, np.shape(e)), f"path values [{i}]")
+    for j, (fb, eb) in enumerate(zip(fs.buffers, bufs_c)):
+        for i, (x, y, t) in enumerate(zip(fb, eb, tol_bufs[j])):
+            assert_paths_close(ns.to_numpy(x), y, _tol(ns), np.reshape(t, np.shape(y)),
+                               f"buffer {j}[{i}]")
+    if well_conditioned(tol_delta + [t for ts in tol_bufs for t in ts], _tol(ns)):
+        _assert_same(ns, (W_f, b_f, fs), (W_c, b_c, fs._replace(buffers=bufs_c)))
+
+
+def _flat(V, Vb):
+    return list(V) + [v for v in Vb if v is not None]
+
+
+#: Drawn by the property below (hypothesis 6.170): node 3 of layer 2 carries gradient only
+#: along its tau edge, so its ``D_tau`` cancels to rounding, which G-Adam's ``lr / eps``
+#: slope turns into differences of 1e-11 to 1e-6 in the weights (torch's blocked column
+#: sums round otherwise than NumPy's pairwise sums).
+CANCELLING = gc.Chain(sizes=(4, 6, 4, 4), slots=(4, 1, 4), bias=(False, False, False),
+                      tau=((0,) * 6, (0, 0, 0, 1)), sigma=((0,) * 6, (0, 0, 0, 0)),
+                      skeleton_slots=(0, 0, 2))
+
+
 @pytest.mark.parametrize("name", list(RULES))
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(chain=st.one_of(st.just(CHAIN), chains(max_depth=4)), seed=seeds,
        chunk=st.sampled_from([None, 1, 7]))
+@example(chain=CANCELLING, seed=16117, chunk=1)
 def test_rule_fast_step_equals_the_core(fxp, name, chain, seed, chunk):
-    pb = Problem(chain, seed)
-    ran, fast, core = _runs(fxp, chain, pb, RULES[name](), 3, chunk=chunk)
-    assert ran
-    _assert_same(fxp, fast, core)
+    """Three steps along the core's trajectory, each from the core's state: path values
+    and buffers within the rule's conditioning of the core's (:mod:`_conditioning`)."""
+    assert _synced_steps(fxp, chain, Problem(chain, seed), RULES[name](), 3, chunk=chunk)
 
 
 class SignRule(gc.ElementwiseRule):

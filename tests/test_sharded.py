@@ -13,7 +13,7 @@ import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_, sharded_path_update_
 from _helpers import Problem, assert_close
-from _strategies import chains, seeds
+from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
 from gsgd_backends.torch import KERNELS, ON_DEVICE  # noqa: E402 - needs torch
@@ -88,7 +88,7 @@ def _join(parts, from_):
 
 
 @pytest.mark.parametrize("lib", list(LIBS))
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4),
        hyper=st.sampled_from(HYPERS))
 def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
@@ -125,7 +125,7 @@ def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
 
 
 @pytest.mark.parametrize("lib", list(LIBS))
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
 def test_sharded_rule_equals_the_core(lib, data, chain, seed, world):
     """3 G-AdamW steps (amsgrad) on row shards equal the core's path_update, moments too."""

@@ -1,0 +1,117 @@
+"""How far apart two correct float64 computations of one path-space step may lie.
+
+The fast steps (``gsgd_backends``) and the core compute the same numbers, but their sums
+run in different orders (NumPy's pairwise sums, torch's blocked ``addcmul_``, a column sum
+taken over blocks of rows). On every path but the tau paths that changes nothing beyond a
+few units of rounding: ``D = grad / (F B)`` and ``Db = grad_b / F`` involve no sum. On a tau
+edge the path gradient is a difference of sums (paper eq. 3, DESIGN §3)::
+
+    D_tau = (w g - T) / V,    T = sum of w g over the basis paths whose tau-chain passes b
+
+and when the network carries no gradient through that tau edge's node other than along its
+tau chain (a unit whose other inputs are dead), the gradient's orthogonality to the group
+orbit makes ``w g - T`` exactly ``0``: what is left is the rounding of two sums of ``N``
+terms, at most ``gamma_N * sum |terms|`` each (Higham, *Accuracy and Stability of Numerical
+Algorithms*, §4.2: any order of summation; ``u`` is the dtype's unit roundoff). The two
+computations of ``D_tau`` may then differ by ``2 gamma_N sum|terms| / |V|``, however small
+``D_tau`` is.
+
+A well-conditioned rule passes that on unchanged (G-SGD: ``Delta = lr D``). Adam's step
+``lr m / (sqrt(s) + eps)`` has slope ``lr / eps`` at ``D = 0``: it multiplies the rounding of a
+cancelled ``D`` by ``10^6`` (``lr = 0.01``, ``eps = 1e-8``). The tolerance of a comparison
+is therefore the rule's own response to that bound: the change of ``Delta`` and of the new
+buffers when ``D`` moves by ``dD``, evaluated by the core's rule itself at ``D - dD`` and
+``D + dD`` (:func:`step_tolerance`). Path values and buffers are compared path by path with
+it; weights, which mix a tau path's ratio into every weight above it, only where it is
+below rounding (:func:`well_conditioned`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import gsgd_core as gc
+
+#: Rounding of a path gradient off the sums (a division, chain products of ``L`` factors
+#: formed in either order), relative to ``|D|``, in units of ``u`` per layer.
+PER_LAYER = 8
+
+
+def unit_roundoff(a) -> float:
+    """``u`` of ``a``'s floating dtype (half the machine epsilon)."""
+    return float(np.finfo(np.asarray(a).dtype).eps) / 2
+
+
+def tau_rounding(chain: gc.Chain, W, G) -> list:
+    """Per layer (3-D, host float64): a bound on how far two computations of ``w g - T``
+    may differ at each tau edge (``0`` elsewhere).
+
+    ``sum |terms|`` follows the backward sweep with absolute values: every ``|W * grad|`` of
+    the layers above (the fast path sums whole columns and subtracts the free edges, so
+    those count twice) and the sums carried down through free tau edges."""
+    m = sum(int(np.size(w)) for w in W)
+    n = 2 * m + chain.L  # the terms of any one backward sum, products counted as terms
+    u = unit_roundoff(W[0])
+    gamma = n * u / (1 - n * u)
+    T_abs = np.zeros(chain.sizes[-1])
+    out = [None] * chain.L
+    for l in range(chain.L, 0, -1):
+        shape = chain.layer_shape(l)
+        free, tau = chain.free_mask(l), chain.tau_mask(l)
+        P = np.abs(np.reshape(W[l - 1], shape) * np.reshape(G[l - 1], shape))
+        carried = T_abs[:, None, None]
+        out[l - 1] = np.where(tau & ~free, 2 * gamma * (P + carried), 0.0)
+        T_abs = np.sum(P + np.where(free, P, 0.0) + np.where(free & tau, carried, 0.0),
+                       axis=(0, 2))
+    return out
+
+
+def gradient_rounding(chain: gc.Chain, W, b, G, Gb):
+    """``(D, dD)``: the core's path gradients as the rule sees them (layers, then the layers
+    with a bias) and a bound on how far another correct computation's may lie from each."""
+    D, Db = gc.icr(chain, W, b, G, Gb)
+    V, Vb = gc.path_values(chain, W, b)
+    rel = PER_LAYER * chain.L * unit_roundoff(W[0])
+    dD = [rel * np.abs(d) + np.where(v == 0, 0.0, s / np.where(v == 0, 1.0, np.abs(v)))
+          for d, v, s in zip(D, V, tau_rounding(chain, W, G))]
+    dDb = [None if d is None else rel * np.abs(d) for d in Db]
+    keep = [d is not None for d in Db]
+    flat = lambda xs, ys: list(xs) + [y for y, k in zip(ys, keep) if k]
+    return flat(D, Db), flat(dD, dDb), flat(V, Vb)
+
+
+def step_tolerance(rule: gc.ElementwiseRule, count: int, D, dD, V, buffers):
+    """Per path array: the largest change of the rule's step and of each new buffer when
+    every ``D`` moves by up to ``dD`` (``buffers``: per buffer name, a tuple of arrays like
+    ``D``). Returns ``(for Delta, [for each buffer])``, each a list of arrays like ``D``."""
+    coef = rule.coefficients(np, np.asarray(count, dtype=np.int32), np.asarray(D[0]).dtype)
+    tol_delta, tol_bufs = [], [[] for _ in rule.buffers]
+    for i, (d, e, v) in enumerate(zip(D, dD, V)):
+        bufs = tuple(b[i] for b in buffers)
+        mid, *ends = (rule.apply(np, d + s * e, v, bufs, coef) for s in (0.0, -1.0, 1.0))
+        tol_delta.append(_spread(mid[0], [o[0] for o in ends]))
+        for j in range(len(rule.buffers)):
+            tol_bufs[j].append(_spread(mid[1][j], [o[1][j] for o in ends]))
+    return tol_delta, tol_bufs
+
+
+def _spread(mid, ends):
+    """Twice the larger distance from ``mid`` to either end (twice: the rule may curve
+    within ``[D - dD, D + dD]``)."""
+    return 2 * np.maximum(*(np.abs(np.asarray(e) - mid) for e in ends))
+
+
+def assert_paths_close(actual, expected, rtol: float, tol, what: str) -> None:
+    """``|actual - expected| <= rtol (max|expected| + 1) + tol``, entry by entry."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    bound = rtol * (float(np.max(np.abs(expected), initial=0.0)) + 1.0) + tol
+    err = np.abs(actual - expected)
+    worst = np.unravel_index(int(np.argmax(err - bound)), err.shape) if err.size else ()
+    assert np.all(err <= bound), (f"{what}: error {err[worst]:.3g} at {worst} > "
+                                  f"bound {bound[worst]:.3g}")
+
+
+def well_conditioned(tolerances, rtol: float) -> bool:
+    """Every derived tolerance is below ``rtol``: the weights can be compared as well."""
+    return all(float(np.max(t, initial=0.0)) <= rtol * 1e-2 for t in tolerances)
