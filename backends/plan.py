@@ -135,7 +135,8 @@ class Scratch(threading.local):
 
     def get(self, like, size: int, empty: Callable[[int], Any]):
         """A buffer of at least ``size`` elements like ``like`` (``empty(n)`` makes one)."""
-        key = (type(like), like.dtype, getattr(like, "device", None))
+        # str: a CuPy Device is not hashable (CuPy 14), and equal devices print alike
+        key = (type(like), like.dtype, str(getattr(like, "device", None)))
         buf = self.buffers.get(key)
         if buf is None or buf.shape[0] < size:
             buf = self.buffers[key] = empty(size)

@@ -89,7 +89,8 @@ def _cupy(dt):
         cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver or no device: CuPy imports but cannot run
         return Namespace("cupy", dt, skip_reason=f"CuPy installed but no GPU usable: {exc}")
-    return Namespace("cupy", dt, cupy, getattr(cupy, dt), None, _from_np=cupy.asarray)
+    return Namespace("cupy", dt, array_api_compat.array_namespace(cupy.zeros(1)),
+                     getattr(cupy, dt), None, _from_np=cupy.asarray)
 
 
 def available_namespaces() -> list[Namespace]:

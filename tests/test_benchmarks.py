@@ -87,7 +87,8 @@ def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (tmp_path / "step_overhead.md").read_text()
-    assert "| torch cpu | MLP 64-64-64-10 |" in table and "| numpy | CNN c=32 |" in table
+    device = "cuda" if "| torch cuda |" in table else "cpu"  # torch's GPU where there is one
+    assert f"| torch {device} | MLP 64-64-64-10 |" in table and "| numpy | CNN c=32 |" in table
     assert "train step, batch 128" in table
     assert "| SGD(foreach) | " in table and "| memory floor |" in table
     assert (tmp_path / "step_overhead.png").stat().st_size > 10_000

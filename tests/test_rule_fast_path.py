@@ -217,7 +217,16 @@ def test_a_tau_ratio_of_zero_becomes_epsilon_as_in_the_core(fxp):
     eps = np.finfo(fxp.dtype_name).eps
     tau = CHAIN.tau_mask(1).reshape(pb.W[0].shape)
     assert_close(fast[0][0][tau], pb.W[0][tau] * eps, _tol(fxp), "tau edges of layer 1")
-    _assert_same(fxp, fast, core)
+    # Every path lands within rounding of 0 (a tau path on eps V); above a tau ratio of eps
+    # the weights hold that rounding divided by eps, which differs with the order of the
+    # arithmetic (a GPU's fused kernels), so fast and core meet in path space.
+    V0 = _flat(*gc.path_values(CHAIN, pb.W, pb.b))
+    bound = 8 * eps * max(float(np.max(np.abs(v))) for v in V0)
+    for W, b in (fast[:2], core[:2]):
+        assert max(float(np.max(np.abs(v))) for v in _flat(*gc.path_values(CHAIN, W, b))) <= bound
+    for l, (a, e) in enumerate(zip(fast[0], core[0]), start=1):
+        free = CHAIN.free_mask(l)
+        np.testing.assert_array_equal(a.reshape(free.shape)[free], e.reshape(free.shape)[free])
 
 
 def test_non_finite_steps_and_non_contiguous_gradients_as_in_the_core(fxp):

@@ -538,6 +538,7 @@ def test_ddp_dataparallel_and_compile_wrappers_are_unwrapped(tmp_path):
         wrappers = [ddp, nn.DataParallel(model), torch.compile(model), torch.compile(ddp)]
         for wrapped in wrappers:
             assert [c.modules for c in discover(wrapped).chains] == want, type(wrapped)
+        model.to("cpu")  # DataParallel moves the module onto a GPU where there is one
         opt = GSGD(ddp, lr=0.05, skeleton="paper")
         x, y = data(model)
         ((ddp(x) - y) ** 2).mean().backward()
