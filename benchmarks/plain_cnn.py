@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     text = table(results, args.steps)
     (out / "plain_cnn.md").write_text(
         f"# Plain CNNs, widths / {args.div}, one fixed batch of 16 digits, momentum 0.9\n\n"
-        f"{text}\n")
+        f"{threads.measured_on()}\n\n{text}\n")
     plot(results, out / "plain_cnn.png")
     print(text)
     print(f"\nwrote {out / 'plain_cnn.md'} and {out / 'plain_cnn.png'}")

@@ -27,6 +27,7 @@ from .path_space import allocate, path_init, path_update
 from .psi import PSIState, psi_init, psi_update
 
 __version__ = "0.1.0"
+"""The version of the installed ``gsgd`` distribution."""
 
 __all__ = [
     "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState", "PathRule", "RuleState",
