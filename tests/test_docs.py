@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -48,13 +49,15 @@ def examples(text: str) -> list[tuple[str, str | None]]:
 
 
 def run_examples(pairs, name: str) -> None:
-    """Runs the blocks in order in one namespace; each printed output must be the one shown."""
+    """Runs the blocks in order in one namespace; each printed output must be the one shown,
+    and no block warns (an example that warns teaches the warning)."""
     for module in sorted({m for code, _ in pairs
                           for m in re.findall(r"^(?:from|import) (\w+)", code, re.M)}):
         pytest.importorskip(module)
     scope = {"__name__": "__docs__"}
     for i, (code, shown) in enumerate(pairs, start=1):
-        with contextlib.redirect_stdout(io.StringIO()) as out:
+        with contextlib.redirect_stdout(io.StringIO()) as out, warnings.catch_warnings():
+            warnings.simplefilter("error")
             exec(compile(code, f"{name}, example {i}", "exec"), scope)
         if shown is not None:
             assert out.getvalue().strip() == shown.strip(), f"{name}, example {i}"
