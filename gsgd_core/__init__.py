@@ -9,7 +9,7 @@ Public names (DESIGN §7)::
     Chain, Chain.mlp, Chain.from_shapes
     path_values, icr, gsgd_step, gsgd_init, gsgd_update, GSGDState
     rescale, random_rescaling, canonicalize, skeleton_init, weights_from_path_values
-    psi_init, psi_update, PSIState                     (seed 004, Algorithm 1)
+    psi_init, psi_update, PSIState                     (Yi et al., Algorithm 1)
     path_sgd_gamma, path_sgd_step                      (Neyshabur et al. 2015)
     path_init, path_update, allocate                   (any rule in path space)
     PathRule, sgd_rule, adam_rule, adamw_rule          (G-Adam(W), ...)
