@@ -4,7 +4,7 @@ The functional reference of the ``gsgd`` library: it imports no framework, resol
 namespace once per call, returns new arrays and never mutates its inputs, so the same code
 runs on NumPy, PyTorch, JAX (under ``jit``), CuPy and array-api-strict.
 
-Public names (DESIGN §7)::
+Public names::
 
     Chain, Chain.mlp, Chain.from_shapes
     path_values, icr, gsgd_step, gsgd_init, gsgd_update, GSGDState
@@ -14,7 +14,7 @@ Public names (DESIGN §7)::
     path_init, path_update, allocate                   (any rule in path space)
     PathRule, sgd_rule, adam_rule, adamw_rule          (G-Adam(W), ...)
     gsgd_core.reference                                (dense checks for small chains)
-    gsgd_core.rules                                    (the numerics rules, DESIGN §6)
+    gsgd_core.rules                                    (the numerics rules, numerics guide)
 """
 
 from .chain import Chain

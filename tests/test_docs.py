@@ -143,3 +143,17 @@ def test_the_main_job_writes_when_and_where_on_its_results_page():
         sys.path.remove(str(ROOT))
     page = report.markdown([], "# G-SGD on digits")
     assert re.search(r"^Measured \d{4}-\d{2}-\d{2} on .*\d+ cores?\.$", page, re.M)
+
+
+def test_reference_reads_as_markdown(site):
+    """No reST role or ``::`` marker of the docstrings reaches the rendered reference."""
+    for page in (site / "api").rglob("index.html"):
+        text = re.sub(r"<[^>]+>", "", page.read_text())
+        assert not re.search(r":(?:func|class|meth|attr|mod|data|exc):|\S::\s", text), page
+
+
+def test_readme_links_point_into_the_checkout():
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target

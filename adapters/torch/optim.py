@@ -393,7 +393,7 @@ class GSGD(ScaleInvariantOptimizer):
         The units of the chains' path values (:attr:`gsgd_core.Chain.skeleton_scale`), which
         must match :func:`~gsgd_adapters.torch.skeleton_init_`'s (same default). ``"he"``:
         skeleton edges of He init's standard deviation; ``lr`` then means SGD's learning rate
-        on plain deep CNNs too (DESIGN §11). ``"paper"``: skeleton edges of 1 (paper §11.2),
+        on plain deep CNNs too (skeleton guide). ``"paper"``: skeleton edges of 1 (paper §11.2),
         fine for small MLPs and ruinous on wide plain CNNs. A warning says when the model's
         skeleton is not initialised for the chosen recipe.
     strict : bool
