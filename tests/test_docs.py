@@ -134,14 +134,18 @@ def test_results_pages_say_when_and_on_what_machine(page):
     assert re.search(r"^Measured \d{4}-\d{2}-\d{2} on .*\d+ cores?", text, re.M), page
 
 
-def test_the_main_job_writes_when_and_where_on_its_results_page():
+def _report():
     pytest.importorskip("matplotlib")
     sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of the checkout
     try:
         from benchmarks import report
     finally:
         sys.path.remove(str(ROOT))
-    page = report.markdown([], "# G-SGD on digits")
+    return report
+
+
+def test_the_main_job_writes_when_and_where_on_its_results_page():
+    page = _report().markdown([], "# G-SGD on digits")
     assert re.search(r"^Measured \d{4}-\d{2}-\d{2} on .*\d+ cores?\.$", page, re.M)
 
 
@@ -157,3 +161,19 @@ def test_readme_links_point_into_the_checkout():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
         if "://" not in target:
             assert (ROOT / target).exists(), target
+
+
+def test_the_readme_excerpt_keeps_every_verdict_and_its_outcome():
+    """The README's short excerpt has one entry per verdict of docs/results.md, in order,
+    with the verdict's place and outcome."""
+    report = _report()
+    summary = (DOCS / "results.md").read_text()
+    bullets = [ln[2:] for ln in summary.splitlines() if report.VERDICT.match(ln)]
+    rows = [r for r in report.readme_excerpt(summary).splitlines() if r.startswith("| **")]
+    entries = [e for r in rows for e in r.split(" | ")[1].removesuffix(" |").split("; ")]
+    assert len(entries) == len(bullets) > 0
+    for bullet, entry in zip(bullets, entries):
+        where, rest = bullet.split(": ", 1)
+        outcome = re.search(r"wins|loses|ties|unstable on \d+/\d+ seeds|only stable", rest)[0]
+        assert outcome in entry, (bullet, entry)
+        assert where == "overall" or entry.startswith(f"{where}: "), (bullet, entry)
