@@ -2,7 +2,7 @@
 
 VGG-11 and AlexNet (torchvision's layouts, written by hand; no batch norm) fit one fixed
 batch of 16 real digit images (scikit-learn's 8x8 digits, upsampled to 32x32 / 64x64, three
-channels), as the real-models issue measured: from the same He (kaiming normal) start,
+channels), from the same He (kaiming normal) start,
 
 - ``SGD``: torch.optim.SGD;
 - ``SGD, He skeleton``: SGD from the He skeleton recipe's start (the control for the init);
