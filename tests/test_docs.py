@@ -193,14 +193,16 @@ def test_the_readme_excerpt_keeps_every_verdict_and_its_outcome():
 
 def test_grouped_parameters_get_an_entry_each():
     """``lr, momentum`` in a parameters section becomes two entries (griffe would give the
-    second the first's type and default); other sections are left as written."""
+    second the first's type and default); a shared return entry keeps its names and takes
+    its text as the description; other sections are left as written."""
     pytest.importorskip("griffe")
     spec = importlib.util.spec_from_file_location("griffe_rest",
                                                   DOCS / "hooks" / "griffe_rest.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     text = ("Step.\n\nParameters\n----------\nlr, momentum\n    As SGD.\nx, y : float\n"
-            "    Two.\n\nReturns\n-------\na, b : arrays\n")
+            "    Two.\n\nReturns\n-------\na, b : arrays\n\nNotes\n-----\nc, d : e\n")
     assert module.markdown(text) == (
         "Step.\n\nParameters\n----------\nlr\n    As SGD.\nmomentum\n    As SGD.\n"
-        "x : float\n    Two.\n\ny : float\n    Two.\n\nReturns\n-------\na, b : arrays\n")
+        "x : float\n    Two.\n\ny : float\n    Two.\n\nReturns\n-------\na, b\n    arrays\n\n"
+        "Notes\n-----\nc, d : e\n")

@@ -6,7 +6,8 @@ The docstrings follow numpydoc, whose prose is reST: cross-reference roles
 a role becomes a code span of its target (the last component for ``~target``), and ``::``
 ends its sentence with one colon (the indented block after it is already a code block).
 numpydoc also lets parameters share an entry (``lr, momentum : float``); griffe would give
-them all the first one's type and default, so each gets an entry of its own.
+them all the first one's type and default, so each gets an entry of its own. A shared return
+entry (``weights, biases : new arrays``) keeps its names, with its text as the description.
 """
 
 from __future__ import annotations
@@ -20,17 +21,24 @@ AFTER_TEXT = re.compile(r"(?<=\S)::[ \t]*$", re.M)     # "values::" -> "values:"
 ALONE = re.compile(r"^[ \t]*::[ \t]*\n", re.M)          # a line of its own: dropped
 GROUPED = re.compile(r"^(?P<names>\w+(?:, \w+)+)(?P<type>\s*:.*)?$")
 PARAMETER_SECTIONS = ("Parameters", "Other Parameters")
+RETURN_SECTIONS = ("Returns", "Yields")
 
 
 def split_grouped_parameters(text: str) -> str:
     """Each entry ``a, b : type`` of a parameters section as one entry per name, each with
-    the shared type and description."""
+    the shared type and description; in a returns section, ``a, b : text`` as the entry
+    ``a, b`` described by ``text``."""
     lines, out, section, i = text.split("\n"), [], None, 0
     while i < len(lines):
         line = lines[i]
         if i + 1 < len(lines) and line.strip() and set(lines[i + 1].strip()) == {"-"}:
             section = line.strip()
-        match = GROUPED.match(line) if section in PARAMETER_SECTIONS else None
+        match = GROUPED.match(line) if section in PARAMETER_SECTIONS + RETURN_SECTIONS else None
+        if match and section in RETURN_SECTIONS:
+            names, _, described = line.partition(" : ")
+            out += [names] + ([f"    {described}"] if described else [])
+            i += 1
+            continue
         if not match:
             out.append(line)
             i += 1
