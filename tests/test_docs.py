@@ -74,8 +74,10 @@ def test_every_python_example_runs_and_prints_what_the_page_shows(page, tmp_path
 @pytest.mark.parametrize("page", PAGES)
 def test_every_other_python_block_is_a_script_another_test_runs(page):
     """``python`` blocks run here; a ``py`` block must be a script that another test runs,
-    and no Python hides under another name or a bare fence."""
-    for lang, body, _, _ in fences((DOCS / page).read_text()):
+    and no Python hides under another name, a bare fence or an indented one."""
+    text = (DOCS / page).read_text()
+    assert not re.search(r"^[ \t]+```", text, re.M), f"{page}: an indented fence"
+    for lang, body, _, _ in fences(text):
         if lang == "py":
             runs = [f for f in RUN_ELSEWHERE if (DOCS / f).read_text() == body]
             assert runs, f"{page}: a py block that is no script in RUN_ELSEWHERE"
