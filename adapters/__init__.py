@@ -1,4 +1,4 @@
-"""gsgd_adapters: framework glue over the gsgd core (DESIGN §7).
+"""gsgd_adapters: framework glue over the gsgd core.
 
 - :mod:`gsgd_adapters.torch`: ``GSGD``, ``PSISGD`` and ``PathSGD`` as ``torch.optim``
   optimizers that take a model (they call :mod:`gsgd_backends`, in place).

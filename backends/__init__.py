@@ -1,4 +1,4 @@
-"""gsgd_backends: the in-place layer over :mod:`gsgd_core` (DESIGN §7).
+"""gsgd_backends: the in-place layer over :mod:`gsgd_core`.
 
 Same operations as the core with a trailing underscore, updating the caller's arrays in
 place. The G-SGD step of NumPy, PyTorch and CuPy arrays (momentum and weight decay

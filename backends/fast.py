@@ -1,4 +1,4 @@
-"""The fast G-SGD step: bulk formula plus gathers (DESIGN §8), written once for every library.
+"""The fast G-SGD step: bulk formula plus gathers (speed guide), written once for every library.
 
 Only ``O(n_l)`` edges of layer ``l`` are special (tau and free edges), so the step treats the
 bulk of each layer with one formula and the special edges as short vectors, gathered once
@@ -27,7 +27,7 @@ the heavy passes (column sum, bulk update) are each layer's kernels, chosen in t
 (:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the two stages whole
 (:meth:`StepPlan.stage`). Memory traffic is 5 passes over the weights against SGD's 3.
 
-Numerics (DESIGN §6) are :mod:`gsgd_core.rules`, the core's own, without a second pass over
+Numerics (numerics guide) are :mod:`gsgd_core.rules`, the core's own, without a second pass over
 the weights: the backward sums see every non-finite gradient (``0 * inf`` is NaN), so a step
 that the core would skip or treat specially is handed back to the core before anything is
 written. Eager CPU kernels check each chunk of the bulk while it is still in cache and
@@ -89,7 +89,7 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, st
     the chain) is reused across steps; without one a plan is built for this call. Returns
     ``False`` before writing anything when the weights or buffers cannot be updated in place
     (not contiguous, half precision) or when a gradient or a backward sum is not finite (the
-    core then skips the step or freezes the paths concerned, DESIGN §6). Otherwise the
+    core then skips the step or freezes the paths concerned, numerics guide). Otherwise the
     weights, biases and buffers hold :func:`gsgd_core.gsgd_update`'s result (to rounding).
     """
     plan = plan_for(kernels, chain, weights, plan)

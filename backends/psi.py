@@ -1,7 +1,7 @@
 """The fast PSI-SGD(M) step of torch tensors: every normalised weight of a model in a few
 multi-tensor operations, in place.
 
-:func:`gsgd_core.psi_update` per row ``i`` (seed 004, Algorithm 1)::
+:func:`gsgd_core.psi_update` per row ``i`` (Yi et al., Algorithm 1)::
 
     u_i <- momentum * u_i + ||w_i||^2 g_i,   w_i <- w_i - lr * u_i,
     rows with ||w_i|| > max_norm divided by their norm (and u_i with them)

@@ -2,7 +2,7 @@
 in place, with communication of ``O(sum of widths)`` numbers per step.
 
 Each process holds rows ``[r0, r1)`` of every layer: the weights, gradients and buffers of
-those output units, and their biases. Beyond its own rows, a step needs (DESIGN §8):
+those output units, and their biases. Beyond its own rows, a step needs (speed guide):
 
 - the column sums ``colsum(W_l * grad_l)`` over all rows: the sum of every process's
   partial sums;
@@ -162,7 +162,7 @@ def _views(kernels, shard: RowShard, arrays, writable: bool = True):
 
 
 def _refuses(weights) -> bool:
-    """Half precision is computed in float32 by the core (DESIGN §6), not in place."""
+    """Half precision is computed in float32 by the core (numerics guide), not in place."""
     dtype = weights[0].dtype
     return not any(dtype == getattr(array_namespace(weights[0]), n) for n in
                    ("float32", "float64"))

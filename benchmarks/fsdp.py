@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from . import threads
 from .step_overhead import MODELS  # the same model builders
 
 SIZES = ("MLP 64-256-256-10", "MLP 256-640x3-10", "MLP 1024-2048x3-10", "CNN c=32",
@@ -232,7 +233,8 @@ def main(argv=None) -> int:
     text = table(rows, args.procs)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fsdp.md").write_text(f"# G-SGD under FSDP2\n\n{text}\n")
+    (args.out / "fsdp.md").write_text(f"# G-SGD under FSDP2\n\n{threads.measured_on()}\n\n"
+                                      f"{text}\n")
     print(f"wrote {args.out / 'fsdp.md'}")
     return 0
 

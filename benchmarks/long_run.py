@@ -1,4 +1,4 @@
-"""Long runs (issue 5): do weights, path values and skeleton products stay finite and well
+"""Long runs: do weights, path values and skeleton products stay finite and well
 scaled over 20,000 steps, and is a periodic canonicalisation needed?
 
     python -m benchmarks.long_run [--steps 20000]

@@ -2,7 +2,7 @@
 
 VGG-11 and AlexNet (torchvision's layouts, written by hand; no batch norm) fit one fixed
 batch of 16 real digit images (scikit-learn's 8x8 digits, upsampled to 32x32 / 64x64, three
-channels), as the real-models issue measured: from the same He (kaiming normal) start,
+channels), from the same He (kaiming normal) start,
 
 - ``SGD``: torch.optim.SGD;
 - ``SGD, He skeleton``: SGD from the He skeleton recipe's start (the control for the init);
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
     text = table(results, args.steps)
     (out / "plain_cnn.md").write_text(
         f"# Plain CNNs, widths / {args.div}, one fixed batch of 16 digits, momentum 0.9\n\n"
-        f"{text}\n")
+        f"{threads.measured_on()}\n\n{text}\n")
     plot(results, out / "plain_cnn.png")
     print(text)
     print(f"\nwrote {out / 'plain_cnn.md'} and {out / 'plain_cnn.png'}")

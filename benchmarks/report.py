@@ -13,6 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 
+from . import threads  # noqa: E402
+
 
 BAND = "band: min to max over the stable seeds"
 
@@ -118,7 +120,8 @@ def spread_figure(out, name, per_spread, ours: str, gap: float) -> str:
 
 
 def markdown(sections, header: str) -> str:
-    parts = [header]
+    """The results page: ``header``, when and where it was measured, then each section."""
+    parts = [header, threads.measured_on()]
     for s in sections:
         parts += [f"## {s.title}", s.text]
         parts += s.tables
@@ -131,18 +134,33 @@ START = ("<!-- results excerpt: generated from docs/results.md by "
 END = "<!-- end of results excerpt -->"
 
 
+VERDICT = re.compile(r"^- (?P<where>[^:]+): (?P<rest>.*)$")
+OUTCOME = re.compile(r"^(?P<who>.+?) (?P<word>wins|loses|ties|is unstable on \d+/\d+ seeds"
+                     r"|is the only stable optimizer)")
+
+
+def short_verdict(bullet: str) -> str:
+    """A verdict line of ``summary.md`` without its figures: where, who, and the outcome
+    (``"h=16: G-SGD, skeleton init is unstable on 2/5 seeds"``); ``overall`` is left out."""
+    where, rest = VERDICT.match(bullet).group("where", "rest")
+    outcome = OUTCOME.match(rest)
+    text = f"{outcome['who']} {outcome['word']}" if outcome else rest.split(":")[0]
+    return text if where == "overall" else f"{where}: {text}"
+
+
 def readme_excerpt(summary: str) -> str:
-    """The README's results excerpt from a ``summary.md``: the run's size and time, then
-    every section's verdicts (and notes), as written there."""
+    """The README's results excerpt from a ``summary.md``: the run's size and time, then one
+    table row per experiment with its verdicts, shortened (the figures stay in the table
+    that ``docs/results.md`` links)."""
     total = re.search(r"Total \d+ s for \d+ runs on \d+ CPU thread\(s\)\.", summary)
-    lines = [f"From `docs/results.md` (`python -m benchmarks`, default budget; "
-             f"{total.group(0) if total else 'time not recorded.'}) Verdicts, per "
-             "experiment:"]
+    lines = [f"From [`docs/results.md`](docs/results.md) (`python -m benchmarks`, default "
+             f"budget; {total.group(0) if total else 'time not recorded.'})", "",
+             "| experiment | verdicts |", "|---|---|"]
     for block in summary.split("\n## ")[1:]:
         title, _, body = block.partition("\n")
-        bullets = [ln for ln in body.splitlines() if ln.startswith("- ")]
+        bullets = [short_verdict(ln) for ln in body.splitlines() if VERDICT.match(ln)]
         if bullets:
-            lines += ["", f"**{title.strip()}**", ""] + bullets
+            lines.append(f"| **{title.strip()}** | {'; '.join(bullets)} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import platform
 import sys
 import statistics
 import time
@@ -341,19 +340,8 @@ def plot(rows, path) -> None:
     plt.close(fig)
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (Linux's ``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine(device) -> str:
-    cpu = f"{_cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    cpu = f"{threads.cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name()} / {cpu}"
     return cpu
@@ -421,7 +409,7 @@ def main(argv=None) -> int:
     load = ("" if load_before is None else
             f" Load average (1 min) {load_before:.2f} before, {load_after:.2f} after (the "
             f"run's own){' (BUSY: ratios not comparable)' if warning else ''}.")
-    text = (f"Machine: {machine(device)}.{load} Medians of interleaved steps, float32."
+    text = (f"{threads.measured_on(machine(device))}{load} Medians of interleaved steps, float32."
             f"\n\n{table(rows)}\n\n{counts_table(device)}")
     print(text)
     out = pathlib.Path(args.out)

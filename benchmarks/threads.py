@@ -10,7 +10,10 @@ count it uses (measurements in the README, "Busy machines").
 from __future__ import annotations
 
 import os
+import pathlib
+import platform
 import sys
+import time
 
 DEFAULT = 1
 
@@ -44,6 +47,24 @@ def use(n: int | None, *, jax: bool = False) -> int:
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, cores[:n])
     return torch.get_num_threads() if torch is not None else (n or os.cpu_count())
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux's ``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measured_on(machine: str | None = None) -> str:
+    """A results page's provenance line: today's date (UTC) and the machine, by default this
+    CPU and its core count."""
+    machine = machine or f"{cpu_name()}, {os.cpu_count()} cores"
+    return f"Measured {time.strftime('%Y-%m-%d', time.gmtime())} on {machine}."
 
 
 def load_average() -> float | None:

@@ -4,17 +4,17 @@ The functional reference of the ``gsgd`` library: it imports no framework, resol
 namespace once per call, returns new arrays and never mutates its inputs, so the same code
 runs on NumPy, PyTorch, JAX (under ``jit``), CuPy and array-api-strict.
 
-Public names (DESIGN §7)::
+Public names::
 
     Chain, Chain.mlp, Chain.from_shapes
     path_values, icr, gsgd_step, gsgd_init, gsgd_update, GSGDState
     rescale, random_rescaling, canonicalize, skeleton_init, weights_from_path_values
-    psi_init, psi_update, PSIState                     (seed 004, Algorithm 1)
+    psi_init, psi_update, PSIState                     (Yi et al., Algorithm 1)
     path_sgd_gamma, path_sgd_step                      (Neyshabur et al. 2015)
     path_init, path_update, allocate                   (any rule in path space)
     PathRule, sgd_rule, adam_rule, adamw_rule          (G-Adam(W), ...)
     gsgd_core.reference                                (dense checks for small chains)
-    gsgd_core.rules                                    (the numerics rules, DESIGN §6)
+    gsgd_core.rules                                    (the numerics rules, numerics guide)
 """
 
 from .chain import Chain
@@ -27,6 +27,7 @@ from .path_space import allocate, path_init, path_update
 from .psi import PSIState, psi_init, psi_update
 
 __version__ = "0.1.0"
+"""The version of the installed ``gsgd`` distribution."""
 
 __all__ = [
     "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState", "PathRule", "RuleState",

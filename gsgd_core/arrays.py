@@ -40,7 +40,7 @@ class Prepared:
     """A validated call: namespace, compute and storage dtypes, device, original shapes.
 
     ``dtype`` is the dtype arithmetic runs in: the inputs' own, except float16 and bfloat16,
-    which are computed in float32 and written back in their own dtype (DESIGN §6).
+    which are computed in float32 and written back in their own dtype (numerics guide).
     """
 
     xp: Any

@@ -2,7 +2,7 @@
 
 A chain of ``L >= 2`` layers has node layers ``0..L`` of sizes ``n_0..n_L``; layer ``l``'s
 weight is viewed as a 3-D array ``(n_l, n_{l-1}, k_l)`` (``k_l`` parallel edges, "slots",
-e.g. the positions of a flattened conv kernel). The skeleton (DESIGN §2) gives every hidden
+e.g. the positions of a flattened conv kernel). The skeleton (theory page) gives every hidden
 node ``j`` of layer ``l`` an incoming *tau* edge ``(j, tau_l(j), s_l)`` in ``W_l`` and an
 outgoing *free* edge ``(sigma_l(j), j, s_{l+1})`` in ``W_{l+1}``. Free edges are the ``H``
 free skeleton weights that G-SGD never changes; every other edge owns one basis path.
@@ -23,7 +23,7 @@ import numpy as np
 __all__ = ["Chain", "HE_SKELETON_SHARE"]
 
 # The share of each row's He-init variance that the He skeleton recipe puts on skeleton
-# edges (DESIGN §11); measured on digits MLPs and VGG/AlexNet-style plain CNNs.
+# edges (skeleton guide); measured on digits MLPs and VGG/AlexNet-style plain CNNs.
 HE_SKELETON_SHARE = 0.25
 
 
@@ -51,7 +51,7 @@ class Chain:
         Whether each layer has a bias (one flag for all layers, or one per layer).
     tau : sequence of sequences of int, optional
         Custom skeleton: ``tau[l-1][j]`` is the source (in layer ``l-1``) of hidden node ``j``'s
-        incoming skeleton edge, for ``l = 1..L-1``. Default ``j mod n_{l-1}`` (DESIGN §2).
+        incoming skeleton edge, for ``l = 1..L-1``. Default ``j mod n_{l-1}`` (theory page).
     sigma : sequence of sequences of int, optional
         Custom skeleton: ``sigma[l-1][j]`` is the target (in layer ``l+1``) of hidden node
         ``j``'s outgoing free edge, for ``l = 1..L-1``. Default ``j mod n_{l+1}``.
@@ -65,7 +65,7 @@ class Chain:
         ``F``, so a path value is measured against the path made of reference-sized skeleton
         edges: ``V_p / s_p`` with ``s_p = prod_{k != l} r_k`` for a weight path of layer
         ``l`` and ``prod_{k > l} r_k`` for a bias path. For G-SGD this is a fixed per-path
-        learning-rate scale ``s_p**2`` (DESIGN §11): still exactly invariant, and at a
+        learning-rate scale ``s_p**2`` (skeleton guide): still exactly invariant, and at a
         skeleton whose edges have magnitude ``r_l`` the step on every non-skeleton weight is
         SGD's. Default all ``1`` (the paper's units); :meth:`he_skeleton_scale` gives the
         scale of the He skeleton recipe.
@@ -205,7 +205,7 @@ class Chain:
         return cls(tuple(sizes), tuple(slots), bias=bias, **skeleton)
 
     def he_skeleton_scale(self, share: float = HE_SKELETON_SHARE) -> tuple[float, ...]:
-        """A :attr:`skeleton_scale` for He-initialised layers (DESIGN §11):
+        """A :attr:`skeleton_scale` for He-initialised layers (skeleton guide):
         ``r_l = sqrt(2 * share / c_l)``, where ``c_l`` counts the skeleton edges in a row of
         layer ``l`` (its tau edge, and on average ``n_{l-1} / n_l`` free edges).
 

@@ -113,7 +113,7 @@ def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None, *,
     non-skeleton weight of layer 1 by SGD's step (above, also divided by the tau ratio of
     its column) and learning rates mean what they mean for SGD. With ``keep_signs`` each
     skeleton edge keeps the sign it has (``+`` where it is ``0``), so a random init stays
-    zero-mean; ``rest_scale`` multiplies every other weight (the He recipe, DESIGN §11,
+    zero-mean; ``rest_scale`` multiplies every other weight (the He recipe, skeleton guide,
     uses ``sqrt(1 - share)`` with :meth:`Chain.he_skeleton_scale`). It changes the network
     function; biases are returned as given (they may be left out).
     """

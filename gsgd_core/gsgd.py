@@ -46,7 +46,7 @@ def path_values(chain: Chain, weights: Arrays, biases: OptArrays | None = None):
     """Values of the basis paths, in the layers' own shapes.
 
     ``V_l = F_l[:, None, None] * W_l * B_{l-1}[None, :, None]`` and ``Vb_l = b_l * F_l``
-    (DESIGN §2; paper §2.2, ``v_p(w) = prod_e w_e``). Entries at free edges are ``0`` (they
+    (theory page; paper §2.2, ``v_p(w) = prod_e w_e``). Entries at free edges are ``0`` (they
     own no basis path). Invariant under :func:`gsgd_core.rescale` (Theorem 3.3).
 
     Returns
@@ -131,7 +131,7 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     writes ``V'`` back with the free weights unchanged. With ``momentum == 0`` this is the
     paper's Algorithm 1 and ``state`` may be ``None``.
 
-    Numerics (DESIGN §6): a step whose gradients hold a NaN or Inf is skipped whole (weights,
+    Numerics (numerics guide): a step whose gradients hold a NaN or Inf is skipped whole (weights,
     biases and state come back unchanged); an entry whose update overflows keeps its old
     value; float16/bfloat16 are computed in float32. None of this needs a host round-trip.
 
@@ -174,7 +174,7 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
 def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
               bias_grads: OptArrays | None, steps, extra=()):
     """The scaffold of every update in path space: validation, ICR (eq. 3), the caller's
-    rule, weight allocation (eq. 5–6) and the skip rule (DESIGN §6).
+    rule, weight allocation (eq. 5–6) and the skip rule (numerics guide).
 
     ``steps(p, ok, D, Db, V, Vb)`` gets the validated call ``p``, the 0-d flag ``ok`` (every
     gradient finite) and the path gradients and values as 3-D layer views and bias vectors

@@ -36,7 +36,7 @@ def _gamma3(xp, chain, W, b, dtype, device):
 
 
 def path_sgd_gamma(chain: Chain, weights: Sequence[Any], biases=None):
-    """Path-SGD's per-edge scaling ``gamma`` (DESIGN §5, §10), in the layers' own shapes."""
+    """Path-SGD's per-edge scaling ``gamma`` (theory page), in the layers' own shapes."""
     p = prepare(chain, weights, biases)
     gamma, gamma_b = _gamma3(p.xp, chain, view3(p, chain, weights), vecs(p, biases, chain.L),
                              p.dtype, p.device)

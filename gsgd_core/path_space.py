@@ -57,7 +57,7 @@ def path_update(chain: Chain, rule: PathRule, state, weights: Arrays, biases: Op
 
     Bias paths take part like every other basis path. With :func:`gsgd_core.sgd_rule` this
     is :func:`gsgd_core.gsgd_update` to rounding; with :func:`gsgd_core.adam_rule` it is
-    G-Adam. Numerics (DESIGN §6) as there: a step whose gradients hold a NaN or Inf is
+    G-Adam. Numerics (numerics guide) as there: a step whose gradients hold a NaN or Inf is
     skipped (weights, biases and every array of the state unchanged); a path whose
     ``Delta`` is not finite keeps its value (``Delta = 0``), so does an entry whose new
     weight overflows, and a state entry that overflows keeps its old value; a tau path

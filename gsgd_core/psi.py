@@ -1,4 +1,4 @@
-"""PSI-SGD / PSI-SGDM for weights followed by a normalisation layer (seed 004, Algorithm 1).
+"""PSI-SGD / PSI-SGDM for weights followed by a normalisation layer (Yi et al., Algorithm 1).
 
 A unit's incoming weight vector ``w_i`` (one row: ``W[i]`` flattened) feeding batch, layer or
 group norm can be multiplied by any ``a_i > 0`` without changing the network. PSI-SGD takes
@@ -49,13 +49,13 @@ def psi_init(weights: Sequence[Any]) -> PSIState:
 @quiet_fp
 def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *, lr,
                momentum=0.0, max_norm: float = 1e4):
-    """One PSI-SGDM step (seed 004, Algorithm 1; eq. 10–11), per row ``i`` of each weight::
+    """One PSI-SGDM step (Yi et al., Algorithm 1; eq. 10–11), per row ``i`` of each weight::
 
         u_i <- momentum * u_i + ||w_i||^2 * g_i
         w_i <- w_i - lr * u_i
 
     then rows with ``||w_i|| > max_norm`` are divided by their norm, and their ``u_i`` with
-    them (seed 004 §6: the function is unchanged, and the pair stays a rescaled copy of the
+    them (Yi et al. §6: the function is unchanged, and the pair stays a rescaled copy of the
     un-normalised one). ``momentum = 0`` is PSI-SGD. Rows are indexed by the first axis
     (output units), as ``torch.nn.Linear``/``Conv`` store them. The buffer holds no
     learning rate (``torch.optim.SGD``'s convention): at a constant ``lr`` this is
@@ -64,7 +64,7 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     buffers are returned unchanged: PSI-SGD keeps none.
 
     Returns ``(weights, state)``; the iterates commute with per-row rescaling of ``(W, u)``
-    (seed 004 Theorem 1) as long as no row is renormalised.
+    (Yi et al., Theorem 1) as long as no row is renormalised.
     """
     check_hyper("lr", lr)
     check_hyper("momentum", momentum)
@@ -91,7 +91,7 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
         norm = xp.sqrt(xp.sum(w_new * w_new, axis=1, keepdims=True))
         scale = xp.where(norm > max_norm, norm, 1.0)
         w_new, u_new = w_new / scale, u_new / scale
-        # A row with a non-finite gradient or update keeps its old values (DESIGN §6).
+        # A row with a non-finite gradient or update keeps its old values (numerics guide).
         ok = xp.all(xp.isfinite(g2) & xp.isfinite(w_new) & xp.isfinite(u_new), axis=1,
                     keepdims=True)
         new_w.append(xp.astype(xp.reshape(xp.where(ok, w_new, w2), w.shape), w.dtype))

@@ -1,4 +1,4 @@
-"""The numerics rules of a step in path space (DESIGN §6), in one place.
+"""The numerics rules of a step in path space (numerics guide), in one place.
 
 Every step, the core's sweeps (:mod:`.sweeps`, :mod:`.gsgd`, :mod:`.path_space`) and each
 fast kernel of ``gsgd_backends``, takes its per-entry arithmetic from here, so that the
@@ -41,7 +41,7 @@ def frozen_if_overflow(xp, D, G):
 
 def path_gradient(xp, num, den, grad):
     """``D = num / den`` by the rules above: ``0`` where ``den == 0`` or where ``D``
-    overflows from a finite ``grad`` (DESIGN §6). ``num`` is ``grad`` itself off the tau
+    overflows from a finite ``grad`` (numerics guide). ``num`` is ``grad`` itself off the tau
     edges (``D = grad / (F_l[b] B_{l-1}[a])``) and ``w * grad - T`` on them (paper eq. 3)."""
     return frozen_if_overflow(xp, safe_div(xp, num, den), grad)
 

@@ -1,7 +1,7 @@
 """The two sweeps of G-SGD over a chain: ICR (backward) and weight allocation (forward).
 
 Everything here works on 3-D layer views ``(n_l, n_{l-1}, k_l)`` of one namespace ``xp`` and
-is the masked reference formulation of DESIGN §3–§4: clear, jit-friendly (no data-dependent
+is the masked reference formulation of the theory page: clear, jit-friendly (no data-dependent
 shapes or control flow), and O(m) work per sweep. The public wrappers live in
 :mod:`gsgd_core.gsgd` and :mod:`gsgd_core.group`.
 """
@@ -17,7 +17,7 @@ def _flat(xp, a):
 
 
 def chain_products(xp, chain, meta, W, dtype, device):
-    """Tau and sigma chain products ``B_0..B_{L-1}`` and ``F_1..F_L`` (DESIGN §2).
+    """Tau and sigma chain products ``B_0..B_{L-1}`` and ``F_1..F_L`` (theory page).
 
     ``B_l[j] = B_{l-1}[tau_l(j)] * W_l[j, tau_l(j), s_l] / r_l`` (input -> j along tau edges),
     ``F_l[j] = W_{l+1}[sigma_l(j), j, s_{l+1}] / r_{l+1} * F_{l+1}[sigma_l(j)]`` (j -> output
@@ -61,7 +61,7 @@ def path_values3(xp, meta, W, b, B, F):
 
 
 def icr3(xp, chain, meta, *, W, b, G, Gb, B, F, dtype, device):
-    """Inverse chain rule: path gradients ``D = dL/dv`` by one backward sweep (DESIGN §3).
+    """Inverse chain rule: path gradients ``D = dL/dv`` by one backward sweep (theory page).
 
     Solves eq. (3) of the paper, ``dL/dw = G^T dL/dv``, restricted to non-free edges, where
     it is unit triangular. With ``P_l = W_l * grad_l`` and ``T_L = 0``, for ``l = L..1``::
@@ -73,7 +73,7 @@ def icr3(xp, chain, meta, *, W, b, G, Gb, B, F, dtype, device):
     Then ``D = U / V`` on tau edges and ``D = grad / (F_l[b] B_{l-1}[a])`` elsewhere (the
     same number, with no division by the weight: exact for pruned weights); biases
     ``Db = grad_b / F_l``; ``0`` at free edges and wherever a skeleton product is ``0`` or
-    so small that ``D`` overflows (DESIGN §6: such paths are frozen).
+    so small that ``D`` overflows (numerics guide: such paths are frozen).
 
     Returns ``D``, ``Db`` and ``V`` (path values, needed by the forward sweep).
     """
@@ -101,7 +101,7 @@ def icr3(xp, chain, meta, *, W, b, G, Gb, B, F, dtype, device):
 
 
 def allocate3(xp, chain, meta, *, W, b, D, Db, V, B, F, lr, dtype, device):
-    """Weight allocation: apply ``V' = V - lr*D`` by one forward sweep (eq. 5–6, DESIGN §4).
+    """Weight allocation: apply ``V' = V - lr*D`` by one forward sweep (eq. 5–6, theory page).
 
     With ``rho_{l-1}[a]`` the product of weight ratios along the tau-chain into ``a``
     (``rho_0 = 1``), each non-free edge ``(a -> b)`` of layer ``l`` gets::

@@ -18,7 +18,7 @@ def seq(*layers):
 
 
 class PerTokenFlatten(nn.Module):
-    """Issue case: a Linear per token on (batch, tokens, features), then a flatten (token-major)
+    """Seen in use: a Linear per token on (batch, tokens, features), then a flatten (token-major)
     into a Linear. fc0 -> fc1 is a chain (both per token); fc1 -> head is not."""
 
     def __init__(self):
@@ -31,7 +31,7 @@ class PerTokenFlatten(nn.Module):
 
 
 class Maxout(nn.Module):
-    """Issue case: MaxPool1d(2) over the feature axis of a 2-D activation (maxout)."""
+    """Seen in use: MaxPool1d(2) over the feature axis of a 2-D activation (maxout)."""
 
     def __init__(self):
         super().__init__()
@@ -42,7 +42,7 @@ class Maxout(nn.Module):
 
 
 class SharedWeight(nn.Module):
-    """Issue case: one weight Parameter shared by two Linear modules."""
+    """Seen in use: one weight Parameter shared by two Linear modules."""
 
     def __init__(self):
         super().__init__()
@@ -54,7 +54,7 @@ class SharedWeight(nn.Module):
 
 
 class TiedHead(nn.Module):
-    """Issue case: a Linear head whose weight is tied to an Embedding."""
+    """Seen in use: a Linear head whose weight is tied to an Embedding."""
 
     def __init__(self, vocab=7, dim=5):
         super().__init__()
@@ -84,7 +84,7 @@ class TiedToUnused(nn.Module):
 
 
 class ChannelMaxPool(nn.Module):
-    """Issue case: MaxPool3d((2, 1, 1)) on a 4-D conv output pools over channels."""
+    """Seen in use: MaxPool3d((2, 1, 1)) on a 4-D conv output pools over channels."""
 
     def __init__(self):
         super().__init__()
@@ -516,7 +516,7 @@ CATALOGUE = {
                                              [["conv1", "conv2"], ["fc1", "fc2", "fc3"]], []),
 }
 
-# The unsound claims the issue found that shapes alone cannot rule out: forced by hand, a
+# The unsound claims that shapes alone cannot rule out: forced by hand, a
 # random rescaling changes the output. (Maxout's and the channel max-pool's layers do not
 # even have the shapes of a chain: chain_of refuses them.)
 UNSOUND = {

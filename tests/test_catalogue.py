@@ -1,9 +1,9 @@
-"""Chain discovery on a catalogue of real layouts (issue: G-SGD on the models people use).
+"""Chain discovery on a catalogue of real layouts: G-SGD on the models people use.
 
 Each layout has an expected verdict. Wherever a chain is claimed, float64 checks show that a
 random positive rescaling leaves the output unchanged and that rescaled twins train
-identically under G-SGD; for the unsound claims the issue found, forcing the chain by hand
-shows the output does change, so the verdict is what keeps G-SGD exact.
+identically under G-SGD; for the unsound claims that shapes alone cannot rule out, forcing
+the chain by hand shows the output does change, so the verdict is what keeps G-SGD exact.
 """
 
 import copy

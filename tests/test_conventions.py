@@ -1,4 +1,4 @@
-"""torch.optim conventions of the chain-aware optimizers (issue: the models people use, part 4).
+"""torch.optim conventions of the chain-aware optimizers on the models people use.
 
 ``param_groups`` are the user's groups and act on every parameter of them; the partition into
 chain, PSI and SGD parts lives outside them. No buffer holds the learning rate. The

@@ -168,10 +168,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "fsdp_example.py"
 
 
-def test_readme_shows_the_example_script():
-    """The README's FSDP2 block is docs/fsdp_example.py, word for word."""
-    readme = (ROOT / "README.md").read_text()
-    assert f"```py\n{EXAMPLE.read_text()}```" in readme
+def test_the_distributed_guide_shows_the_example_script():
+    """The distributed guide's FSDP2 block is docs/fsdp_example.py, word for word."""
+    guide = (ROOT / "docs" / "guide" / "distributed.md").read_text()
+    assert f"```py\n{EXAMPLE.read_text()}```" in guide
 
 
 def test_example_script_runs_on_two_processes(tmp_path):

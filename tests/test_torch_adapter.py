@@ -236,7 +236,7 @@ def test_maximize_equals_minimising_the_negative():
 
 
 def test_a_layer_without_grad_is_never_written_and_the_rest_steps_as_runs():
-    """Issue: a layer frozen after construction (grad None) must not move. The chain
+    """A layer frozen after construction (grad None) must not move. The chain
     0 -> 2 -> 4 without layer 2 falls into single-layer runs, which take SGD's rule."""
     model = mlp()
     x, y = data(model)
@@ -481,7 +481,7 @@ def test_reuse_and_untraceable_models_do_not_raise_by_default():
 
 
 def test_frozen_layers_split_chains_and_are_never_written():
-    """Issue: a frozen backbone (requires_grad=False) with a trainable head trains."""
+    """A frozen backbone (requires_grad=False) with a trainable head trains."""
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
                           nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(),
                           nn.Linear(5, 3)).double()

@@ -1,7 +1,7 @@
 """``torch.optim`` optimizers over the gsgd core: G-SGD, G-Adam(W), PSI-SGD(M) and Path-SGD.
 
     from gsgd_adapters.torch import GSGD, skeleton_init_
-    skeleton_init_(model)               # once, before training (DESIGN §11)
+    skeleton_init_(model)               # once, before training (skeleton guide)
     opt = GSGD(model, lr=0.1, momentum=0.9)   # the rest of the training loop is unchanged
     print(opt.describe())
 """

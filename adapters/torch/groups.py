@@ -50,7 +50,7 @@ def hyper_value(value) -> float:
 
 def scaled(chain: Chain, skeleton: str) -> Chain:
     """``chain`` in the units of a skeleton recipe: ``"he"`` (skeleton edges of He init's
-    standard deviation, DESIGN §11) or ``"paper"`` (edges of 1, paper §11.2)."""
+    standard deviation, skeleton guide) or ``"paper"`` (edges of 1, paper §11.2)."""
     if skeleton not in SKELETONS:
         raise ValueError(f"skeleton must be one of {SKELETONS}, got {skeleton!r}")
     return chain.with_skeleton_scale(chain.he_skeleton_scale() if skeleton == "he" else None)

@@ -38,7 +38,7 @@ def skeleton_init_(model: nn.Module, chains=None, *, skeleton: str = "he") -> li
     changes the network function. :class:`~gsgd_adapters.torch.GSGD` must use the same
     ``skeleton``.
 
-    ``skeleton="he"`` (the default, DESIGN §11): skeleton edges of layer ``l`` get magnitude
+    ``skeleton="he"`` (the default, skeleton guide): skeleton edges of layer ``l`` get magnitude
     ``r_l = sqrt(2 * share / c_l)`` (:meth:`gsgd_core.Chain.he_skeleton_scale`, ``c_l``
     skeleton edges per row, ``share = 1/4``) and keep their signs, and the other weights
     are scaled by ``sqrt(1 - share)``: every layer keeps He init's activation scale, G-SGD's

@@ -260,7 +260,7 @@ class ScaleInvariantOptimizer(Optimizer):
         return -g if group.get("maximize") else g
 
     def _step_psi(self, part, group: dict) -> None:
-        """PSI-SGD(M) on the weights of normalised layers (seed 004, Algorithm 1)."""
+        """PSI-SGD(M) on the weights of normalised layers (Yi et al., Algorithm 1)."""
         live = [(p, n) for p, n in zip(part.weights, part.names) if p.grad is not None]
         if not live:
             return
@@ -393,7 +393,7 @@ class GSGD(ScaleInvariantOptimizer):
         The units of the chains' path values (:attr:`gsgd_core.Chain.skeleton_scale`), which
         must match :func:`~gsgd_adapters.torch.skeleton_init_`'s (same default). ``"he"``:
         skeleton edges of He init's standard deviation; ``lr`` then means SGD's learning rate
-        on plain deep CNNs too (DESIGN §11). ``"paper"``: skeleton edges of 1 (paper §11.2),
+        on plain deep CNNs too (skeleton guide). ``"paper"``: skeleton edges of 1 (paper §11.2),
         fine for small MLPs and ruinous on wide plain CNNs. A warning says when the model's
         skeleton is not initialised for the chosen recipe.
     strict : bool
@@ -407,7 +407,7 @@ class GSGD(ScaleInvariantOptimizer):
     bn : {"psi", "sgd", "paper"}
         Weight layers directly followed by batch/group/layer norm end their chain (exact
         invariance holds only without them). By default (``"psi"``) their weights are updated
-        by PSI-SGD(M) (seed 004), which is exactly invariant under the rescaling that the norm
+        by PSI-SGD(M) (Yi et al.), which is exactly invariant under the rescaling that the norm
         allows (batch and instance norm, and group norm with a group per channel; layer norm
         and coarser group norms normalise units together, so those weights take SGD's rule);
         PSI weights take no weight decay (their scale does not affect the loss).
@@ -489,7 +489,7 @@ class GSGD(ScaleInvariantOptimizer):
 
 
 class PSISGD(ScaleInvariantOptimizer):
-    """PSI-SGD / PSI-SGDM (seed 004, Algorithm 1) for a model with normalisation layers.
+    """PSI-SGD / PSI-SGDM (Yi et al., Algorithm 1) for a model with normalisation layers.
 
     Weights of Linear/Conv layers directly followed by batch, group or layer norm get
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u`` per row (rows with norm above

@@ -1,0 +1,210 @@
+"""The documentation: the site builds with warnings as errors, its API reference names every
+public object, every Python example on its pages runs and prints what the page shows, and
+every results page says when and on what machine it was measured."""
+
+import ast
+import contextlib
+import importlib
+import importlib.util
+import io
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")) if DOCS.is_dir() else []
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```\n", re.S | re.M)
+# The packages whose every public name the reference must document.
+PUBLIC = ["gsgd_core", "gsgd_backends", "gsgd_adapters.torch", "gsgd_adapters.optax",
+          "gsgd_adapters.cupy"]
+# ``py`` blocks are whole scripts that another test runs (several processes, a launcher):
+# the page shows the file word for word.
+RUN_ELSEWHERE = {"fsdp_example.py": "test_fsdp.py"}
+# Pages of measurements: each names its date and its machine.
+RESULTS = ["results.md", "step_overhead.md", "fsdp.md", "plain_cnn.md", "plain_cnn_full.md"]
+
+
+def fences(text: str) -> list[tuple[str, str, int, int]]:
+    """(language, body, start, end) of each fenced code block, in order."""
+    return [(m["lang"], m["body"], m.start(), m.end()) for m in FENCE.finditer(text)]
+
+
+def examples(text: str) -> list[tuple[str, str | None]]:
+    """Each ``python`` block with the ``text`` block that follows it directly (its printed
+    output), or ``None`` where none follows."""
+    blocks, pairs = fences(text), []
+    for i, (lang, body, _, end) in enumerate(blocks):
+        if lang != "python":
+            continue
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        shown = (nxt[1] if nxt and nxt[0] == "text" and not text[end:nxt[2]].strip()
+                 else None)
+        pairs.append((body, shown))
+    return pairs
+
+
+def run_examples(pairs, name: str) -> None:
+    """Runs the blocks in order in one namespace; each printed output must be the one shown,
+    and no block warns (an example that warns teaches the warning)."""
+    for module in sorted({m for code, _ in pairs
+                          for m in re.findall(r"^(?:from|import) (\w+)", code, re.M)}):
+        pytest.importorskip(module)
+    scope = {"__name__": "__docs__"}
+    for i, (code, shown) in enumerate(pairs, start=1):
+        with contextlib.redirect_stdout(io.StringIO()) as out, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            exec(compile(code, f"{name}, example {i}", "exec"), scope)
+        if shown is not None:
+            assert out.getvalue().strip() == shown.strip(), f"{name}, example {i}"
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if examples((DOCS / p).read_text())])
+def test_every_python_example_runs_and_prints_what_the_page_shows(page, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.chdir(tmp_path)  # examples that write files write them here
+    run_examples(examples((DOCS / page).read_text()), page)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_other_python_block_is_a_script_another_test_runs(page):
+    """``python`` blocks run here; a ``py`` block must be a script that another test runs,
+    and no Python hides under another name, a bare fence or an indented one."""
+    text = (DOCS / page).read_text()
+    assert not re.search(r"^[ \t]+```", text, re.M), f"{page}: an indented fence"
+    for lang, body, _, _ in fences(text):
+        if lang == "py":
+            runs = [f for f in RUN_ELSEWHERE if (DOCS / f).read_text() == body]
+            assert runs, f"{page}: a py block that is no script in RUN_ELSEWHERE"
+            assert runs[0] in (ROOT / "tests" / RUN_ELSEWHERE[runs[0]]).read_text()
+        assert lang not in ("", "python3", "pycon", "ipython"), f"{page}: a {lang or 'bare'} block"
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("api_pages", DOCS / "hooks" / "api_pages.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nav():
+    yaml = pytest.importorskip("yaml")
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once with warnings as errors (``mkdocs build --strict``)."""
+    for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
+        pytest.importorskip(module)
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+                           str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_site_builds_strictly(site):
+    assert (site / "index.html").is_file()
+    for page in PAGES:
+        html = page[:-3] + ".html" if page.endswith("index.md") else page[:-3] + "/index.html"
+        assert (site / html).is_file(), page
+
+
+def test_every_public_package_has_a_reference_page():
+    modules = _hooks().api_modules(_nav())
+    assert [m for m in PUBLIC if m not in modules] == []
+
+
+def public_names(module: str) -> list[str]:
+    """The module's ``__all__``, read from its source (as the reference is: the adapters'
+    frameworks need not be installed to check their pages)."""
+    source = pathlib.Path(importlib.util.find_spec(module).origin).read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__"
+                                                for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return []
+
+
+def test_reference_names_every_public_object(site):
+    for name in _hooks().api_modules(_nav()):
+        html = (site / "api" / name / "index.html").read_text()
+        ids = set(re.findall(r'id="([^"]+)"', html))
+        missing = [n for n in public_names(name) if f"{name}.{n}" not in ids]
+        assert missing == [], f"{name}: no reference entry for {missing}"
+
+
+@pytest.mark.parametrize("page", RESULTS)
+def test_results_pages_say_when_and_on_what_machine(page):
+    text = (DOCS / page).read_text()
+    assert re.search(r"^Measured \d{4}-\d{2}-\d{2} on .*\d+ cores?", text, re.M), page
+
+
+def _report():
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is a folder of the checkout
+    try:
+        from benchmarks import report
+    finally:
+        sys.path.remove(str(ROOT))
+    return report
+
+
+def test_the_main_job_writes_when_and_where_on_its_results_page():
+    page = _report().markdown([], "# G-SGD on digits")
+    assert re.search(r"^Measured \d{4}-\d{2}-\d{2} on .*\d+ cores?\.$", page, re.M)
+
+
+def test_reference_reads_as_markdown(site):
+    """No reST role or ``::`` marker of the docstrings reaches the rendered reference."""
+    for page in (site / "api").rglob("index.html"):
+        text = re.sub(r"<[^>]+>", "", page.read_text())
+        assert not re.search(r":(?:func|class|meth|attr|mod|data|exc):|\S::\s", text), page
+
+
+def test_readme_links_point_into_the_checkout():
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
+
+
+def test_the_readme_excerpt_keeps_every_verdict_and_its_outcome():
+    """The README's short excerpt has one entry per verdict of docs/results.md, in order,
+    with the verdict's place and outcome."""
+    report = _report()
+    summary = (DOCS / "results.md").read_text()
+    bullets = [ln[2:] for ln in summary.splitlines() if report.VERDICT.match(ln)]
+    rows = [r for r in report.readme_excerpt(summary).splitlines() if r.startswith("| **")]
+    entries = [e for r in rows for e in r.split(" | ")[1].removesuffix(" |").split("; ")]
+    assert len(entries) == len(bullets) > 0
+    for bullet, entry in zip(bullets, entries):
+        where, rest = bullet.split(": ", 1)
+        outcome = re.search(r"wins|loses|ties|unstable on \d+/\d+ seeds|only stable", rest)[0]
+        assert outcome in entry, (bullet, entry)
+        assert where == "overall" or entry.startswith(f"{where}: "), (bullet, entry)
+
+
+def test_grouped_parameters_get_an_entry_each():
+    """``lr, momentum`` in a parameters section becomes two entries (griffe would give the
+    second the first's type and default); a shared return entry keeps its names and takes
+    its text as the description; other sections are left as written."""
+    pytest.importorskip("griffe")
+    spec = importlib.util.spec_from_file_location("griffe_rest",
+                                                  DOCS / "hooks" / "griffe_rest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = ("Step.\n\nParameters\n----------\nlr, momentum\n    As SGD.\nx, y : float\n"
+            "    Two.\n\nReturns\n-------\na, b : arrays\n\nNotes\n-----\nc, d : e\n")
+    assert module.markdown(text) == (
+        "Step.\n\nParameters\n----------\nlr\n    As SGD.\nmomentum\n    As SGD.\n"
+        "x : float\n    Two.\n\ny : float\n    Two.\n\nReturns\n-------\na, b\n    arrays\n\n"
+        "Notes\n-----\nc, d : e\n")
