@@ -47,6 +47,14 @@ def planned_runs(names, budget) -> int:
     return dry.count
 
 
+def _busy(cpu: float) -> str:
+    """The CPU seconds of the run and the machine's load: where other processes share the
+    cores, the wall time above exceeds what an idle machine takes (about the CPU time)."""
+    load = threads.load_average()
+    return f"{cpu:.0f} CPU s" + ("" if load is None else
+                                 f", load average {load:.2f} at the end") + "."
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -73,7 +81,7 @@ def main(argv=None) -> int:
     budget = QUICK if args.quick else DEFAULT
     names = args.only or list(EXPERIMENTS)
     runner = Runner(total=planned_runs(names, budget))
-    start, sections = time.perf_counter(), []
+    start, cpu, sections = time.perf_counter(), time.process_time(), []
     for k, name in enumerate(names, 1):
         runner.stage(f"experiment {k}/{len(names)} ({name})")
         t0 = time.perf_counter()
@@ -88,7 +96,7 @@ def main(argv=None) -> int:
               f"{m.seeds} seeds, {m.epochs} epochs for the MLPs, {m.cnn_epochs} for the CNN. "
               f"{STATS_RULE} Total "
               f"{time.perf_counter() - start:.0f} s for {runner.count} runs on {n_threads} "
-              "CPU thread(s).")
+              f"CPU thread(s). {_busy(time.process_time() - cpu)}")
     summary = report.markdown(sections, header)
     (out / "summary.md").write_text(summary)
     print(f"\nwrote {out / 'summary.md'} and {len(sections)} plot(s) in {out}/")

