@@ -47,7 +47,7 @@ DEFAULT = Budget(seeds=5, epochs=20, widths=(8, 16, 32, 64, 128, 256),
                  spreads=(0.0, 0.5, 1.0, 2.0),
                  mnist=Budget(seeds=3, epochs=10, widths=(64,),
                               sgd_grid=(0.01, 0.03, 0.1, 0.3, 1.0),
-                              momentum_grid=(0.003, 0.01, 0.03), adam_grid=(),
+                              momentum_grid=(0.003, 0.01, 0.03, 0.1), adam_grid=(),
                               path_grid=(1e-4, 1e-3, 1e-2, 0.1, 1.0, 3.0),
                               spreads=(0.0, 1.0, 2.0), depths=(2, 4, 6), cnn_epochs=4))
 QUICK = Budget(seeds=2, epochs=3, widths=(16, 64), sgd_grid=(0.1, 0.5),

@@ -218,7 +218,8 @@ def mnist_mlp(b, runner, out) -> Section:
                       for a in arms[1:])
     text = (f"{_mnist_budget(m)}; pixels in [0, 1]. MLPs with "
             f"{', '.join(map(str, m.depths))} hidden layers of {m.widths[0]} ReLU units. "
-            f"Learning-rate grids: {grids}.")
+            f"Learning-rate grids: {grids}. Skeleton init is the paper's (§11.2), as in "
+            "experiments 1 to 3.")
     return Section("8. MNIST: SGD, Path-SGD and G-SGD on MLPs of several depths (paper §5.3)",
                    text, [table(rows, ["hidden layers"]),
                           verdict([((f"{p[0]} hidden layers",), o) for p, o in rows])],
