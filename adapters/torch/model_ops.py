@@ -43,10 +43,13 @@ def skeleton_init_(model: nn.Module, chains=None, *, skeleton: str = "he") -> li
     skeleton edges per row, ``share = 1/4``) and keep their signs, and the other weights
     are scaled by ``sqrt(1 - share)``: every layer keeps He init's activation scale, G-SGD's
     first step moves the other weights by SGD's step, and tau paths start with gentle
-    steps. It trains plain deep CNNs (VGG, AlexNet style) and MLPs at SGD's learning rates.
-    ``skeleton="paper"`` sets every skeleton edge to ``+1`` (paper §11.2): fine for small
-    MLPs, ruinous where widths shrink (VGG-11's 4096 -> 10 head puts ~410 ones in each
-    output row: loss 2.2e3 at init).
+    steps. It trains plain deep CNNs (VGG, AlexNet style) and wide MLPs at SGD's learning
+    rates; on narrow MLPs (32 units) it is sensitive to the learning rate.
+    ``skeleton="paper"`` sets every skeleton edge to ``+1`` (paper §11.2): the better choice
+    for small, narrow MLPs, behind the He recipe on 128-wide ones and ruinous where widths
+    shrink (VGG-11's 4096 -> 10 head puts ~410 ones in each output row: loss 2.2e3 at init).
+    The measurement that chose the default is ``docs/skeleton_recipe.md``
+    (``python -m benchmarks.skeleton_recipe``).
     """
     found = _chains(model, chains)
     rest = math.sqrt(1.0 - HE_SKELETON_SHARE) if skeleton == "he" else 1.0

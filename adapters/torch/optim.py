@@ -394,8 +394,9 @@ class GSGD(ScaleInvariantOptimizer):
         must match :func:`~gsgd_adapters.torch.skeleton_init_`'s (same default). ``"he"``:
         skeleton edges of He init's standard deviation; ``lr`` then means SGD's learning rate
         on plain deep CNNs too (skeleton guide). ``"paper"``: skeleton edges of 1 (paper §11.2),
-        fine for small MLPs and ruinous on wide plain CNNs. A warning says when the model's
-        skeleton is not initialised for the chosen recipe.
+        better on small, narrow MLPs and ruinous on wide plain CNNs (the measurement:
+        ``docs/skeleton_recipe.md``). A warning says when the model's skeleton is not
+        initialised for the chosen recipe.
     strict : bool
         Raise ``ValueError`` when a Linear/Conv layer lands in no chain and no PSI part
         (the message says why, per layer), or when the model cannot be traced. By default
