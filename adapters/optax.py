@@ -113,8 +113,8 @@ def _get(index, leaves, path, transposed=False):
 
 def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_decay):
     """torch.optim.SGD's update of one leaf outside the chains: returns (update, buffer)."""
-    # Array hyperparameters (inject_hyperparams makes float32 ones) take the leaf's dtype,
-    # so that the update and the buffer keep it.
+    # Array hyperparameters (inject_hyperparams makes them of the params' widest dtype)
+    # take the leaf's dtype, so that the update and the buffer keep it.
     lr, momentum, dampening, weight_decay = (
         h if is_real(h) else jnp.asarray(h, g.dtype)
         for h in (lr, momentum, dampening, weight_decay))

@@ -126,17 +126,18 @@ def test_jit_of_the_whole_update_traces_once_and_equals_eager(name):
 
 
 # ------------------------------------------------------------------ inject_hyperparams
-def _injected(name, lr, **hyper):
-    """``optax.inject_hyperparams`` of the transformation (of the inner Adam for G-Adam)."""
+def _injected(name, lr, dtype=None, **hyper):
+    """``optax.inject_hyperparams`` of the transformation (of the inner Adam for G-Adam),
+    with hyperparameters of ``dtype`` (by default the params' widest)."""
     factory, _ = FACTORIES[name]
     if name == "g_adam":
-        return in_path_space(optax.inject_hyperparams(optax.adam)(learning_rate=lr, **hyper),
-                             chains_of(make_params()))
+        return in_path_space(optax.inject_hyperparams(optax.adam, hyperparam_dtype=dtype)(
+            learning_rate=lr, **hyper), chains_of(make_params()))
     if name == "psi_sgd":
-        return optax.inject_hyperparams(psi_sgd, static_args=("normalised",))(
+        return optax.inject_hyperparams(psi_sgd, hyperparam_dtype=dtype)(
             learning_rate=lr, normalised=PSI, **hyper)
-    return optax.inject_hyperparams(factory)(learning_rate=lr, chains=chains_of(make_params()),
-                                            **hyper)
+    return optax.inject_hyperparams(factory, hyperparam_dtype=dtype)(
+        learning_rate=lr, chains=chains_of(make_params()), **hyper)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -211,11 +212,12 @@ def test_inject_hyperparams_of_gsgd_with_default_momentum_is_the_reported_call()
 
 @pytest.mark.parametrize("name", ["gsgd", "gsgd_momentum", "psi_sgd"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_injected_float32_hyperparameters_keep_the_leaves_dtype(name, dtype):
-    """``inject_hyperparams`` makes float32 arrays: updates and state keep the parameters'
-    dtype (a jitted loop would otherwise retrace, and a buffer widen)."""
+def test_injected_wider_hyperparameters_keep_the_leaves_dtype(name, dtype):
+    """Hyperparameters wider than the leaves (``hyperparam_dtype``, or the widest dtype of
+    mixed-precision params): updates and state keep each leaf's dtype (a jitted loop would
+    otherwise retrace, and a buffer widen)."""
     params = make_params(dtype=dtype)
-    opt = _injected(name, 0.01, **FACTORIES[name][1])
+    opt = _injected(name, 0.01, jnp.float64, **FACTORIES[name][1])
     state = opt.init(params)
     g = jax.tree_util.tree_map(lambda x: x.astype(dtype), grad(make_params()))
     u, state2 = jax.jit(opt.update)(g, state, params)
