@@ -47,11 +47,7 @@ class SkippedStepWarning(UserWarning):
 
 
 def _check(name: str, value, high: float | None = None) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} as a tensor must have one element (as torch.optim.SGD "
-                             f"requires), got shape {tuple(value.shape)}")
-        value = float(value)
+    value = hyper_value(value, name)
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(
             value) or value < 0 or (high is not None and value > high):
         bound = f"in [0, {high:g}]" if high is not None else ">= 0"
@@ -307,8 +303,8 @@ class ScaleInvariantOptimizer(Optimizer):
         have one (a run of one layer takes SGD's rule), each with momentum restarted, and a
         warning says so once."""
         live = [w.grad is not None for w in part.weights]
-        if not any(live):
-            return
+        if not any(live) and all(x is None or x.grad is None for x in part.biases):
+            return  # nothing of the chain has a gradient (a branch this step did not use)
         if all(live):
             self._update_chain(part.chain, part, range(len(live)), group, self.state)
             return
