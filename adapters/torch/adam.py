@@ -67,7 +67,8 @@ class GAdam(ScaleInvariantOptimizer):
     Notes
     -----
     Numerics as :func:`gsgd_core.path_update`: a chain step whose gradients hold a NaN or Inf
-    is skipped (weights and moments unchanged; counted in ``describe()``).
+    is skipped (weights and moments unchanged; counted in ``describe()``), and so is the
+    Adam step of a group's parameters outside chains.
     """
 
     algorithm = "G-Adam"
