@@ -3,7 +3,8 @@
 torch refuses them; ``state_dict``, ``deepcopy`` and ``pickle`` keeping the next step bit for
 bit; frozen parameters and parameters without ``.grad`` never written; every hyperparameter
 of every param group reaching exactly its group's parameters, in chains, PSI parts and
-plain parameters alike; a non-finite gradient never written into a chain or a PSI row."""
+plain parameters alike; a non-finite gradient never written; the layouts discovery refuses
+refused by every optimizer."""
 
 import copy
 import io
@@ -16,6 +17,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _catalogue import CATALOGUE, UNSOUND
 from _helpers import DEFAULT_INIT
 from _strategies import examples
 from gsgd_adapters.torch import GAdam, GAdamW, GSGD, PSISGD, PathSGD, skeleton_init_
@@ -347,3 +349,54 @@ def test_a_non_finite_gradient_is_never_written(name, bad):
                     assert torch.equal(torch.as_tensor(after[i][key]), torch.as_tensor(v))
         # Path-SGD's core step keeps a chain with a non-finite gradient without a count
         assert opt.describe().skipped == (0 if name == "PathSGD" and part is chain else 1)
+
+
+# ------------------------------------------------------------------ refused layouts
+LAYOUTS = sorted(CATALOGUE)
+FINDERS = {"GSGD": GSGD, "GAdam": GAdam, "GAdamW": GAdamW, "PathSGD": PathSGD}
+
+
+def _layout(name):
+    make_layout, shape, chains, psi = CATALOGUE[name]
+    torch.manual_seed(0)
+    model = make_layout().double()
+    x = (torch.randint(0, 7, shape[1:]) if shape[0] == "tokens"
+         else torch.randn(shape, dtype=torch.float64))
+    return model, x, chains, psi
+
+
+@pytest.mark.filterwarnings("ignore:.*cannot be traced:UserWarning")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_optimizer_claims_exactly_the_catalogues_chains(layout):
+    """Each optimizer that finds chains claims the catalogue's verdict on every layout (the
+    layouts discovery refuses are refused by all of them, not only by GSGD)."""
+    model, _, chains, _ = _layout(layout)
+    for name, cls in FINDERS.items():
+        d = cls(model, lr=0.01).describe()
+        assert [c[0] for c in d.chains] == chains, name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["GSGD", "GAdam"])
+def test_strict_refuses_exactly_the_layouts_with_a_layer_outside_chains(name, layout):
+    """``strict=True`` raises, naming every such layer, exactly where a Linear/Conv layer
+    would land in no chain and no PSI part (in ``describe()``: its reasons, less the PSI
+    layers)."""
+    model, _, _, _ = _layout(layout)
+    d = FINDERS[name](model, lr=0.01).describe()
+    outside = {w.rsplit(".", 1)[0] for w in d.reasons} - {
+        w.rsplit(".", 1)[0] for w in d.normalised}
+    refusal = _refusal(lambda: FINDERS[name](model, lr=0.01, strict=True))
+    assert (refusal is not None) == bool(outside), (layout, outside, refusal)
+    for layer in outside:
+        assert f"{layer}: " in str(refusal)
+
+
+@pytest.mark.parametrize("layout", sorted(UNSOUND))
+@pytest.mark.parametrize("name", ["GSGD", "GAdam", "GAdamW"])
+def test_an_unsound_chain_given_by_hand_is_refused_by_the_self_check(name, layout):
+    model, x, _, _ = _layout(layout)
+    modules = dict(model.named_modules())
+    chain = [modules[n] for n in UNSOUND[layout]]
+    with pytest.raises(ValueError, match="is not a chain of this model"):
+        FINDERS[name](model, lr=0.01, chains=[chain], example_input=x)
