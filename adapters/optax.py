@@ -11,6 +11,11 @@ The math is :mod:`gsgd_core` (functional, Array API), so ``update`` compiles onc
 plain SGD (``torch.optim.SGD``'s momentum conventions). Weights use the ``(out, in, ...)``
 layout; ``transposed=True`` reads 2-D ``(in, out)`` kernels (flax, haiku) instead.
 
+Every transformation skips a step whose gradients hold a NaN or Inf at any leaf: zero
+updates, state unchanged (its step count included). Numeric hyperparameters may be arrays,
+so ``optax.inject_hyperparams(gsgd)(learning_rate=0.1, chains=chains, momentum=0.9)`` works
+(a hyperparameter given as an array keeps its state even when it holds 0).
+
 :func:`in_path_space` runs any optax transformation in path space (G-Adam is
 ``in_path_space(optax.adam(1e-3), chains)``).
 """
@@ -26,6 +31,7 @@ import optax
 
 from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_step, path_values,
                        psi_init, psi_update)
+from gsgd_core.arrays import is_off, is_real
 
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
@@ -107,12 +113,26 @@ def _get(index, leaves, path, transposed=False):
 
 def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_decay):
     """torch.optim.SGD's update of one leaf outside the chains: returns (update, buffer)."""
-    if weight_decay:
+    # Array hyperparameters (inject_hyperparams makes them of the params' widest dtype)
+    # take the leaf's dtype, so that the update and the buffer keep it.
+    lr, momentum, dampening, weight_decay = (
+        h if is_real(h) else jnp.asarray(h, g.dtype)
+        for h in (lr, momentum, dampening, weight_decay))
+    if not is_off(weight_decay):
         g = g + weight_decay * p
-    if momentum:
+    if not is_off(momentum):
         buf = jnp.where(count == 0, g, momentum * buf + (1 - dampening) * g)
         g = g + momentum * buf if nesterov else buf
     return -lr * g, buf
+
+
+def _skip_unless_finite(grads, updates: list, new_state, state):
+    """``(updates, new_state)``, or zero updates and the old ``state`` when a gradient
+    holds a NaN or Inf: such a step is skipped whole (DESIGN §6: never written into the
+    weights, nor into a momentum buffer), with no host round-trip."""
+    ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in grads], dtype=bool))
+    updates = [jnp.where(ok, u, jnp.zeros_like(u)) for u in updates]
+    return updates, jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
 
 
 def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
@@ -125,7 +145,7 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
         index = dict(zip(paths, range(len(paths))))
         states = tuple(chain_init(c, [_get(index, leaves, p, c.transposed) for p in c.weights],
                                   [_get(index, leaves, p) for p in c.biases]) for c in chains)
-        bufs = tuple(None if (path in chain_paths or not momentum) else jnp.zeros_like(x)
+        bufs = tuple(None if (path in chain_paths or is_off(momentum)) else jnp.zeros_like(x)
                      for path, x in zip(paths, leaves))
         return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
 
@@ -155,8 +175,9 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
             if path not in chain_paths:
                 out[i], bufs[i] = _sgd_rest(grads[i], leaves[i], bufs[i], state.count, lr,
                                             **rest_hyper)
-        return (jax.tree_util.tree_unflatten(treedef, out),
-                ChainTransformState(state.count + 1, tuple(new_states), tuple(bufs)))
+        new = ChainTransformState(state.count + 1, tuple(new_states), tuple(bufs))
+        out, new = _skip_unless_finite(grads, out, new, state)
+        return jax.tree_util.tree_unflatten(treedef, out), new
 
     return optax.GradientTransformation(init, update)
 
@@ -170,7 +191,8 @@ def gsgd(learning_rate: ScalarOrSchedule, chains: Sequence[ChainLeaves], *,
                  weight_decay=weight_decay)
 
     def chain_init(c, W, b):
-        return gsgd_init(c.chain, W, b) if momentum else None
+        # An array momentum (optax.inject_hyperparams) may be nonzero: it keeps a state.
+        return None if is_off(momentum) else gsgd_init(c.chain, W, b)
 
     def chain_step(c, cs, W, b, G, Gb, lr):
         return gsgd_update(c.chain, cs, W, b, G, Gb, lr=lr, **hyper)
@@ -242,29 +264,28 @@ def in_path_space(inner: optax.GradientTransformation,
     so ``in_path_space(optax.adam(lr), chains)`` is G-Adam and
     ``in_path_space(optax.sgd(lr, momentum), chains)`` is :func:`gsgd` (to rounding).
 
-    Numerics as :func:`gsgd_core.path_update`: a step whose chain gradients hold a NaN or
-    Inf is skipped whole (zero updates, state kept); a path whose update is not finite keeps
-    its value. Jit-compatible; composes with ``optax.chain``.
+    Numerics as :func:`gsgd_core.path_update`: a step whose gradients (at any leaf) hold a
+    NaN or Inf is skipped whole (zero updates, state kept); a path whose update is not
+    finite keeps its value. Jit-compatible; composes with ``optax.chain``.
     """
     chains = list(chains)
     if any(c.chain is None for c in chains):
         raise ValueError("in_path_space takes chains (ChainLeaves with a chain), not PSI groups")
 
     def to_path_space(grads, params):
-        """``(D tree, V tree, chain arrays, ok)``: path gradients and values at chain leaves."""
+        """``(D tree, V tree, chain arrays, index, treedef, grads)``: path gradients and
+        values at chain leaves, and the flat gradients."""
         paths, leaves, treedef = _flat(params)
         grads = treedef.flatten_up_to(grads)
         index = dict(zip(paths, range(len(paths))))
-        D, V, arrays, finite = list(grads), list(leaves), [], []
+        D, V, arrays = list(grads), list(leaves), []
         for c in chains:
             W, b, G, Gb = _chain_arrays(c, index, leaves, grads)
             _put(D, index, c, *icr(c.chain, W, b, G, Gb))
             _put(V, index, c, *path_values(c.chain, W, b))
             arrays.append((W, b))
-            finite += [jnp.all(jnp.isfinite(g)) for g in G + Gb if g is not None]
-        ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
         return (jax.tree_util.tree_unflatten(treedef, D),
-                jax.tree_util.tree_unflatten(treedef, V), arrays, index, treedef, ok)
+                jax.tree_util.tree_unflatten(treedef, V), arrays, index, treedef, grads)
 
     def init(params):
         _, V, *_ = to_path_space(params, params)
@@ -273,7 +294,7 @@ def in_path_space(inner: optax.GradientTransformation,
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("in_path_space needs params: opt.update(grads, state, params)")
-        D, V, arrays, index, treedef, ok = to_path_space(updates, params)
+        D, V, arrays, index, treedef, grads = to_path_space(updates, params)
         u, inner_state = inner.update(D, state.inner, V)
         u = treedef.flatten_up_to(u)
         out = list(u)
@@ -284,9 +305,7 @@ def in_path_space(inner: optax.GradientTransformation,
             W2, b2 = allocate(c.chain, W, b, delta, bias_delta)
             _put(out, index, c, [w2 - w for w2, w in zip(W2, W)],
                  [None if x is None else x2 - x for x2, x in zip(b2, b)])
-        out = [jnp.where(ok, x, jnp.zeros_like(x)) for x in out]
-        inner_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), inner_state,
-                                             state.inner)
-        return jax.tree_util.tree_unflatten(treedef, out), InPathSpaceState(inner_state)
+        out, new = _skip_unless_finite(grads, out, InPathSpaceState(inner_state), state)
+        return jax.tree_util.tree_unflatten(treedef, out), new
 
     return optax.GradientTransformation(init, update)

@@ -235,6 +235,13 @@ def is_real(x) -> bool:
     return isinstance(x, (float, int)) or isinstance(x, numbers.Real)
 
 
+def is_off(x) -> bool:
+    """A hyperparameter switched off: a Python zero. An array (a schedule's value, or any
+    hyperparameter ``optax.inject_hyperparams`` passes, traced under ``jit``) may hold any
+    value, so it keeps its state and its arithmetic."""
+    return is_real(x) and x == 0
+
+
 def check_hyper(name: str, value, *, low: float = 0.0, high: float | None = None) -> None:
     """Validate a hyperparameter given as a Python number; arrays (traced schedules) pass."""
     if isinstance(value, bool):

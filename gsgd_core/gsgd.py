@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence
 
-from .arrays import check_hyper, is_real, prepare, quiet_fp, restore, scalar, unvecs, vecs, view3
+from .arrays import (check_hyper, is_off, is_real, prepare, quiet_fp, restore, scalar, unvecs,
+                     vecs, view3)
 from .chain import Chain
 from .rules import StepRule, all_finite, direction, guard
 from .sweeps import allocate3, chain_products, icr3, path_values3
@@ -109,10 +110,6 @@ def check_update_hypers(lr, momentum=0.0, dampening=0.0, nesterov=False,
                          f"got momentum={momentum!r}, dampening={dampening!r}")
 
 
-def _is_zero(x) -> bool:
-    return is_real(x) and x == 0
-
-
 @quiet_fp
 def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
                 biases: OptArrays | None, grads: Arrays, bias_grads: OptArrays | None, *,
@@ -140,7 +137,7 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     weights, biases, state : new arrays in the inputs' namespace, dtype, device and shapes.
     """
     check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
-    use_momentum = not _is_zero(momentum)
+    use_momentum = not is_off(momentum)
     if use_momentum and state is None:
         raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
                          "biases)")
@@ -150,8 +147,8 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     def steps(p, ok, D, Db, V, Vb):
         xp, L = p.xp, chain.L
         rule = None
-        if use_momentum or not _is_zero(weight_decay):
-            rule = StepRule(None if _is_zero(weight_decay) else scalar(p, weight_decay),
+        if use_momentum or not is_off(weight_decay):
+            rule = StepRule(None if is_off(weight_decay) else scalar(p, weight_decay),
                             scalar(p, momentum) if use_momentum else None,
                             scalar(p, dampening), nesterov,
                             state.step == 0 if use_momentum else None)

@@ -9,12 +9,11 @@ the retraction ``W + Xi`` (eq. 8).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple, Sequence
 
 import array_api_compat
 
-from .arrays import check_hyper, is_array, quiet_fp
+from .arrays import check_hyper, is_array, is_off, quiet_fp
 
 __all__ = ["PSIState", "psi_init", "psi_update"]
 
@@ -76,7 +75,7 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
     # PSI-SGD keeps no buffer (torch.optim.SGD's convention): momentum switched on later
     # starts from u = 0, i.e. from ||w||^2 g, as torch's first momentum step does.
-    plain = isinstance(momentum, numbers.Real) and momentum == 0
+    plain = is_off(momentum)
     new_w, new_u = [], []
     for w, g, u in zip(weights, grads, state.momentum):
         if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:

@@ -31,7 +31,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _rule(group: dict, decoupled: bool) -> AdamRule:
     """The group's Adam rule (it validates the hyperparameters)."""
-    return AdamRule(hyper_value(group["lr"]), tuple(hyper_value(b) for b in group["betas"]),
+    return AdamRule(hyper_value(group["lr"], "lr"),
+                    tuple(hyper_value(b, "betas") for b in group["betas"]),
                     group["eps"], group["weight_decay"], decoupled, group["amsgrad"])
 
 
@@ -66,7 +67,8 @@ class GAdam(ScaleInvariantOptimizer):
     Notes
     -----
     Numerics as :func:`gsgd_core.path_update`: a chain step whose gradients hold a NaN or Inf
-    is skipped (weights and moments unchanged; counted in ``describe()``).
+    is skipped (weights and moments unchanged; counted in ``describe()``), and so is the
+    Adam step of a group's parameters outside chains.
     """
 
     algorithm = "G-Adam"
@@ -91,6 +93,9 @@ class GAdam(ScaleInvariantOptimizer):
 
     def _validate(self, group: dict, where: str) -> None:
         try:
+            if len({isinstance(b, torch.Tensor) for b in group["betas"]}) > 1:
+                raise ValueError("betas must be both numbers or both tensors (as "
+                                 f"torch.optim.Adam requires), got {group['betas']!r}")
             _rule(group, self.decoupled)
         except ValueError as exc:
             raise ValueError(f"{where}{exc}") from None

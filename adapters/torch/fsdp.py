@@ -48,6 +48,16 @@ def all_finite(t) -> bool:
     return bool(flag)
 
 
+def every_finite(tensors) -> bool:
+    """:func:`all_finite` of every tensor, with one host synchronisation where none is
+    sharded (a part's step reads it once, not once per parameter)."""
+    if any(is_sharded(t) for t in tensors):
+        return all(all_finite(t) for t in tensors)
+    # max |entry| per tensor (one multi-tensor kernel): NaN or Inf exactly where the tensor
+    # holds one, and no overflow from finite entries
+    return bool(torch.stack(torch._foreach_norm(tensors, float("inf"))).isfinite().all())
+
+
 def check_chain(params, names) -> None:
     """``ValueError`` naming the parameter if a chain's parameters are sharded in a layout
     G-SGD cannot step: a mix of sharded and plain parameters, a mesh of more than one

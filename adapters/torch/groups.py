@@ -43,9 +43,15 @@ def user_stacklevel() -> int:
     return level
 
 
-def hyper_value(value) -> float:
-    """A group's hyperparameter as the backends take it (a one-element tensor is read)."""
-    return float(value) if isinstance(value, torch.Tensor) else value
+def hyper_value(value, name: str = "a hyperparameter") -> float:
+    """A group's hyperparameter as the backends take it (a one-element tensor is read;
+    ``ValueError`` naming it for a tensor of another size)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.numel() != 1:
+        raise ValueError(f"{name} as a tensor must have one element (as torch.optim.SGD "
+                         f"requires), got shape {tuple(value.shape)}")
+    return float(value)
 
 
 def scaled(chain: Chain, skeleton: str) -> Chain:

@@ -25,8 +25,8 @@ from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
 from .discovery import unwrap
-from .fsdp import (all_finite, check_chain, is_sharded, local, row_ranges, row_shard,
-                   sharded_step)
+from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
+                   row_shard, sharded_step)
 from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, hyper_value, partition,
                      skeleton_is_initialised, user_stacklevel)
 from .model_ops import check_invariance
@@ -43,15 +43,12 @@ class SkeletonWarning(UserWarning):
 
 
 class SkippedStepWarning(UserWarning):
-    """A chain's step was skipped because a gradient held NaN or Inf."""
+    """A part's step (a chain, or a group's parameters outside chains) was skipped because
+    a gradient held NaN or Inf."""
 
 
 def _check(name: str, value, high: float | None = None) -> None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} as a tensor must have one element (as torch.optim.SGD "
-                             f"requires), got shape {tuple(value.shape)}")
-        value = float(value)
+    value = hyper_value(value, name)
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(
             value) or value < 0 or (high is not None and value > high):
         bound = f"in [0, {high:g}]" if high is not None else ">= 0"
@@ -280,11 +277,16 @@ class ScaleInvariantOptimizer(Optimizer):
         self._rest(part.params, group, self.state)
 
     def _live(self, params, group: dict) -> list:
-        """The parameters with a gradient (checked for non-finite values on request)."""
+        """The parameters with a gradient (checked for non-finite values on request); none
+        when one of those gradients holds NaN or Inf: the part's step is skipped, as a
+        chain's is (DESIGN §6: never written into the weights, nor into a buffer)."""
         params = [p for p in params if p.grad is not None]
         if group.get("check_finite"):
             for p in params:
                 self._grad(p, group, self._name(p))
+        if params and not every_finite([p.grad for p in params]):
+            self._count_skip(", ".join(self._name(p) for p in params))
+            return []
         return params
 
     def _rest(self, params, group: dict, state) -> None:
@@ -307,8 +309,8 @@ class ScaleInvariantOptimizer(Optimizer):
         have one (a run of one layer takes SGD's rule), each with momentum restarted, and a
         warning says so once."""
         live = [w.grad is not None for w in part.weights]
-        if not any(live):
-            return
+        if not any(live) and all(x is None or x.grad is None for x in part.biases):
+            return  # nothing of the chain has a gradient (a branch this step did not use)
         if all(live):
             self._update_chain(part.chain, part, range(len(live)), group, self.state)
             return
@@ -346,13 +348,17 @@ class ScaleInvariantOptimizer(Optimizer):
         applied = self._apply(chain, W, b, G, Gb, group=group, state=state, fixed=fixed,
                               stepper=self._stepper(chain, W, names))
         if not applied:
-            self._skipped += 1
-            if self._skipped == 1:
-                warnings.warn(
-                    f"{self.algorithm}: a gradient of the chain {' -> '.join(names)} holds "
-                    "NaN or Inf, so the step was skipped (weights and momentum unchanged); "
-                    "later skips are counted in describe() without a warning",
-                    SkippedStepWarning, stacklevel=user_stacklevel())
+            self._count_skip(f"the chain {' -> '.join(names)}")
+
+    def _count_skip(self, what: str) -> None:
+        """Count a part's step skipped for a non-finite gradient; warn the first time."""
+        self._skipped += 1
+        if self._skipped == 1:
+            warnings.warn(
+                f"{self.algorithm}: a gradient of {what} holds NaN or Inf, so the step was "
+                "skipped (weights and momentum unchanged); later skips are counted in "
+                "describe() without a warning", SkippedStepWarning,
+                stacklevel=user_stacklevel())
 
 
 def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
@@ -426,7 +432,8 @@ class GSGD(ScaleInvariantOptimizer):
         Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
         synchronisation per parameter). Off by default: a chain step whose gradients are not
         finite is skipped (a :class:`SkippedStepWarning` the first time, a count in
-        ``describe()``), at no more cost than a normal step.
+        ``describe()``), at no more cost than a normal step; so is the step of a group's
+        parameters outside chains, and a PSI weight's row keeps its values.
 
     Notes
     -----
