@@ -10,7 +10,9 @@ rules exist once:
 - **momentum and weight decay** act on ``D`` with ``torch.optim.SGD``'s conventions
   (:func:`direction`, paper eq. 2 with momentum);
 - a **tau path ratio** ``R = 1 - lr D / V`` that lands on exactly ``0`` becomes the dtype's
-  machine epsilon (:func:`tau_ratio`; paper eq. 6);
+  machine epsilon (:func:`tau_ratio`; paper eq. 6), and a tau edge whose new value would
+  not be finite keeps its value, its node's ``rho`` then being its source's
+  (:func:`written_ratio`);
 - a new value that is not finite is not written: the entry keeps its old value
   (:func:`kept`, :func:`guard`), and a step with a non-finite gradient is skipped whole
   (:func:`all_finite`).
@@ -23,7 +25,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 __all__ = ["StepRule", "all_finite", "direction", "finite_mask", "finite_or_zero",
-           "frozen_if_overflow", "guard", "kept", "path_gradient", "safe_div", "tau_ratio"]
+           "frozen_if_overflow", "guard", "kept", "path_gradient", "safe_div", "tau_ratio",
+           "written_ratio"]
 
 
 def safe_div(xp, num, den):
@@ -82,6 +85,17 @@ def tau_ratio(xp, drop, eps: float):
     landing on 0 would zero the tau weight and leave the weights above it undefined."""
     R = 1.0 - drop
     return xp.where(R == 0, eps, R)
+
+
+def written_ratio(xp, w, R, rho_src):
+    """A tau edge's new value and its node's ``rho`` (paper eq. 6): ``w' = w R / rho_src``
+    and ``rho = R``, with ``rho_src`` its source's ``rho``. A new value that is not finite
+    is not written (the edge keeps ``w``), and then the node's ``rho`` is its source's: the
+    ratio its tau chain was actually moved by, so that the weights above are allocated
+    against the tau chain as written (an infinite ``rho`` would zero them all)."""
+    new = w * (R / rho_src)
+    ok = finite_mask(new)
+    return xp.where(ok, new, w), xp.where(ok, R, rho_src)
 
 
 def finite_mask(x):

@@ -9,7 +9,7 @@ shapes or control flow), and O(m) work per sweep. The public wrappers live in
 from __future__ import annotations
 
 from .arrays import outer3
-from .rules import frozen_if_overflow, path_gradient, safe_div, tau_ratio
+from .rules import frozen_if_overflow, path_gradient, safe_div, tau_ratio, written_ratio
 
 
 def _flat(xp, a):
@@ -115,7 +115,10 @@ def allocate3(xp, chain, meta, *, W, b, D, Db, V, B, F, lr, dtype, device):
     so that no weight is divided by itself. ``rho_l`` is a single path ratio, never a product,
     so it cannot underflow. A tau path ratio of exactly ``0`` (a path value landing on 0)
     would zero the tau weight and leave the weights above it undefined; it is replaced by the
-    dtype's machine epsilon, the only case where ``V' != V - lr*D``.
+    dtype's machine epsilon. A tau weight whose new value would not be finite keeps its value
+    and its node takes its source's ``rho`` (:func:`~gsgd_core.rules.written_ratio`): the
+    weights above are allocated against the tau chain as written. These are the only cases
+    where ``V' != V - lr*D``.
     """
     eps = float(xp.finfo(dtype).eps)
     rho = xp.ones(chain.sizes[0], dtype=dtype, device=device)
@@ -130,6 +133,8 @@ def allocate3(xp, chain, meta, *, W, b, D, Db, V, B, F, lr, dtype, device):
             D_tau = xp.take(_flat(xp, D[l - 1]), m.tau_idx)
             V_tau = xp.take(_flat(xp, V[l - 1]), m.tau_idx)
             R = tau_ratio(xp, lr * safe_div(xp, D_tau, V_tau), eps)
+            tau_w = xp.take(_flat(xp, W[l - 1]), m.tau_idx)
+            _, R = written_ratio(xp, tau_w, R, xp.take(rho, m.tau_src))
             # The tau edge itself as W * R / rho, so that the epsilon rule holds for it too.
             tau_new = W[l - 1] * (R[:, None, None] / rho[None, :, None])
             Wl = xp.where(m.tau_mask, tau_new, Wl)

@@ -115,3 +115,78 @@ def assert_paths_close(actual, expected, rtol: float, tol, what: str) -> None:
 def well_conditioned(tolerances, rtol: float) -> bool:
     """Every derived tolerance is below ``rtol``: the weights can be compared as well."""
     return all(float(np.max(t, initial=0.0)) <= rtol * 1e-2 for t in tolerances)
+
+
+#: Weights are compared where no tau path ratio is below this in magnitude: a weight above
+#: node ``a`` is divided by ``rho[a] = R``, whose relative rounding is ``u / |R|`` when ``R``
+#: is the cancelling difference ``1 - lr D / V`` (a diverging run drives ``R`` toward 0).
+MIN_RATIO = 1e-3
+
+
+def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float, rtol: float,
+                      blocks=None) -> None:
+    """G-SGD's fast step (``gsgd_backends.fast``, momentum buffers in place) against
+    :func:`gsgd_core.gsgd_update`, ``steps`` times along the core's trajectory, each from
+    the core's state (weights, biases, buffers, step count): path values within ``rtol``
+    plus G-SGD's conditioning (:func:`step_tolerance` of the equivalent
+    :func:`gsgd_core.sgd_rule`), momentum buffers and free weights, and the weights
+    themselves where every tau path ratio is at least :data:`MIN_RATIO`. ``blocks(kernels)``
+    is a context that sets the block sizes."""
+    import contextlib
+
+    import gsgd_backends as gb
+    from gsgd_backends import fast
+    from gsgd_backends._dispatch import assign
+
+    blocks = blocks or (lambda kernels: contextlib.nullcontext())
+    rule = gc.sgd_rule(lr, **hyper)
+    W, b = ns.tolist(ns.aslist(problem.W)), ns.tolist(ns.aslist(problem.b))
+    core = gc.gsgd_init(chain, W, b)
+    for count in range(steps):
+        G, Gb = (ns.tolist(ns.aslist(g)) for g in problem.grads(W, b))
+        D, dD, V = gradient_rounding(chain, W, b, G, Gb)
+        bufs = (tuple(core.momentum) + tuple(m for m in core.bias_momentum if m is not None),)
+        tol, _ = step_tolerance(rule, count, D, dD, V, bufs if hyper.get("momentum") else ())
+        A, Ab = ns.aslist(W), ns.aslist(b)
+        state = gc.gsgd_init(chain, A, Ab)
+        state = state._replace(momentum=tuple(ns.aslist(core.momentum)),
+                               bias_momentum=tuple(ns.aslist(core.bias_momentum)))
+        assign(state.step, state.step + count)
+        kernels = gb.kernels_for(A[0])
+        with blocks(kernels):
+            assert fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr,
+                                   state if hyper else None, **hyper)
+        V_old = gc.path_values(chain, W, b)[0]
+        W, b, core = gc.gsgd_update(chain, core, W, b, G, Gb, lr=lr, **hyper)
+        got_W, got_b = ns.tolist(A), ns.tolist(Ab)
+        V_new = _flat(*gc.path_values(chain, W, b))
+        for i, (a, e, t) in enumerate(zip(_flat(*gc.path_values(chain, got_W, got_b)), V_new,
+                                          tol)):
+            assert_paths_close(a, e, rtol, np.reshape(t, np.shape(e)), f"step {count} [{i}]")
+        for a, e in zip(ns.tolist(state.momentum) if hyper.get("momentum") else [],
+                        core.momentum):
+            assert_paths_close(a, e, rtol, 0.0, f"step {count} momentum")
+        for l, (a, e) in enumerate(zip(got_W, W), start=1):
+            free = chain.free_mask(l)
+            np.testing.assert_array_equal(np.reshape(a, free.shape)[free],
+                                          np.reshape(e, free.shape)[free])
+        if smallest_tau_ratio(chain, V_old, V_new) >= MIN_RATIO:
+            for l, (a, e) in enumerate(zip(got_W + got_b, W + b)):
+                if e is not None:
+                    assert_paths_close(a, e, rtol, 0.0, f"step {count} weights/biases [{l}]")
+
+
+def smallest_tau_ratio(chain: gc.Chain, V_old, V_new) -> float:
+    """The smallest ``|R| = |V'/V|`` over the tau paths that had a value."""
+    out = np.inf
+    for l in range(1, chain.L):
+        tau = chain.tau_mask(l) & ~chain.free_mask(l)
+        old = np.reshape(V_old[l - 1], tau.shape)[tau]
+        new = np.reshape(V_new[l - 1], tau.shape)[tau]
+        if np.any(old != 0):
+            out = min(out, float(np.min(np.abs(new[old != 0] / old[old != 0]))))
+    return out
+
+
+def _flat(V, Vb) -> list:
+    return list(V) + [v for v in Vb if v is not None]

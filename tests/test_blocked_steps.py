@@ -15,9 +15,8 @@ import pytest
 
 import gsgd_backends as gb
 import gsgd_core as gc
-from gsgd_backends import fast
-from gsgd_backends._dispatch import assign
-from _conditioning import assert_paths_close, gradient_rounding, step_tolerance
+from _conditioning import (assert_paths_close, gradient_rounding, step_tolerance,
+                          synced_gsgd_steps)
 from _helpers import Problem
 from _namespaces import available_namespaces
 from test_rule_fast_path import CANCELLING, _synced_steps
@@ -133,32 +132,8 @@ def test_rule_steps_equal_the_core(ns, problem, name, rows):
 def test_gsgd_steps_equal_the_core(ns, problem, hyper, rows):
     """gsgd_backends.fast (G-SGD's own fast path): three steps, each from the core's state;
     the tolerance of :mod:`_conditioning` with G-SGD's rule (slope ``lr``)."""
-    chain, lr = problem.chain, 0.05
-    rule = gc.sgd_rule(lr, **hyper)
-    W, b, core = problem.W, problem.b, gc.gsgd_init(chain, problem.W, problem.b)
-    for count in range(3):
-        G, Gb = problem.grads(W, b)
-        D, dD, V = gradient_rounding(chain, W, b, G, Gb)
-        buffers = (tuple(core.momentum) + tuple(m for m in core.bias_momentum if m is not None),)
-        tol, _ = step_tolerance(rule, count, D, dD, V, buffers if hyper.get("momentum") else ())
-        A, Ab = ns.aslist(W), ns.aslist(b)
-        state = gc.gsgd_init(chain, A, Ab)
-        state = state._replace(momentum=tuple(ns.aslist(core.momentum)),
-                               bias_momentum=tuple(ns.aslist(core.bias_momentum)))
-        assign(state.step, state.step + count)
-        kernels = gb.kernels_for(A[0])
-        with _rows(kernels, rows):
-            assert fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr,
-                                   state if hyper else None, **hyper)
-        W, b, core = gc.gsgd_update(chain, core, W, b, G, Gb, lr=lr, **hyper)
-        got = gc.path_values(chain, ns.tolist(A), ns.tolist(Ab))
-        want = gc.path_values(chain, W, b)
-        flat = [list(v) + [x for x in vb if x is not None] for v, vb in (got, want)]
-        for i, (a, e, t) in enumerate(zip(*flat, tol)):
-            assert_paths_close(a, e, 1e-12, np.reshape(t, np.shape(e)), f"step {count} [{i}]")
-        if hyper:
-            for a, e in zip(ns.tolist(state.momentum), core.momentum):
-                assert_paths_close(a, e, 1e-12, 0.0, f"step {count} momentum")
+    synced_gsgd_steps(ns, problem.chain, problem, hyper, 3, lr=0.05, rtol=1e-12,
+                      blocks=lambda kernels: _rows(kernels, rows))
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

@@ -17,6 +17,7 @@ import gsgd_backends.fast as fast
 from gsgd_backends.plan import Scratch
 import gsgd_core as gc
 from gsgd_backends._dispatch import assign
+from _conditioning import synced_gsgd_steps
 from _helpers import Problem, assert_close, reverse_axes
 from _strategies import chains, examples, random_params, seeds
 
@@ -151,11 +152,13 @@ def _momentum_steps(ns, chain, seed, hyper, steps, fast_kernels=None, chunk=None
 @settings(max_examples=examples(30))
 @given(chain=chains(), seed=seeds, hyper=_HYPERS, chunk=st.sampled_from([None, 1, 7]))
 def test_momentum_and_weight_decay_steps_equal_the_core(fxp, chain, seed, hyper, chunk):
-    """Three steps (the first sets the buffers): weights, biases and momentum buffers, the
-    special edges' and the biases' included, are the core's."""
-    got, expected = _momentum_steps(fxp, chain, seed, hyper, 3, chunk=chunk)
-    for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
-        _assert_same(fxp, g, e, what)
+    """Three steps (the first sets the buffers), each from the core's state: path values and
+    buffers, the special edges' and the biases' included, are the core's, and so are the
+    weights wherever no tau path ratio nears 0 (:mod:`_conditioning`: a drawn run can
+    diverge to weights of 1e12 through ratios near 0, where the weights above carry
+    rounding divided by ``R``)."""
+    synced_gsgd_steps(fxp, chain, Problem(chain, seed), hyper, 3, lr=0.1, rtol=_tol(fxp),
+                      blocks=lambda kernels: _chunk(kernels, chunk))
 
 
 @pytest.mark.parametrize("hyper", [dict(momentum=0.9, nesterov=True),
@@ -542,7 +545,16 @@ def test_reciprocal_bulk_equals_the_core_rules_on_tame_vectors(seed, f, beta, rh
                                 fast.reciprocals(np, F, B, R, 2), lr).reshape(W.shape)
     assert np.all(np.isfinite(exact)) and np.all(np.isfinite(recip))
     if tame:
-        np.testing.assert_allclose(recip, exact, rtol=8 * np.finfo(dtype).eps, atol=0)
+        # Each form rounds a few times over the terms it subtracts, ``W`` and the step, so
+        # its error is a few units of their size: far more than of the result where the
+        # step nearly cancels ``W`` (a drawn step of 0.49 on a weight of 0.5).
+        fb = F.astype(np.float64)[:, None, None] * B.astype(np.float64)[None, :, None]
+        with np.errstate(all="ignore"):
+            g64 = G.astype(np.float64)
+            step = np.where((fb == 0) | (g64 == 0), 0.0, np.abs(lr * g64) / fb / fb)
+            terms = (np.abs(W.astype(np.float64)) + step) / np.abs(R.astype(np.float64))[
+                None, :, None]
+        assert np.all(np.abs(recip.astype(np.float64) - exact) <= 8 * np.finfo(dtype).eps * terms)
 
 
 @pytest.mark.parametrize("value, tame32, tame64", [

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 import gsgd_core as gc
 from gsgd_core import reference as ref
+from gsgd_backends._dispatch import FAST
 from _helpers import Problem, assert_close
+from _namespaces import available_namespaces
 from _strategies import chains, examples, random_params, seeds
 
 CHAIN = gc.Chain((3, 4, 2, 3), (1, 2, 1), bias=(True, False, True))
@@ -372,3 +374,59 @@ def test_in_place_step_tells_a_skip_from_a_gradient_sum_that_overflows(lib):
                                [conv(g) for g in small_b], lr=1e-40)
     for got, old in zip(Wl, before):
         np.testing.assert_array_equal(back(got), old)
+
+
+@pytest.fixture(params=[n for n in available_namespaces()
+                        if n.name in FAST and not n.is_f64], ids=lambda n: n.id)
+def f32(request):
+    """The float32 namespaces with a fast path."""
+    if request.param.skip_reason:
+        pytest.skip(request.param.skip_reason)
+    return request.param
+
+
+def test_a_tau_edge_whose_new_value_overflows_keeps_it_and_the_weights_above_follow(f32):
+    """A case the thorough profile drew (float32: weights of 1e-6, gradients of 1e30): a
+    tau path ratio overflows, so the tau weight keeps its value, and its node's ``rho`` is
+    then its source's, not the infinite ``R``, which divided every weight above to -0 in
+    the core while the fast path kept them. The fast path hands such a step to the core and
+    agrees with it; the weights above are not zeroed."""
+    import gsgd_backends as gb
+    chain = gc.Chain((4, 2, 2), (1, 1), bias=(False, True), tau=((0, 0),), sigma=((0, 0),),
+                     skeleton_scale=(0.5 ** 0.5, 0.5 ** 0.5))
+    rng = np.random.default_rng(215)
+    W, b = random_params(chain, rng)
+    W = [w * (1e-6 if rng.random() < 0.5 else 1.0) for w in W]
+    W[0][rng.random(W[0].shape) < 0.2] = 0.0
+    G = [1e30 * rng.standard_normal(w.shape) for w in W]
+    Gb = [None if v is None else rng.standard_normal(v.shape) for v in b]
+    A, Ab = f32.aslist(W), f32.aslist(b)
+    gb.gsgd_step_(chain, A, Ab, f32.aslist(G), f32.aslist(Gb), 1e-3)
+    eW, eb = gc.gsgd_step(chain, f32.aslist(W), f32.aslist(b), f32.aslist(G), f32.aslist(Gb),
+                          1e-3)
+    for a, e in zip(f32.tolist(A + Ab), f32.tolist(eW + eb)):
+        if e is not None:
+            assert np.all(np.isfinite(a)) and np.array_equal(a, e)
+    W2 = f32.tolist(A)[1].reshape(chain.layer_shape(2))
+    assert np.all(W2[~chain.free_mask(2)] != 0)
+
+
+def test_a_tau_edge_that_would_overflow_keeps_its_value_and_the_paths_above_still_move():
+    """``w' = w R`` overflows (``w = 100``, ``R = -1e307``, from a free weight of 1e-150):
+    the tau weight keeps its value, its node's ``rho`` is its source's (1), and the non-tau
+    path above still moves by exactly ``-lr D`` (``rho = R`` would shrink that weight to
+    ~1e-307 and the path with it); in the core and, handed back to it, in place."""
+    import gsgd_backends as gb
+    chain = gc.Chain.mlp([1, 1, 2], bias=False)
+    W = [np.array([[100.0]]), np.array([[1e-150], [1.0]])]  # W2[0, 0] is the free edge
+    G = [np.array([[1e-3]]), np.array([[0.0], [1e-9]])]
+    lr = 1e12
+    V, _ = gc.path_values(chain, W)
+    D, _ = gc.icr(chain, W, None, G, None)
+    new, _ = gc.gsgd_step(chain, W, None, G, None, lr)
+    inplace = [w.copy() for w in W]
+    gb.gsgd_step_(chain, inplace, None, G, None, lr)
+    for got in (new, inplace):
+        assert got[0][0, 0] == W[0][0, 0]  # kept
+        V2, _ = gc.path_values(chain, got)
+        assert_close(V2[1][1, 0], V[1][1, 0] - lr * D[1][1, 0], 1e-12, "the path above")
