@@ -140,9 +140,10 @@ END = "<!-- end of results excerpt -->"
 
 
 def readme_excerpt(summary: str) -> str:
-    """The README's results excerpt from a ``summary.md``: the run's size and time, then
-    every section's verdicts (and notes), as written there."""
-    total = re.search(r"Total \d+ s for \d+ runs on \d+ CPU thread\(s\)\.", summary)
+    """The README's results excerpt from a ``summary.md``: the run's size, wall and CPU time
+    and the machine's load, then every section's verdicts (and notes), as written there."""
+    total = re.search(r"Total \d+ s for \d+ runs on \d+ CPU thread\(s\)\."
+                      r"( \d+ CPU s(, load average [\d.]+ at the end)?\.)?", summary)
     lines = [f"From `docs/results.md` (`python -m benchmarks`, default budget; "
              f"{total.group(0) if total else 'time not recorded.'}) Verdicts, per "
              "experiment:"]
