@@ -157,10 +157,11 @@ def short_verdict(bullet: str) -> str:
 
 
 def readme_excerpt(summary: str) -> str:
-    """The README's results excerpt from a ``summary.md``: the run's size and time, then one
-    table row per experiment with its verdicts, shortened (the figures stay in the table
-    that ``docs/results.md`` links)."""
-    total = re.search(r"Total \d+ s for \d+ runs on \d+ CPU thread\(s\)\.", summary)
+    """The README's results excerpt from a ``summary.md``: the run's size, wall and CPU time
+    and the machine's load, then one table row per experiment with its verdicts, shortened
+    (the figures stay in the table that ``docs/results.md`` links)."""
+    total = re.search(r"Total \d+ s for \d+ runs on \d+ CPU thread\(s\)\."
+                      r"( \d+ CPU s(, load average [\d.]+ at the end)?\.)?", summary)
     lines = [f"From [`docs/results.md`](docs/results.md) (`python -m benchmarks`, default "
              f"budget; {total.group(0) if total else 'time not recorded.'})", "",
              "| experiment | verdicts |", "|---|---|"]

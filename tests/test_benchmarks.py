@@ -359,6 +359,18 @@ def test_readme_excerpt_is_generated_from_the_committed_results():
     assert "**7. Plain CNN" in block
 
 
+def test_readme_excerpt_carries_the_cpu_time_and_load_of_a_busy_run():
+    """A run's wall time on a shared machine says little without its CPU time and load."""
+    _bench()
+    from benchmarks import report
+    summary = ("# x\n\nTotal 860 s for 698 runs on 1 CPU thread(s). 491 CPU s, load average "
+               "5.26 at the end.\n\n## 1. A\n\n- overall: G-SGD ties\n")
+    excerpt = report.readme_excerpt(summary)
+    assert "Total 860 s for 698 runs on 1 CPU thread(s). 491 CPU s, load average 5.26 at the " \
+           "end.)" in excerpt
+    assert "**1. A**" in excerpt and "- overall: G-SGD ties" in excerpt
+
+
 @pytest.mark.parametrize("final, expected", [(0.1, False), (2.3, False), (2.31, True),
                                              (float("inf"), True), (float("nan"), True)])
 def test_a_run_is_unstable_when_its_loss_ends_above_the_start(final, expected):
