@@ -64,7 +64,8 @@ FACTORIES = {
     "g_adam": (lambda lr, chains, **h: in_path_space(optax.adam(lr, **h), chains),
                dict(b1=0.8)),
 }
-NAMES = list(FACTORIES)
+#: every convention is tested on these; the dampening variant where hyperparameters are
+NAMES = [n for n in FACTORIES if n != "gsgd_dampening"]
 
 
 def make(name, lr=0.01, **override):
@@ -117,8 +118,8 @@ def moved(a, b):
 @pytest.mark.parametrize("name", NAMES)
 def test_jit_of_the_whole_update_traces_once_and_equals_eager(name):
     params = make_params()
-    jitted, s_jit, traces = run(make(name), params, 3)
-    eager, s_eager, _ = run(make(name), params, 3, jit=False)
+    jitted, s_jit, traces = run(make(name), params, 2)
+    eager, s_eager, _ = run(make(name), params, 2, jit=False)
     assert traces == 1
     assert moved(jitted, params) > 1e-3  # the steps did move the parameters
     assert_trees_close(jitted, eager, 1e-12, "params")
@@ -140,20 +141,6 @@ def _injected(name, lr, dtype=None, **hyper):
         learning_rate=lr, chains=chains_of(make_params()), **hyper)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_inject_hyperparams_equals_the_fixed_hyperparameters(name):
-    """Every numeric hyperparameter becomes a (traced) array: the jitted trajectory is the
-    one of the plain transformation, and a hyperparameter at its default 0 (momentum of
-    ``gsgd``) is not mistaken for a missing state."""
-    params = make_params()
-    hyper = FACTORIES[name][1]
-    ours, state, traces = run(_injected(name, 0.01, **hyper), params, 3)
-    ref, _, _ = run(make(name), params, 3)
-    assert traces == 1
-    assert all(isinstance(v, jax.Array) for v in _hyperparams(state).values())
-    assert_trees_close(ours, ref, 1e-12, "params")
-
-
 def _hyperparams(state):
     """The injected hyperparameters (of the inner state for ``in_path_space``)."""
     return state.inner.hyperparams if hasattr(state, "inner") else state.hyperparams
@@ -164,18 +151,29 @@ SECOND = {"gsgd": dict(weight_decay=0.1), "gsgd_momentum": dict(momentum=0.5),
           "path_sgd": {}, "g_adam": dict(b1=0.5)}
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_hyperparameters_changed_in_the_injected_state_reach_the_next_step(name):
-    """After one step, hyperparameters are changed in the injected state (as a user's
-    callback would): each one alone changes the second step, and all together give the
-    step of the plain transformation built with the new constants, from the same inner
-    state."""
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_inject_hyperparams_steps_as_the_plain_transformation_and_follows_its_state(name):
+    """Every numeric hyperparameter injected as a traced array: the first jitted step is
+    the plain transformation's (a hyperparameter at its default 0, such as ``gsgd``'s
+    momentum, is not mistaken for a missing state). Then hyperparameters are changed in the
+    state (as a user's callback would): each one alone changes the second step, all
+    together give the step of the plain transformation built with the new constants from
+    the same inner state, and none of this traces the update again."""
     params = make_params()
     hyper = FACTORIES[name][1]
-    opt = _injected(name, 0.01, **hyper)
-    step = jax.jit(opt.update)
+    opt, traces = _injected(name, 0.01, **hyper), []
+
+    @jax.jit
+    def step(g, s, p):
+        traces.append(1)
+        return opt.update(g, s, p)
+
     state = opt.init(params)
     u, state = step(grad(params), state, params)
+    plain = make(name)
+    ref, _ = plain.update(grad(params), plain.init(params), params)
+    assert_trees_close(u, ref, 1e-12, "first step")
+    assert all(isinstance(v, jax.Array) for v in _hyperparams(state).values())
     p1 = optax.apply_updates(params, u)
     g1 = grad(p1)
     kept, _ = step(g1, state, p1)
@@ -196,6 +194,7 @@ def test_hyperparameters_changed_in_the_injected_state_reach_the_next_step(name)
         inner = state.inner_state
     ref, _ = make(name, lr, **changes).update(g1, inner, p1)
     assert_trees_close(changed, ref, 1e-12, "changed step")
+    assert len(traces) == 1
 
 
 def test_inject_hyperparams_of_gsgd_with_default_momentum_is_the_reported_call():
@@ -210,7 +209,7 @@ def test_inject_hyperparams_of_gsgd_with_default_momentum_is_the_reported_call()
         assert_trees_close(ours, ref, 1e-12, f"jit={jit}")
 
 
-@pytest.mark.parametrize("name", ["gsgd", "gsgd_momentum", "psi_sgd"])
+@pytest.mark.parametrize("name", ["gsgd_momentum", "psi_sgd"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_injected_wider_hyperparameters_keep_the_leaves_dtype(name, dtype):
     """Hyperparameters wider than the leaves (``hyperparam_dtype``, or the widest dtype of
@@ -270,20 +269,22 @@ def test_multisteps_steps_on_the_mean_of_k_gradients(name):
 # ------------------------------------------------------------------ vmap
 @pytest.mark.parametrize("name", NAMES)
 def test_vmap_over_an_ensemble_equals_each_members_own_run(name):
-    members = [make_params(seed) for seed in (0, 1, 2)]
+    members = [make_params(seed) for seed in (0, 1)]
     batch = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *members)
     opt = make(name)
 
-    @jax.jit
     def step(p, s):
-        u, s = jax.vmap(opt.update)(jax.vmap(grad)(p), s, p)
+        u, s = opt.update(grad(p), s, p)
         return optax.apply_updates(p, u), s
 
+    batched, alone_step = jax.jit(jax.vmap(step)), jax.jit(step)
     state = jax.vmap(opt.init)(batch)
     for _ in range(3):
-        batch, state = step(batch, state)
+        batch, state = batched(batch, state)
     for i, member in enumerate(members):
-        alone, alone_state, _ = run(opt, member, 3)
+        alone, alone_state = member, opt.init(member)
+        for _ in range(3):
+            alone, alone_state = alone_step(alone, alone_state)
         assert_trees_close(jax.tree_util.tree_map(lambda x, i=i: x[i], batch), alone, 1e-12,
                            f"member {i}")
         assert_trees_close(jax.tree_util.tree_map(lambda x, i=i: x[i], state), alone_state,
@@ -297,11 +298,14 @@ def test_state_survives_device_get_and_pickle(name):
     the original state bit for bit."""
     params = make_params()
     opt = make(name)
-    p, state, _ = run(opt, params, 2)
+    step = jax.jit(opt.update)
+    p, state = params, opt.init(params)
+    for _ in range(2):
+        u, state = step(grad(p), state, p)
+        p = optax.apply_updates(p, u)
     host = pickle.loads(pickle.dumps(jax.device_get(state)))
     assert all(isinstance(x, (np.ndarray, np.generic)) for x in jax.tree_util.tree_leaves(host))
     assert jax.tree_util.tree_structure(host) == jax.tree_util.tree_structure(state)
-    step = jax.jit(opt.update)
     u, s = step(grad(p), state, p)
     u2, s2 = step(grad(p), host, p)
     assert_trees_equal(u2, u, "updates")
@@ -317,7 +321,8 @@ def test_a_nan_or_inf_in_any_gradient_skips_the_step(name):
     params = make_params()
     opt = make(name)
     step = jax.jit(opt.update)
-    p, state, _ = run(opt, params, 1)
+    u, state = step(grad(params), opt.init(params), params)
+    p = optax.apply_updates(params, u)
     g = grad(p)
     good_u, good_s = step(g, state, p)
     flat, treedef = jax.tree_util.tree_flatten(g)
