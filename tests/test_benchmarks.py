@@ -368,7 +368,7 @@ def test_readme_excerpt_carries_the_cpu_time_and_load_of_a_busy_run():
     excerpt = report.readme_excerpt(summary)
     assert "Total 860 s for 698 runs on 1 CPU thread(s). 491 CPU s, load average 5.26 at the " \
            "end.)" in excerpt
-    assert "**1. A**" in excerpt and "- overall: G-SGD ties" in excerpt
+    assert "| **1. A** | G-SGD ties |" in excerpt
 
 
 @pytest.mark.parametrize("final, expected", [(0.1, False), (2.3, False), (2.31, True),
