@@ -1,0 +1,1 @@
+"""Chains of JAX models (Flax, Equinox, Haiku, plain functions), proven from their jaxpr."""
