@@ -163,12 +163,16 @@ def path_sgd(learning_rate: ScalarOrSchedule,
                            dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0))
 
 
-def psi_sgd(learning_rate: ScalarOrSchedule, normalised: Sequence[Path], *,
-            momentum: float = 0.0, max_norm: float = 1e4) -> optax.GradientTransformation:
-    """PSI-SGD(M) (seed 004, Algorithm 1) on the leaves at key paths ``normalised`` (weights
-    followed by a normalisation, rows = first axis); SGD(M) with the same lr elsewhere."""
-    normalised = tuple(tuple(p) for p in normalised)
-    leaves = ChainLeaves(None, normalised, ())  # no chain: PSI acts row by row
+def psi_sgd(learning_rate: ScalarOrSchedule, normalised, *, momentum: float = 0.0,
+            max_norm: float = 1e4) -> optax.GradientTransformation:
+    """PSI-SGD(M) (seed 004, Algorithm 1) on the weights followed by a per-unit
+    normalisation: those :func:`gsgd_adapters.jax.find_chains` found (pass its result; rows
+    are the layout's output units), or the leaves at key paths ``normalised`` (rows = first
+    axis); SGD(M) with the same lr elsewhere."""
+    leaves = getattr(normalised, "normalised", None)   # a Discovery's, with their layouts
+    if leaves is None:
+        leaves = ChainLeaves(None, tuple(tuple(p) for p in normalised), ())
+    groups = [leaves] if leaves.weights else []   # no chain: PSI acts row by row
 
     def chain_init(c, W, b):
         return psi_init(W)
@@ -177,7 +181,7 @@ def psi_sgd(learning_rate: ScalarOrSchedule, normalised: Sequence[Path], *,
         W2, cs = psi_update(cs, W, G, lr=lr, momentum=momentum, max_norm=max_norm)
         return W2, [], cs
 
-    return _transformation(learning_rate, [leaves], chain_init, chain_step,
+    return _transformation(learning_rate, groups, chain_init, chain_step,
                            dict(momentum=momentum, dampening=0.0, nesterov=False,
                                 weight_decay=0.0))
 

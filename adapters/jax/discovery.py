@@ -10,7 +10,7 @@ chain's hidden units must leave the output unchanged (float64 where JAX has it e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import jax
@@ -19,6 +19,7 @@ import numpy as np
 from gsgd_core import Chain
 
 from .layers import find_layers, leaf_readers
+from .norms import is_statistic, normalised_by
 from .leaves import ChainLeaves, key_paths, path_name
 from .ops import default_rtol, output_changes
 from .program import Program, flatten
@@ -33,10 +34,12 @@ class Discovery:
     :mod:`gsgd_adapters.optax` transformations), why each params leaf left out is left out
     (``reasons``, by ``"a/b/c"`` key path), where each chain stops before the model's output
     (``ends``) and each chain's relative output change in the self-check (``changes``).
-    ``print(found)`` shows it all."""
+    ``normalised`` holds the weights followed by a per-unit normalisation (batch norm), for
+    :func:`gsgd_adapters.optax.psi_sgd`. ``print(found)`` shows it all."""
 
     chains: tuple
     reasons: dict = field(default_factory=dict)
+    normalised: ChainLeaves = ChainLeaves(None, (), (), layouts=())
     ends: dict = field(default_factory=dict)
     changes: dict = field(default_factory=dict)
 
@@ -49,12 +52,36 @@ class Discovery:
     def __getitem__(self, i: int) -> ChainLeaves:
         return self.chains[i]
 
+    def within(self, *prefix) -> "Discovery":
+        """The same claims for the subtree at key path ``prefix`` (e.g. Flax's ``"params"``,
+        when the optimizer sees ``variables["params"]``): key paths without the prefix."""
+        n = len(prefix)
+
+        def inside(c: ChainLeaves) -> bool:
+            return all(p is None or tuple(p[:n]) == prefix for p in c.weights + c.biases)
+
+        def strip(c: ChainLeaves) -> ChainLeaves:
+            return replace(c, weights=tuple(p[n:] for p in c.weights),
+                           biases=tuple(None if p is None else p[n:] for p in c.biases))
+
+        for c in self.chains + (self.normalised,):
+            if not inside(c):
+                raise ValueError(f"chain {c.name()} is not wholly under {path_name(prefix)}")
+        pre = path_name(prefix) + "/"
+        return replace(self, chains=tuple(strip(c) for c in self.chains),
+                       normalised=strip(self.normalised),
+                       reasons={k[len(pre):]: v for k, v in self.reasons.items()
+                                if k.startswith(pre)})
+
     def __str__(self) -> str:
         lines = [f"{len(self.chains)} chain(s)"]
         for c in self.chains:
             lines.append(f"  {c.name()}: {c.chain}")
             if c.name() in self.ends:
                 lines.append(f"    ends there: {self.ends[c.name()]}")
+        if self.normalised.weights:
+            lines.append("normalised per unit (PSI-SGD in psi_sgd): " + ", ".join(
+                path_name(p) for p in self.normalised.weights))
         if self.reasons:
             lines.append("left out (the inner optimizer's plain update):")
             lines += [f"  {name}: {why}" for name, why in self.reasons.items()]
@@ -69,9 +96,10 @@ def _shapes(leaves) -> str:
     return ", ".join(str(tuple(x.shape)) if _is_array(x) else type(x).__name__ for x in leaves)
 
 
-def trace(apply_fn: Callable, params, args: tuple, kwargs: dict) -> tuple[Program, list]:
+def trace(apply_fn: Callable, params, args: tuple, kwargs: dict) -> tuple[Program, list, list]:
     """The flattened program of ``apply_fn(params, *args, **kwargs)``, whose first inputs are
-    the params' array leaves (their indices among the params' leaves come second)."""
+    the params' array leaves; their indices among the params' leaves; the model's own
+    outputs (not running statistics)."""
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
     a_leaves, a_def = jax.tree_util.tree_flatten((args, kwargs))
     p_idx = [i for i, x in enumerate(p_leaves) if _is_array(x)]
@@ -87,26 +115,37 @@ def trace(apply_fn: Callable, params, args: tuple, kwargs: dict) -> tuple[Progra
         return apply_fn(jax.tree_util.tree_unflatten(p_def, pl), *a, **k)
 
     try:
-        closed = jax.make_jaxpr(fn)([p_leaves[i] for i in p_idx], [a_leaves[i] for i in a_idx])
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(
+            [p_leaves[i] for i in p_idx], [a_leaves[i] for i in a_idx])
     except Exception as exc:  # any error of the user's function: say what it was given
         raise ValueError(
             f"apply_fn does not trace with params of shapes [{_shapes(p_leaves)}] and "
             f"arguments of shapes [{_shapes(a_leaves)}]: {type(exc).__name__}: {exc}") from exc
-    return flatten(closed), p_idx
+    program = flatten(closed)
+    out_paths, _, _ = key_paths(shapes)
+    outputs = [v for v, p in zip(program.outputs, out_paths) if not is_statistic(p)]
+    return program, p_idx, outputs
 
 
-def _runs(layers: dict, walks: dict) -> list[list[int]]:
-    """Maximal runs of linked layers, each in data-flow order."""
-    linked = {w.next: i for i, w in walks.items() if w.next is not None and not w.end}
+def _runs(layers: dict, walks: dict, cut: set) -> list[list[int]]:
+    """Maximal runs of linked layers, each in data-flow order, none through ``cut``."""
+    nxt = {i: w.next for i, w in walks.items()
+           if w.next is not None and not w.end and i not in cut and w.next not in cut}
     runs = []
     for i in sorted(layers):
-        if i in linked:
+        if i in set(nxt.values()) | cut:
             continue
         run = [i]
-        while walks[run[-1]].next is not None and not walks[run[-1]].end:
-            run.append(walks[run[-1]].next)
+        while run[-1] in nxt:
+            run.append(nxt[run[-1]])
         runs.append(run)
     return runs
+
+
+def _end(walk_, cut: set) -> str:
+    if walk_.next in cut:
+        return "the next layer is followed by a per-unit normalisation (PSI-SGD's)"
+    return walk_.end
 
 
 def _chain_leaves(run, program, layers, walks, paths, skeleton: str) -> ChainLeaves:
@@ -177,23 +216,26 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
     if skeleton not in ("he", "paper"):
         raise ValueError(f"skeleton must be 'he' or 'paper', got {skeleton!r}")
     all_paths, _, _ = key_paths(params)
-    program, p_idx = trace(apply_fn, params, example_args, example_kwargs)
+    program, p_idx, outputs = trace(apply_fn, params, example_args, example_kwargs)
     paths = [all_paths[i] for i in p_idx]
     n = len(paths)
     readers = leaf_readers(program, n)
     layers, why = find_layers(program, n, readers)
     walks = {i: walk(program, layer, layers, n, readers) for i, layer in layers.items()}
+    cut = {i for i, layer in layers.items()
+           if walks[i].end and walks[i].bias is None
+           and not normalised_by(program, layer, outputs)}
     chains, reasons, ends = [], {}, {}
-    for run in _runs(layers, walks):
+    for run in _runs(layers, walks, cut):
         if len(run) == 1:
-            end = walks[run[0]].end or "no layer before it passes its units on to it"
+            end = _end(walks[run[0]], cut) or "no layer before it passes its units on to it"
             for k in (layers[run[0]].leaf, walks[run[0]].bias):
                 if k is not None:
                     why[k] = f"its layer is in no chain of two or more layers: {end}"
             continue
         chains.append(_chain_leaves(run, program, layers, walks, paths, skeleton))
-        if walks[run[-1]].end:
-            ends[chains[-1].name()] = walks[run[-1]].end
+        if _end(walks[run[-1]], cut):
+            ends[chains[-1].name()] = _end(walks[run[-1]], cut)
     changes = {}
     if check and chains:
         changes = output_changes(apply_fn, params, example_args, example_kwargs, chains)
@@ -204,8 +246,10 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
                     reasons[path_name(p)] = (
                         f"the self-check found that a random rescaling of chain {c.name()} "
                         f"changes the output by {changes[c.name()]:.3g} (relative)")
-    claimed = {p for c in chains for p in c.weights + c.biases if p is not None}
+    normalised = ChainLeaves(None, tuple(paths[layers[i].leaf] for i in sorted(cut)), (),
+                             layouts=tuple(layers[i].layout for i in sorted(cut)))
+    claimed = {p for c in chains + [normalised] for p in c.weights + c.biases if p is not None}
     for k, p in enumerate(paths):
         if p not in claimed and path_name(p) not in reasons:
             reasons[path_name(p)] = _leaf_reason(k, program, readers, why)
-    return Discovery(tuple(chains), reasons, ends, changes)
+    return Discovery(tuple(chains), reasons, normalised, ends, changes)

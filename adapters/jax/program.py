@@ -24,14 +24,15 @@ _ZERO_PRESERVING = {"convert_element_type", "broadcast_in_dim", "reshape", "sque
 
 
 class Value:
-    """One value of the flattened program: its shape and dtype, and whether it is a known
-    all-zero constant."""
+    """One value of the flattened program: its shape and dtype, whether it is a constant
+    (computed from literals and the jaxpr's constants alone) and a known all-zero one."""
 
-    __slots__ = ("shape", "dtype", "zero")
+    __slots__ = ("shape", "dtype", "const", "zero")
 
-    def __init__(self, aval, zero: bool = False) -> None:
+    def __init__(self, aval, const: bool = False, zero: bool = False) -> None:
         self.shape = tuple(getattr(aval, "shape", ()))
         self.dtype = getattr(aval, "dtype", None)
+        self.const = const
         self.zero = zero
 
     def __repr__(self) -> str:
@@ -96,12 +97,12 @@ def _body(eqn):
 
 
 def _inline(jaxpr: Jaxpr, consts, in_values: list, out: list, where: tuple) -> list:
-    env = {v: Value(v.aval, _is_zero_const(c)) for v, c in zip(jaxpr.constvars, consts)}
+    env = {v: Value(v.aval, True, _is_zero_const(c)) for v, c in zip(jaxpr.constvars, consts)}
     env.update(zip(jaxpr.invars, in_values))
 
     def read(atom):
         if isinstance(atom, Literal):
-            return Value(atom.aval, _is_zero_const(atom.val))
+            return Value(atom.aval, True, _is_zero_const(atom.val))
         return env[atom]
 
     for eqn in jaxpr.eqns:
@@ -111,8 +112,9 @@ def _inline(jaxpr: Jaxpr, consts, in_values: list, out: list, where: tuple) -> l
             name = eqn.params.get("name", eqn.primitive.name)
             outs = _inline(body[0], body[1], ins, out, where + (str(name),))
         else:
+            const = all(v.const for v in ins) and not eqn.effects
             zero = eqn.primitive.name in _ZERO_PRESERVING and bool(ins) and ins[0].zero
-            outs = [Value(v.aval, zero) for v in eqn.outvars]
+            outs = [Value(v.aval, const, zero) for v in eqn.outvars]
             out.append(Eqn(eqn.primitive.name, tuple(ins), tuple(outs), dict(eqn.params), where))
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
