@@ -1,7 +1,8 @@
 """The weight layers of a flattened program: contractions of a params leaf, with its layout.
 
 A layer is a ``dot_general`` or ``conv_general_dilated`` one of whose operands is a params
-leaf (possibly cast to another float type) that nothing else reads. Its dimension numbers
+leaf (possibly transposed, as in ``x @ w.T``, or cast to another float type) that nothing
+else reads. Its dimension numbers
 say where the units are: the leaf's free axis (``dot_general``) or ``O`` axis (the
 convolution's ``rhs_spec``) holds the output units, the contracted or ``I`` axis the input
 units, the other contracted or spatial axes the parallel edges.
@@ -22,12 +23,14 @@ CONTRACTIONS = ("dot_general", "conv_general_dilated")
 
 @dataclass(frozen=True)
 class Layer:
-    """A weight layer: its equation, weight leaf, which operand is the weight, the layout
-    it has when it starts a chain, and the units of its output."""
+    """A weight layer: its equation, weight leaf, which operand is the weight, the leaf's
+    axis behind each of the operand's axes, the layout it has when it starts a chain, and
+    the units of its output."""
 
     eqn: int
     leaf: int
     weight_operand: int
+    axes: tuple
     layout: Layout
     out_units: Units
 
@@ -35,33 +38,49 @@ class Layer:
         return program.eqns[self.eqn].ins[1 - self.weight_operand]
 
 
-def source_leaf(program: Program, value, n_params: int) -> int | None:
-    """The params leaf that ``value`` is (or a float cast of), else ``None``."""
-    i = program.producer.get(value)
-    if i is not None and program.eqns[i].prim == "convert_element_type":
-        if np.issubdtype(np.dtype(program.eqns[i].params["new_dtype"]), np.floating):
-            value = program.eqns[i].ins[0]
+def _is_view(e: Eqn) -> bool:
+    """A transpose or a float cast: the leaf's numbers, its axes permuted."""
+    return e.prim == "transpose" or (e.prim == "convert_element_type" and np.issubdtype(
+        np.dtype(e.params["new_dtype"]), np.floating))
+
+
+def source_leaf(program: Program, value, n_params: int) -> tuple[int, tuple] | None:
+    """The params leaf that ``value`` is a view of (:func:`_is_view`), and the leaf's axis
+    behind each of ``value``'s axes; ``None`` if it is no such view."""
+    axes = tuple(range(len(value.shape)))
+    while (i := program.producer.get(value)) is not None and _is_view(program.eqns[i]):
+        e = program.eqns[i]
+        if e.prim == "transpose":
+            axes = tuple(axes[int(a)] for a in e.params["permutation"])
+        value = e.ins[0]
     for k, v in enumerate(program.inputs[:n_params]):
         if v is value:
-            return k
+            return k, axes
     return None
 
 
 def leaf_readers(program: Program, n_params: int) -> list[list]:
-    """For each params leaf, the equations that read it (through float casts), with
-    ``"output"`` for each time it is returned as it is."""
+    """For each params leaf, the equations that read it or a view of it, with ``"output"``
+    for each time it (or a view) is returned as it is."""
     readers: list[list] = [[] for _ in range(n_params)]
-    outputs = {id(v) for v in program.outputs}
-    for k, v in enumerate(program.inputs[:n_params]):
-        for i in program.users.get(v, []):
-            e = program.eqns[i]
-            if e.prim == "convert_element_type" and source_leaf(program, e.outs[0], n_params) == k:
-                readers[k] += program.users.get(e.outs[0], [])
-                readers[k] += ["output"] * (id(e.outs[0]) in outputs)
+
+    def read(k, value):
+        readers[k] += ["output"] * sum(o is value for o in program.outputs)
+        for i in program.users.get(value, []):
+            if _is_view(program.eqns[i]):
+                read(k, program.eqns[i].outs[0])
             else:
                 readers[k].append(i)
-        readers[k] += ["output"] * sum(o is v for o in program.outputs)
+
+    for k, v in enumerate(program.inputs[:n_params]):
+        read(k, v)
     return readers
+
+
+def _on_leaf(layout: Layout, axes: tuple) -> Layout:
+    """A layout of the weight operand as a layout of its leaf."""
+    return replace(layout, out=axes[layout.out], inp=axes[layout.inp],
+                   slots=tuple(axes[a] for a in layout.slots))
 
 
 def _dot_layer(e: Eqn, w: int) -> tuple[Layout, Units] | str:
@@ -101,11 +120,11 @@ def find_layers(program: Program, n_params: int, readers) -> tuple[dict, dict]:
     for i, e in enumerate(program.eqns):
         if e.prim not in CONTRACTIONS:
             continue
-        leaves = [source_leaf(program, v, n_params) for v in e.ins[:2]]
-        if (leaves[0] is None) == (leaves[1] is None):
+        sources = [source_leaf(program, v, n_params) for v in e.ins[:2]]
+        if (sources[0] is None) == (sources[1] is None):
             continue   # no weight, or a product of two leaves: not a layer
-        w = 0 if leaves[0] is not None else 1
-        leaf = leaves[w]
+        w = 0 if sources[0] is not None else 1
+        leaf, axes = sources[w]
         if len(readers[leaf]) != 1:
             why[leaf] = (f"the weight is read {len(readers[leaf])} times (a layer applied "
                          "twice, tied weights, or a weight read outside its layer)")
@@ -114,7 +133,7 @@ def find_layers(program: Program, n_params: int, readers) -> tuple[dict, dict]:
         if isinstance(found, str):
             why[leaf] = found
             continue
-        layers[i] = Layer(i, leaf, w, *found)
+        layers[i] = Layer(i, leaf, w, axes, _on_leaf(found[0], axes), found[1])
     return layers, why
 
 
@@ -133,5 +152,5 @@ def linked_layout(e: Eqn, layer: Layer, units: Units) -> Layout | str:
     if units.axis not in x_contract:
         return "the next layer does not contract its units (they stay a free axis)"
     inp = int(w_contract[x_contract.index(units.axis)])
-    slots = tuple(int(a) for a in w_contract if int(a) != inp)
-    return replace(layer.layout, inp=inp, slots=slots, P=units.P, Q=units.Q)
+    slots = tuple(layer.axes[int(a)] for a in w_contract if int(a) != inp)
+    return replace(layer.layout, inp=layer.axes[inp], slots=slots, P=units.P, Q=units.Q)

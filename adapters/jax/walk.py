@@ -35,15 +35,16 @@ def bias_units(program: Program, value, n_params: int, readers) -> tuple[int, Un
     """The leaf that ``value`` lays out (through reshapes, broadcasts, float casts) and
     where its entries are, when the leaf has one non-trivial axis and is read only here."""
     ops = []
-    while (leaf := source_leaf(program, value, n_params)) is None:
+    while (source := source_leaf(program, value, n_params)) is None:
         i = program.producer.get(value)
         if i is None or program.eqns[i].prim not in _BIAS_LAYOUT:
             return None
         ops.append(program.eqns[i])
         value = program.eqns[i].ins[0]
+    leaf, axes = source
     shape = program.inputs[leaf].shape
     long = [a for a, d in enumerate(shape) if d != 1]
-    if not shape or len(long) > 1 or len(readers[leaf]) != 1:
+    if not shape or len(long) > 1 or len(readers[leaf]) != 1 or axes != tuple(range(len(shape))):
         return None
     units = Units(long[0] if long else 0, math.prod(shape))
     for e in reversed(ops):
