@@ -158,7 +158,9 @@ def flax_batchnorm():
 
 # ---------------------------------------------------------------------------- Equinox
 def vmapped(model, x=X):
-    return (lambda m, x: jax.vmap(m)(x)), model, (x,), {}
+    """Equinox's idiom: the arrays are the params (for optax), the rest stays static."""
+    params, static = eqx.partition(model, eqx.is_array)
+    return (lambda p, x: jax.vmap(eqx.combine(p, static))(x)), params, (x,), {}
 
 
 class EqxCNN(eqx.Module):
@@ -216,7 +218,7 @@ def hk_nested(x):
 
 def hk_cnn(x):
     x = jax.nn.relu(hk.Conv2D(3, 3)(x))
-    x = hk.MaxPool(2, 2, "VALID")(x)
+    x = hk.MaxPool((1, 2, 2, 1), (1, 2, 2, 1), "VALID")(x)
     x = jax.nn.relu(hk.Conv2D(4, 3)(x))
     return hk.Linear(3)(jax.nn.relu(hk.Linear(5)(hk.Flatten()(x))))
 
