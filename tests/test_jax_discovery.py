@@ -14,7 +14,8 @@ import gsgd_core as gc  # noqa: E402
 from gsgd_adapters.jax import (Layout, check_invariance, find_chains, random_rescale,  # noqa: E402
                                skeleton_init, units)
 from gsgd_adapters.jax.leaves import key_paths, path_name  # noqa: E402
-from gsgd_adapters.optax import chains_from_dict, chains_from_pairs, gsgd  # noqa: E402
+from gsgd_adapters.optax import (chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
+                                 psi_sgd)
 
 X = jax.random.normal(jax.random.PRNGKey(1), (4, 5))
 SIZES = [(5, 6), (6, 4), (4, 3)]
@@ -171,3 +172,23 @@ def views(c, tree):
     flat = leaf_dict(tree)
     return ([c.view(i, flat[p]) for i, p in enumerate(c.weights)],
             [None if p is None else flat[p] for p in c.biases])
+
+
+def test_path_sgd_and_psi_sgd_take_a_discovery():
+    model, x = FlaxCNN(), jax.random.normal(jax.random.PRNGKey(2), (2, 5, 5, 2))
+    params = f64(model.init(jax.random.PRNGKey(0), x))
+    found = find_chains(model.apply, params, x, skeleton="paper")
+    params = skeleton_init(params, found, skeleton="paper")
+    twin = random_rescale(params, found, jax.random.PRNGKey(4))
+    loss = lambda p: jnp.sum(model.apply(p, x) ** 2)
+    opt = path_sgd(1e-3, found)
+    outs = []
+    for p in (params, twin):
+        updates, _ = opt.update(jax.grad(loss)(p), opt.init(p), p)
+        outs.append(model.apply(optax.apply_updates(p, updates), x))
+    assert float(jnp.max(jnp.abs(outs[0] - model.apply(params, x)))) > 1e-6
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-9, atol=1e-12)
+    # no normalised weights: PSI-SGD is SGD on every leaf
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    updates, _ = psi_sgd(0.5, found).update(grads, psi_sgd(0.5, found).init(params), params)
+    assert all(bool(jnp.all(u == -0.5)) for u in jax.tree_util.tree_leaves(updates))
