@@ -178,8 +178,11 @@ def test_path_sgd_and_psi_sgd_take_a_discovery():
     model, x = FlaxCNN(), jax.random.normal(jax.random.PRNGKey(2), (2, 5, 5, 2))
     params = f64(model.init(jax.random.PRNGKey(0), x))
     found = find_chains(model.apply, params, x, skeleton="paper")
+    assert len(found) == 1
     params = skeleton_init(params, found, skeleton="paper")
     twin = random_rescale(params, found, jax.random.PRNGKey(4))
+    assert float(jnp.max(jnp.abs(twin["params"]["Conv_1"]["kernel"]
+                                 - params["params"]["Conv_1"]["kernel"]))) > 1e-3
     loss = lambda p: jnp.sum(model.apply(p, x) ** 2)
     opt = path_sgd(1e-3, found)
     outs = []

@@ -28,7 +28,8 @@ def test_the_readme_example_finds_the_cnn_whole_and_trains(session):
     scope = session[0]
     (chain,) = scope["chains"]
     assert [p[-2] for p in chain.weights] == ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
-    start = scope["model"].init(jax.random.PRNGKey(0), scope["x"])
+    start = scope["skeleton_init"](scope["model"].init(jax.random.PRNGKey(0), scope["x"]),
+                                   scope["chains"])
     moved = jax.tree_util.tree_map(lambda a, b: float(abs(a - b).max()), scope["params"], start)
     assert max(jax.tree_util.tree_leaves(moved)) > 0
 
