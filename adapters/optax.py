@@ -78,14 +78,6 @@ def _chain_leaf_paths(chains):
     return {p for c in chains for p in c.weights + c.biases if p is not None}
 
 
-def _get(index, leaves, path):
-    if path is None:
-        return None
-    if path not in index:
-        raise ValueError(f"no leaf at key path {path} in params")
-    return leaves[index[path]]
-
-
 def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_decay):
     """torch.optim.SGD's update of one leaf outside the chains: returns (update, buffer)."""
     if weight_decay:
@@ -104,8 +96,7 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
     def init(params):
         paths, leaves, _ = _flat(params)
         index = dict(zip(paths, range(len(paths))))
-        states = tuple(chain_init(c, *_chain_arrays(c, index, leaves, leaves)[:2])
-                       for c in chains)
+        states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
         bufs = tuple(None if (path in chain_paths or not momentum) else jnp.zeros_like(x)
                      for path, x in zip(paths, leaves))
         return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
@@ -123,8 +114,8 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
             W, b, G, Gb = _chain_arrays(c, index, leaves, grads)
             W2, b2, cs = chain_step(c, cs, W, b, G, Gb, lr)
             new_states.append(cs)
-            _put(out, index, c, [w2 - w for w2, w in zip(W2, W)],
-                 [None if x is None else x2 - x for x2, x in zip(b2, b)])
+            c.put(out, index, [w2 - w for w2, w in zip(W2, W)],
+                  [None if x is None else x2 - x for x2, x in zip(b2, b)])
         bufs = list(state.momentum)
         for i, path in enumerate(paths):
             if path not in chain_paths:
@@ -192,22 +183,7 @@ class InPathSpaceState(NamedTuple):
 
 def _chain_arrays(c: ChainLeaves, index, leaves, grads):
     """The chain's weights (as the core views them), biases and their gradients."""
-    def weights(tree):
-        return [c.view(i, _get(index, tree, p)) for i, p in enumerate(c.weights)]
-
-    def biases(tree):
-        return [None if p is None else c.bias_view(_get(index, tree, p)) for p in c.biases]
-
-    return weights(leaves), biases(leaves), weights(grads), biases(grads)
-
-
-def _put(out: list, index, c: ChainLeaves, weights, biases) -> None:
-    """Chain arrays (as the core views them) into their leaves' places in ``out``."""
-    for i, (p, x) in enumerate(zip(c.weights, weights)):
-        out[index[p]] = c.leaf(i, x, out[index[p]].shape)
-    for p, x in zip(c.biases, biases):
-        if p is not None:
-            out[index[p]] = x.reshape(out[index[p]].shape)
+    return (*c.arrays(index, leaves), *c.arrays(index, grads))
 
 
 def in_path_space(inner: optax.GradientTransformation,
@@ -239,8 +215,8 @@ def in_path_space(inner: optax.GradientTransformation,
         D, V, arrays, finite = list(grads), list(leaves), [], []
         for c in chains:
             W, b, G, Gb = _chain_arrays(c, index, leaves, grads)
-            _put(D, index, c, *icr(c.chain, W, b, G, Gb))
-            _put(V, index, c, *path_values(c.chain, W, b))
+            c.put(D, index, *icr(c.chain, W, b, G, Gb))
+            c.put(V, index, *path_values(c.chain, W, b))
             arrays.append((W, b))
             finite += [jnp.all(jnp.isfinite(g)) for g in G + Gb if g is not None]
         ok = jnp.all(jnp.stack(finite)) if finite else jnp.asarray(True)
@@ -259,11 +235,11 @@ def in_path_space(inner: optax.GradientTransformation,
         u = treedef.flatten_up_to(u)
         out = list(u)
         for c, (W, b) in zip(chains, arrays):
-            delta, bias_delta = (
-                [None if x is None else -x for x in xs] for xs in _chain_arrays(c, index, u, u)[:2])
+            delta, bias_delta = ([None if x is None else -x for x in xs]
+                                 for xs in c.arrays(index, u))
             W2, b2 = allocate(c.chain, W, b, delta, bias_delta)
-            _put(out, index, c, [w2 - w for w2, w in zip(W2, W)],
-                 [None if x is None else x2 - x for x2, x in zip(b2, b)])
+            c.put(out, index, [w2 - w for w2, w in zip(W2, W)],
+                  [None if x is None else x2 - x for x2, x in zip(b2, b)])
         out = [jnp.where(ok, x, jnp.zeros_like(x)) for x in out]
         inner_state = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), inner_state,
                                              state.inner)

@@ -111,8 +111,30 @@ class ChainLeaves:
     def bias_view(x):
         return x.reshape(-1)
 
+    def arrays(self, index: dict, leaves: list) -> tuple[list, list]:
+        """The chain's weights (as the core views them) and flat biases, taken from
+        ``leaves`` (a flattened pytree whose key paths ``index`` maps to positions)."""
+        return ([self.view(i, _leaf(index, leaves, p)) for i, p in enumerate(self.weights)],
+                [None if p is None else self.bias_view(_leaf(index, leaves, p))
+                 for p in self.biases])
+
+    def put(self, out: list, index: dict, weights, biases) -> None:
+        """Weights and biases as the core views them into their places in ``out`` (a
+        flattened pytree whose entries there give the leaves' shapes)."""
+        for i, (p, x) in enumerate(zip(self.weights, weights)):
+            out[index[p]] = self.leaf(i, x, out[index[p]].shape)
+        for p, x in zip(self.biases, biases):
+            if p is not None:
+                out[index[p]] = x.reshape(out[index[p]].shape)
+
     def name(self) -> str:
         return " -> ".join(path_name(p) for p in self.weights)
+
+
+def _leaf(index: dict, leaves: list, path: Path):
+    if path not in index:
+        raise ValueError(f"no leaf at key path {path} in params")
+    return leaves[index[path]]
 
 
 def _key(entry):

@@ -17,33 +17,20 @@ from .leaves import ChainLeaves, key_paths
 __all__ = ["check_invariance", "random_rescale", "skeleton_init"]
 
 
-def _chain_arrays(index, leaves, c: ChainLeaves):
-    W = [c.view(i, leaves[index[p]]) for i, p in enumerate(c.weights)]
-    b = [None if p is None else c.bias_view(leaves[index[p]]) for p in c.biases]
-    return W, b
-
-
 def _map_chains(params, chains: Sequence[ChainLeaves], fn):
-    """``params`` with each chain's weights and biases replaced by ``fn(k, c, W, b)``'s."""
+    """``params`` with each chain's weights and biases replaced by ``fn(k, c, W, b)``'s
+    (``W``, ``b`` as the core views them)."""
     paths, leaves, treedef = key_paths(params)
     index = {p: i for i, p in enumerate(paths)}
     out = list(leaves)
     for k, c in enumerate(chains):
-        missing = [p for p in c.weights + c.biases if p is not None and p not in index]
-        if missing:
-            raise ValueError(f"chain {c.name()}: no leaf at key path {missing[0]} in params")
-        W, b = fn(k, c, *_chain_arrays(index, leaves, c))
-        for i, (p, w) in enumerate(zip(c.weights, W)):
-            out[index[p]] = c.leaf(i, w, leaves[index[p]].shape)
-        for p, x in zip(c.biases, b):
-            if p is not None:
-                out[index[p]] = x.reshape(leaves[index[p]].shape)
+        c.put(out, index, *fn(k, c, *c.arrays(index, leaves)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _chains(chains) -> list[ChainLeaves]:
-    chains = [c for c in chains if c.chain is not None]
-    return chains
+    """The chains among ``chains`` (a PSI group has none)."""
+    return [c for c in chains if c.chain is not None]
 
 
 def skeleton_init(params, chains: Sequence[ChainLeaves], *, skeleton: str = "he"):
