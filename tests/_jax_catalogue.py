@@ -15,6 +15,7 @@ from typing import Callable
 
 import equinox as eqx
 import flax.linen as nn
+from flax import nnx
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -141,6 +142,15 @@ class FlaxReturnsHidden(nn.Module):
         return nn.Dense(3)(h), h
 
 
+class FlaxSameScaleSum(nn.Module):
+    """A sum whose two branches carry the same units: claimed."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(6)(x))
+        return nn.Dense(3)(h + 0.5 * nn.leaky_relu(h))
+
+
 class FlaxBatchNorm(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -154,6 +164,20 @@ def flax_batchnorm():
     model = FlaxBatchNorm()
     variables = model.init(KEY, IMAGES)
     return (lambda v, x: model.apply(v, x, mutable=["batch_stats"])), variables, (IMAGES,), {}
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(5, 6, rngs=rngs), nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(nnx.relu(self.l1(x)))
+
+
+def flax_nnx():
+    """nnx's idiom: split the module into its graph and its state (the params)."""
+    graphdef, state = nnx.split(NnxMLP(nnx.Rngs(0)))
+    return (lambda s, x: nnx.merge(graphdef, s)(x)), state, (X,), {}
 
 
 # ---------------------------------------------------------------------------- Equinox
@@ -278,6 +302,9 @@ CATALOGUE = {
                           {D(0, "kernel"): "branch", D(1, "kernel"): "residual"}),
     "flax_returns_hidden": Case(lambda: flax(FlaxReturnsHidden()), [],
                                 {D(0, "kernel"): "returned by the model"}),
+    "flax_same_scale_sum": Case(lambda: flax(FlaxSameScaleSum()),
+                                [[D(0, "kernel"), D(1, "kernel")]]),
+    "flax_nnx_mlp": Case(flax_nnx, [["l1/kernel/value", "l2/kernel/value"]]),
     "flax_batch_norm": Case(flax_batchnorm, [[C(1, "kernel"), D(0, "kernel")]],
                             {"params/BatchNorm_0/scale": "read by"},
                             normalised=[C(0, "kernel")], trains=False),
