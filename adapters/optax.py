@@ -28,7 +28,7 @@ import optax
 from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_step, path_values,
                        psi_init, psi_update)
 
-from .jax.leaves import ChainLeaves, key_paths, layouts_for
+from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name
 
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
@@ -42,8 +42,12 @@ _flat = key_paths
 def _described(shapes, weights, biases, transposed) -> list[ChainLeaves]:
     """One chain over hand-described weights: ``(out, in, ...)``, or ``(..., in, out)``."""
     shapes = [tuple(s) for s in shapes]
-    chain = Chain.from_shapes([tuple(reversed(s)) if transposed else s for s in shapes],
-                              bias=[b is not None for b in biases])
+    try:
+        chain = Chain.from_shapes([tuple(reversed(s)) if transposed else s for s in shapes],
+                                  bias=[b is not None for b in biases])
+    except ValueError as exc:
+        leaves = ", ".join(f"{path_name(p)} {s}" for p, s in zip(weights, shapes))
+        raise ValueError(f"the weights [{leaves}] do not form a chain: {exc}") from None
     return [ChainLeaves(chain, weights, biases, transposed,
                         layouts_for(chain, shapes, transposed))]
 

@@ -201,6 +201,9 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
         more than rounding: ``1e-9`` relative in float64 where JAX has it enabled, ``1e-4``
         in float32 otherwise.
 
+    Other keyword arguments go to ``apply_fn`` (``skeleton`` and ``check`` are this
+    function's own).
+
     Returns
     -------
     Discovery
