@@ -1,4 +1,4 @@
-"""The JAX guide's Python blocks (docs/guide/jax.md) run as written, in one session, and do
+"""The JAX guide's Python blocks (docs/guide/jax.md) run as written, in one namespace, and do
 what they say: the first (the README's JAX example) finds the CNN whole and trains it."""
 
 import pathlib
@@ -11,7 +11,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S) if GUIDE.ex
 
 
 @pytest.fixture(scope="module")
-def session():
+def blocks():
     if not BLOCKS:
         pytest.skip("docs/guide/jax.md not found next to the tests")
     for name in ("optax", "flax", "equinox", "haiku"):
@@ -23,9 +23,9 @@ def session():
     return after
 
 
-def test_the_readme_example_finds_the_cnn_whole_and_trains(session):
+def test_the_readme_example_finds_the_cnn_whole_and_trains(blocks):
     import jax
-    scope = session[0]
+    scope = blocks[0]
     (chain,) = scope["chains"]
     assert [p[-2] for p in chain.weights] == ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
     start = scope["skeleton_init"](scope["model"].init(jax.random.PRNGKey(0), scope["x"]),
@@ -34,10 +34,10 @@ def test_the_readme_example_finds_the_cnn_whole_and_trains(session):
     assert max(jax.tree_util.tree_leaves(moved)) > 0
 
 
-def test_the_library_examples_find_what_their_comments_say(session):
-    eqx_found, hk_found = session[1]["found"], session[2]["found"]
+def test_the_library_examples_find_what_their_comments_say(blocks):
+    eqx_found, hk_found = blocks[1]["found"], blocks[2]["found"]
     assert [[str(k) for k in p] for p in eqx_found[0].weights] == [
         ["layers", "0", "weight"], ["layers", "1", "weight"], ["layers", "2", "weight"]]
     assert [p[0] for p in hk_found[0].weights] == ["linear_1", "linear"]
-    bn = session[-1]["found"]
+    bn = blocks[-1]["found"]
     assert [p[-2] for p in bn.normalised.weights] == ["Conv_0"]
