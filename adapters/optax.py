@@ -1,15 +1,17 @@
 """G-SGD, PSI-SGD(M) and Path-SGD for JAX as ``optax.GradientTransformation``\\ s.
 
-Parameters stay an ordinary pytree; a short description says which leaves form chains::
+Parameters stay an ordinary pytree; :func:`gsgd_adapters.jax.find_chains` says which leaves
+form chains, proven from the model's jaxpr (or a short description does, by hand)::
 
-    chains = chains_from_pairs(params)          # params = [(W1, b1), (W2, b2), ...]
+    chains = find_chains(model.apply, params, x)    # or chains_from_pairs(params), ...
     opt = optax.chain(optax.clip_by_global_norm(1.0), gsgd(0.1, chains, momentum=0.9))
     updates, state = opt.update(grads, state, params)   # params are required
 
 The math is :mod:`gsgd_core` (functional, Array API), so ``update`` compiles once under
 ``jax.jit``: no data-dependent control flow, no host round-trips. Leaves outside chains take
-plain SGD (``torch.optim.SGD``'s momentum conventions). Weights use the ``(out, in, ...)``
-layout; ``transposed=True`` reads 2-D ``(in, out)`` kernels (flax, haiku) instead.
+plain SGD (``torch.optim.SGD``'s momentum conventions). Found chains carry each weight's
+layout; hand descriptions read ``(out, in, ...)`` weights, or with ``transposed=True``
+``(..., in, out)`` kernels (Flax, Haiku; HWIO for convolutions).
 
 Every transformation skips a step whose gradients hold a NaN or Inf at any leaf: zero
 updates, state unchanged (its step count included). Numeric hyperparameters may be arrays,
@@ -22,7 +24,6 @@ so ``optax.inject_hyperparams(gsgd)(learning_rate=0.1, chains=chains, momentum=0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import jax
@@ -33,49 +34,36 @@ from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_st
                        psi_init, psi_update)
 from gsgd_core.arrays import is_off, is_real
 
+from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name
+
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
 
 ScalarOrSchedule = Union[float, Callable[[Any], Any]]
 Path = tuple
 
-
-@dataclass(frozen=True)
-class ChainLeaves:
-    """A chain and the key paths of its layers' weights and biases in the params pytree
-    (``chain`` is ``None`` for a PSI-SGD group of normalised weights)."""
-
-    chain: Chain | None
-    weights: tuple
-    biases: tuple
-    transposed: bool = False
+_flat = key_paths
 
 
-def _key(entry):
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return entry
-
-
-def _flat(tree):
-    """Leaves of ``tree`` with plain key paths (dict keys, list indices, attribute names)."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [tuple(_key(k) for k in path) for path, _ in pairs], [x for _, x in pairs], treedef
-
-
-def _chain_from(shapes, bias_flags, transposed):
-    shapes = [tuple(reversed(s)) if transposed else tuple(s) for s in shapes]
-    return Chain.from_shapes(shapes, bias=bias_flags)
+def _described(shapes, weights, biases, transposed) -> list[ChainLeaves]:
+    """One chain over hand-described weights: ``(out, in, ...)``, or ``(..., in, out)``."""
+    shapes = [tuple(s) for s in shapes]
+    try:
+        chain = Chain.from_shapes([tuple(reversed(s)) if transposed else s for s in shapes],
+                                  bias=[b is not None for b in biases])
+    except ValueError as exc:
+        leaves = ", ".join(f"{path_name(p)} {s}" for p, s in zip(weights, shapes))
+        raise ValueError(f"the weights [{leaves}] do not form a chain: {exc}") from None
+    return [ChainLeaves(chain, weights, biases, transposed,
+                        layouts_for(chain, shapes, transposed))]
 
 
 def chains_from_pairs(params: Sequence, *, transposed: bool = False) -> list[ChainLeaves]:
-    """One chain over a list of ``(W, b)`` pairs (``b`` may be ``None``)."""
+    """One chain over a list of ``(W, b)`` pairs (``b`` may be ``None``); ``transposed``:
+    the weights are ``(..., in, out)`` kernels (Flax, Haiku)."""
     weights = tuple((i, 0) for i in range(len(params)))
     biases = tuple(None if p[1] is None else (i, 1) for i, p in enumerate(params))
-    chain = _chain_from([p[0].shape for p in params], [b is not None for b in biases],
-                        transposed)
-    return [ChainLeaves(chain, weights, biases, transposed)]
+    return _described([p[0].shape for p in params], weights, biases, transposed)
 
 
 def chains_from_dict(params: dict, layers: Sequence[str], *, weight: str = "w",
@@ -83,9 +71,7 @@ def chains_from_dict(params: dict, layers: Sequence[str], *, weight: str = "w",
     """One chain over ``params[name][weight]`` / ``params[name][bias]`` for ``layers`` in order."""
     weights = tuple((n, weight) for n in layers)
     biases = tuple((n, bias) if params[n].get(bias) is not None else None for n in layers)
-    chain = _chain_from([params[n][weight].shape for n in layers],
-                        [b is not None for b in biases], transposed)
-    return [ChainLeaves(chain, weights, biases, transposed)]
+    return _described([params[n][weight].shape for n in layers], weights, biases, transposed)
 
 
 class ChainTransformState(NamedTuple):
@@ -100,15 +86,6 @@ def _lr(learning_rate, count):
 
 def _chain_leaf_paths(chains):
     return {p for c in chains for p in c.weights + c.biases if p is not None}
-
-
-def _get(index, leaves, path, transposed=False):
-    if path is None:
-        return None
-    if path not in index:
-        raise ValueError(f"no leaf at key path {path} in params")
-    x = leaves[index[path]]
-    return x.T if transposed and x.ndim == 2 else x
 
 
 def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_decay):
@@ -143,8 +120,7 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
     def init(params):
         paths, leaves, _ = _flat(params)
         index = dict(zip(paths, range(len(paths))))
-        states = tuple(chain_init(c, [_get(index, leaves, p, c.transposed) for p in c.weights],
-                                  [_get(index, leaves, p) for p in c.biases]) for c in chains)
+        states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
         bufs = tuple(None if (path in chain_paths or is_off(momentum)) else jnp.zeros_like(x)
                      for path, x in zip(paths, leaves))
         return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
@@ -156,20 +132,14 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
         grads = treedef.flatten_up_to(updates)
         index = dict(zip(paths, range(len(paths))))
         lr = _lr(learning_rate, state.count)
-        out = [None] * len(leaves)
+        out = list(grads)   # every leaf is written below: a chain's, or SGD's
         new_states = []
         for c, cs in zip(chains, state.chains):
-            t = c.transposed
-            W = [_get(index, leaves, p, t) for p in c.weights]
-            b = [_get(index, leaves, p) for p in c.biases]
-            G = [_get(index, grads, p, t) for p in c.weights]
-            Gb = [_get(index, grads, p) for p in c.biases]
+            W, b, G, Gb = _chain_arrays(c, index, leaves, grads)
             W2, b2, cs = chain_step(c, cs, W, b, G, Gb, lr)
             new_states.append(cs)
-            for p, old, new in zip(c.weights + c.biases, W + b, W2 + b2):
-                if p is not None:
-                    d = new - old
-                    out[index[p]] = d.T if t and d.ndim == 2 and p in c.weights else d
+            c.put(out, index, [w2 - w for w2, w in zip(W2, W)],
+                  [None if x is None else x2 - x for x2, x in zip(b2, b)])
         bufs = list(state.momentum)
         for i, path in enumerate(paths):
             if path not in chain_paths:
@@ -210,12 +180,16 @@ def path_sgd(learning_rate: ScalarOrSchedule,
                            dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0))
 
 
-def psi_sgd(learning_rate: ScalarOrSchedule, normalised: Sequence[Path], *,
-            momentum: float = 0.0, max_norm: float = 1e4) -> optax.GradientTransformation:
-    """PSI-SGD(M) (seed 004, Algorithm 1) on the leaves at key paths ``normalised`` (weights
-    followed by a normalisation, rows = first axis); SGD(M) with the same lr elsewhere."""
-    normalised = tuple(tuple(p) for p in normalised)
-    leaves = ChainLeaves(None, normalised, ())  # no chain: PSI acts row by row
+def psi_sgd(learning_rate: ScalarOrSchedule, normalised, *, momentum: float = 0.0,
+            max_norm: float = 1e4) -> optax.GradientTransformation:
+    """PSI-SGD(M) (seed 004, Algorithm 1) on the weights followed by a per-unit
+    normalisation: those :func:`gsgd_adapters.jax.find_chains` found (pass its result; rows
+    are the layout's output units), or the leaves at key paths ``normalised`` (rows = first
+    axis); SGD(M) with the same lr elsewhere."""
+    leaves = getattr(normalised, "normalised", None)   # a Discovery's, with their layouts
+    if leaves is None:
+        leaves = ChainLeaves(None, tuple(tuple(p) for p in normalised), ())
+    groups = [leaves] if leaves.weights else []   # no chain: PSI acts row by row
 
     def chain_init(c, W, b):
         return psi_init(W)
@@ -224,7 +198,7 @@ def psi_sgd(learning_rate: ScalarOrSchedule, normalised: Sequence[Path], *,
         W2, cs = psi_update(cs, W, G, lr=lr, momentum=momentum, max_norm=max_norm)
         return W2, [], cs
 
-    return _transformation(learning_rate, [leaves], chain_init, chain_step,
+    return _transformation(learning_rate, groups, chain_init, chain_step,
                            dict(momentum=momentum, dampening=0.0, nesterov=False,
                                 weight_decay=0.0))
 
@@ -234,21 +208,8 @@ class InPathSpaceState(NamedTuple):
 
 
 def _chain_arrays(c: ChainLeaves, index, leaves, grads):
-    """The chain's weights (as ``(out, in, ...)``), biases and their gradients."""
-    t = c.transposed
-    return ([_get(index, leaves, p, t) for p in c.weights],
-            [_get(index, leaves, p) for p in c.biases],
-            [_get(index, grads, p, t) for p in c.weights],
-            [_get(index, grads, p) for p in c.biases])
-
-
-def _put(out: list, index, c: ChainLeaves, weights, biases) -> None:
-    """Chain arrays (weights as ``(out, in, ...)``) into their leaves' places in ``out``."""
-    for p, x in zip(c.weights, weights):
-        out[index[p]] = x.T if c.transposed and x.ndim == 2 else x
-    for p, x in zip(c.biases, biases):
-        if p is not None:
-            out[index[p]] = x
+    """The chain's weights (as the core views them), biases and their gradients."""
+    return (*c.arrays(index, leaves), *c.arrays(index, grads))
 
 
 def in_path_space(inner: optax.GradientTransformation,
@@ -281,8 +242,8 @@ def in_path_space(inner: optax.GradientTransformation,
         D, V, arrays = list(grads), list(leaves), []
         for c in chains:
             W, b, G, Gb = _chain_arrays(c, index, leaves, grads)
-            _put(D, index, c, *icr(c.chain, W, b, G, Gb))
-            _put(V, index, c, *path_values(c.chain, W, b))
+            c.put(D, index, *icr(c.chain, W, b, G, Gb))
+            c.put(V, index, *path_values(c.chain, W, b))
             arrays.append((W, b))
         return (jax.tree_util.tree_unflatten(treedef, D),
                 jax.tree_util.tree_unflatten(treedef, V), arrays, index, treedef, grads)
@@ -299,12 +260,11 @@ def in_path_space(inner: optax.GradientTransformation,
         u = treedef.flatten_up_to(u)
         out = list(u)
         for c, (W, b) in zip(chains, arrays):
-            t = c.transposed
-            delta = [-_get(index, u, p, t) for p in c.weights]
-            bias_delta = [None if p is None else -_get(index, u, p) for p in c.biases]
+            delta, bias_delta = ([None if x is None else -x for x in xs]
+                                 for xs in c.arrays(index, u))
             W2, b2 = allocate(c.chain, W, b, delta, bias_delta)
-            _put(out, index, c, [w2 - w for w2, w in zip(W2, W)],
-                 [None if x is None else x2 - x for x2, x in zip(b2, b)])
+            c.put(out, index, [w2 - w for w2, w in zip(W2, W)],
+                  [None if x is None else x2 - x for x2, x in zip(b2, b)])
         out, new = _skip_unless_finite(grads, out, InPathSpaceState(inner_state), state)
         return jax.tree_util.tree_unflatten(treedef, out), new
 

@@ -142,6 +142,7 @@ def test_help_lists_the_experiments():
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_jax_digits_example_trains_next_to_optax_sgd():
     pytest.importorskip("optax")
+    pytest.importorskip("flax")
     pytest.importorskip("sklearn")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.jax_digits", "--epochs", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)

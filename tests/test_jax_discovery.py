@@ -1,0 +1,197 @@
+"""find_chains beyond the catalogue: the jaxpr forms it sees through, its self-check, bad
+input, models with nothing to prove, layouts, hand descriptions checked like found ones."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+optax = pytest.importorskip("optax")
+nn = pytest.importorskip("flax.linen")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp  # noqa: E402
+
+import gsgd_core as gc  # noqa: E402
+from gsgd_adapters.jax import (Layout, check_invariance, find_chains, random_rescale,  # noqa: E402
+                               skeleton_init, units)
+from gsgd_adapters.jax.leaves import key_paths, path_name  # noqa: E402
+from gsgd_adapters.optax import (chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
+                                 psi_sgd)
+
+X = jax.random.normal(jax.random.PRNGKey(1), (4, 5))
+SIZES = [(5, 6), (6, 4), (4, 3)]
+
+
+def pairs(key=0):
+    ks = jax.random.split(jax.random.PRNGKey(key), 3)
+    return [(jax.random.normal(k, (o, i)), 0.1 * jax.random.normal(k, (o,)))
+            for k, (i, o) in zip(ks, SIZES)]
+
+
+@jax.custom_vjp
+def vjp_relu(x):
+    return jnp.maximum(x, 0.0)
+
+
+vjp_relu.defvjp(lambda x: (vjp_relu(x), x), lambda x, g: (g * (x > 0),))
+
+
+ACTIVATIONS = {
+    "jax.nn.relu": jax.nn.relu,                       # custom_jvp_call around max
+    "jit": jax.jit(lambda x: jnp.maximum(x, 0.0)),    # a pjit body
+    "checkpoint": jax.checkpoint(jax.nn.relu),        # remat
+    "custom_vjp": vjp_relu,
+    "where": lambda x: jnp.where(x >= 0, x, 0.0),     # select_n
+    "clip": lambda x: jnp.clip(x, 0.0),               # max with a broadcast zero
+}
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+def test_relu_in_each_jaxpr_form_passes(act):
+    f = ACTIVATIONS[act]
+
+    def apply(params, x):
+        for i, (w, b) in enumerate(params):
+            x = x @ w.T + b
+            x = f(x) if i < len(params) - 1 else x
+        return x
+    found = find_chains(apply, pairs(), X)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["0/0", "1/0", "2/0"]]
+    assert [path_name(p) for p in found[0].biases] == ["0/1", "1/1", "2/1"]
+
+
+def test_the_self_check_drops_an_unsound_claim(monkeypatch):
+    def apply(params, x):
+        return jnp.tanh(x @ params[0][0].T) @ params[1][0].T
+    params = pairs()[:2]
+    assert len(find_chains(apply, params, X)) == 0
+    # a rule that wrongly passes tanh: the claim is made, and the self-check refuses it
+    monkeypatch.setattr(units, "ELEMENTWISE", units.ELEMENTWISE | {"tanh"})
+    claimed = find_chains(apply, params, X, check=False)
+    assert len(claimed) == 1
+    with pytest.raises(ValueError, match="0/0 -> 1/0 is not a chain"):
+        check_invariance(apply, params, X, chains=claimed)
+    found = find_chains(apply, params, X)
+    assert len(found) == 0 and "self-check" in found.reasons["0/0"]
+
+
+def test_bad_input_says_what_it_was_given():
+    with pytest.raises(ValueError, match=r"does not trace.*\(6, 5\).*\(4, 7\)"):
+        find_chains(lambda p, x: x @ p[0][0].T, pairs(), jnp.ones((4, 7)))
+    with pytest.raises(ValueError, match="does not trace.*KeyError"):
+        find_chains(lambda p, x: x @ p["dense"], {"other": jnp.ones((5, 3))}, X)
+    with pytest.raises(ValueError, match=r"weights \[0/0 \(6, 5\)\].*at least 2 layers"):
+        chains_from_pairs(pairs()[:1])
+
+
+def test_a_model_with_nothing_proven_gets_no_chains_and_trains_as_sgd():
+    class Gelu(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.gelu(nn.Dense(6)(x)))
+    model = Gelu()
+    variables = model.init(jax.random.PRNGKey(0), X)
+    found = find_chains(model.apply, variables, X)
+    assert len(found) == 0 and len(found.reasons) == 4 and "left out" in str(found)
+    grads = jax.tree_util.tree_map(jnp.ones_like, variables)
+    for opt in (gsgd(0.1, found), gsgd(0.1, [])):
+        updates, _ = opt.update(grads, opt.init(variables), variables)
+        assert all(bool(jnp.all(u == -0.1)) for u in jax.tree_util.tree_leaves(updates))
+
+
+@pytest.mark.parametrize("layout,shape", [
+    (Layout(0, 1, (2, 3)), (4, 3, 2, 5)),      # OIHW
+    (Layout.in_out(4), (2, 5, 3, 4)),          # HWIO
+    (Layout(1, 0, P=6), (6 * 3, 4)),           # a Dense after an NHWC flatten
+    (Layout(0, 1, Q=6), (4, 3 * 6)),           # a Linear after a CHW flatten
+])
+def test_layout_views_are_the_units_and_invert(layout, shape):
+    x = jnp.arange(np.prod(shape), dtype=jnp.float64).reshape(shape)
+    v = layout.view(x)
+    assert v.shape == layout.core_shape(shape)
+    assert bool(jnp.all(layout.leaf(v, shape) == x))
+    # output unit j's row of the view holds exactly the leaf's entries on axis `out` = j
+    for j in range(v.shape[0]):
+        assert sorted(np.asarray(v[j]).ravel()) == sorted(
+            np.asarray(jnp.take(x, j, axis=layout.out)).ravel())
+
+
+def f64(tree):
+    return jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), tree)
+
+
+class FlaxCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(3, (3, 3))(x))
+        x = nn.relu(nn.Conv(4, (3, 3))(x))
+        return nn.Dense(2)(x.reshape((x.shape[0], -1)))
+
+
+def test_hand_descriptions_are_checked_like_found_chains():
+    model, x = FlaxCNN(), jax.random.normal(jax.random.PRNGKey(2), (2, 5, 5, 2))
+    params = f64(model.init(jax.random.PRNGKey(0), x))["params"]
+    apply = lambda p, x: model.apply({"params": p}, x)
+    # HWIO kernels by hand (transposed: (..., in, out)) are right: same chain as found
+    convs = chains_from_dict(params, ["Conv_0", "Conv_1"], weight="kernel", bias="bias",
+                             transposed=True)
+    assert check_invariance(apply, params, x, chains=convs)
+    found = find_chains(apply, params, x)
+    assert found[0].chain.sizes == (2, 3, 4, 2) and found[0].chain.slots == (9, 9, 25)
+    assert found.changes[found[0].name()] <= 1e-12
+    # the Dense after the NHWC flatten, described by hand, reads it channel-major: wrong
+    whole = chains_from_dict(params, ["Conv_0", "Conv_1", "Dense_0"], weight="kernel",
+                             bias="bias", transposed=True)
+    with pytest.raises(ValueError, match="is not a chain of this model"):
+        check_invariance(apply, params, x, chains=whole)
+
+
+def test_skeleton_init_and_random_rescale_act_through_layouts():
+    model, x = FlaxCNN(), jax.random.normal(jax.random.PRNGKey(2), (2, 5, 5, 2))
+    variables = f64(model.init(jax.random.PRNGKey(0), x))
+    found = find_chains(model.apply, variables, x, skeleton="paper")
+    c = found[0]
+    init = skeleton_init(variables, found, skeleton="paper")
+    flat = leaf_dict(init)
+    for i, (p, mask) in enumerate(zip(c.weights, c.chain.tau_masks)):
+        W = np.asarray(c.view(i, flat[p]))
+        skeleton = mask | c.chain.free_masks[i]
+        assert np.all(W[skeleton] == 1.0)
+    twin = random_rescale(init, found, jax.random.PRNGKey(3))
+    V = gc.path_values(c.chain, *views(c, init))
+    V2 = gc.path_values(c.chain, *views(c, twin))
+    for a, b in zip(V[0], V2[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-10)
+
+
+def leaf_dict(tree):
+    paths, leaves, _ = key_paths(tree)
+    return dict(zip(paths, leaves))
+
+
+def views(c, tree):
+    flat = leaf_dict(tree)
+    return ([c.view(i, flat[p]) for i, p in enumerate(c.weights)],
+            [None if p is None else flat[p] for p in c.biases])
+
+
+def test_path_sgd_and_psi_sgd_take_a_discovery():
+    model, x = FlaxCNN(), jax.random.normal(jax.random.PRNGKey(2), (2, 5, 5, 2))
+    params = f64(model.init(jax.random.PRNGKey(0), x))
+    found = find_chains(model.apply, params, x, skeleton="paper")
+    assert len(found) == 1
+    params = skeleton_init(params, found, skeleton="paper")
+    twin = random_rescale(params, found, jax.random.PRNGKey(4))
+    assert float(jnp.max(jnp.abs(twin["params"]["Conv_1"]["kernel"]
+                                 - params["params"]["Conv_1"]["kernel"]))) > 1e-3
+    loss = lambda p: jnp.sum(model.apply(p, x) ** 2)
+    opt = path_sgd(1e-3, found)
+    outs = []
+    for p in (params, twin):
+        updates, _ = opt.update(jax.grad(loss)(p), opt.init(p), p)
+        outs.append(model.apply(optax.apply_updates(p, updates), x))
+    assert float(jnp.max(jnp.abs(outs[0] - model.apply(params, x)))) > 1e-6
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-9, atol=1e-12)
+    # no normalised weights: PSI-SGD is SGD on every leaf
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    updates, _ = psi_sgd(0.5, found).update(grads, psi_sgd(0.5, found).init(params), params)
+    assert all(bool(jnp.all(u == -0.5)) for u in jax.tree_util.tree_leaves(updates))
