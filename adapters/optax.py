@@ -105,7 +105,7 @@ def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_dec
 
 def _skip_unless_finite(grads, updates: list, new_state, state):
     """``(updates, new_state)``, or zero updates and the old ``state`` when a gradient
-    holds a NaN or Inf: such a step is skipped whole (DESIGN §6: never written into the
+    holds a NaN or Inf: such a step is skipped whole (numerics guide: never written into the
     weights, nor into a momentum buffer), with no host round-trip."""
     ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in grads], dtype=bool))
     updates = [jnp.where(ok, u, jnp.zeros_like(u)) for u in updates]

@@ -89,8 +89,8 @@ def plain_cnn(channels, bn: bool = False, side: int = 8) -> nn.Sequential:
 @dataclass(frozen=True)
 class Run:
     """One training run. ``init``: 'he' (kaiming normal), 'skeleton' (He, then skeleton
-    edges set to 1, paper §11.2) or 'he-skeleton' (He, then the He skeleton recipe, DESIGN
-    §11); ``spread`` rescales the start by ``exp(spread * N(0, 1))`` per unit; ``arch``:
+    edges set to 1, paper §11.2) or 'he-skeleton' (He, then the He skeleton recipe, skeleton
+    guide); ``spread`` rescales the start by ``exp(spread * N(0, 1))`` per unit; ``arch``:
     'mlp' (``widths`` are the layer widths) or 'cnn' (:func:`plain_cnn`, ``widths`` its
     channels); ``data``: the data set it trains on, a key of :data:`SIDE`."""
 
@@ -119,7 +119,7 @@ OPTIMIZERS = {
     # The paper's experiments: its skeleton initialisation (§11.2) and units.
     "gsgd": lambda m, lr: GSGD(m, lr=lr, skeleton="paper"),
     "gsgdm": lambda m, lr: GSGD(m, lr=lr, momentum=0.9, skeleton="paper"),
-    # The recipe for real nets (DESIGN §11): He skeleton units.
+    # The recipe for real nets (skeleton guide): He skeleton units.
     "gsgd-he": lambda m, lr: GSGD(m, lr=lr),
     "gsgdm-he": lambda m, lr: GSGD(m, lr=lr, momentum=0.9),
     "gadam": lambda m, lr: GAdam(m, lr=lr, skeleton="paper"),

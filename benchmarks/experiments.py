@@ -3,7 +3,7 @@ and PSI-SGD papers' figures, on digits and MNIST.
 
 Every optimizer family has its own learning-rate grid, searched on the validation split
 (two seeds); the chosen rate is then run on every seed; :data:`STATS_RULE` says how seeds
-are counted. Tables carry the "SGD, skeleton init" control (DESIGN §9) wherever G-SGD
+are counted. Tables carry the "SGD, skeleton init" control (experiments page) wherever G-SGD
 starts from a skeleton initialisation, so that the optimizer is not credited with the
 init.
 """

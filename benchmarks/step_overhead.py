@@ -131,7 +131,7 @@ def floor_reads(model) -> list:
     """What a G-SGD step reads before it may write a weight: its column sums read every
     weight but the first layer's and every weight gradient (layer 1's gradients only through
     their sum, the check that they are finite). A step that skips whole on a non-finite
-    gradient (DESIGN §6) must read them before its update, and the update then reads and
+    gradient (numerics guide) must read them before its update, and the update then reads and
     writes what SGD's does: these reads plus SGD's step (one fused pass) are the least
     memory traffic of any plain G-SGD step (the "memory floor" rows; 5 passes over the
     weights against SGD's 3, and on a machine where SGD's step costs what reading ``W`` and

@@ -173,7 +173,7 @@ def _cnn_text(channels, side: int) -> str:
     c1, c2, hidden = channels
     return (f"conv(1->{c1}) conv({c1}) pool conv(->{c2}) conv({c2}) pool, Linear(->{hidden}), "
             f"Linear(->10), ReLU; on {side}x{side} images, momentum 0.9 for all. G-SGD uses "
-            "the recipe for real nets (He skeleton units, DESIGN §11); its control is SGD(M) "
+            "the recipe for real nets (He skeleton units, skeleton guide); its control is SGD(M) "
             "from the same start. The second table adds batch norm after every convolution: "
             "PSI-SGDM updates the BN-followed weights, SGD(M) the rest.")
 

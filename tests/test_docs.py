@@ -21,13 +21,15 @@ DOCS = ROOT / "docs"
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")) if DOCS.is_dir() else []
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```\n", re.S | re.M)
 # The packages whose every public name the reference must document.
-PUBLIC = ["gsgd_core", "gsgd_backends", "gsgd_adapters.torch", "gsgd_adapters.optax",
+PUBLIC = ["gsgd_core", "gsgd_backends", "gsgd_adapters.torch", "gsgd_adapters.jax",
+          "gsgd_adapters.optax",
           "gsgd_adapters.cupy"]
 # ``py`` blocks are whole scripts that another test runs (several processes, a launcher):
 # the page shows the file word for word.
 RUN_ELSEWHERE = {"fsdp_example.py": "test_fsdp.py"}
 # Pages of measurements: each names its date and its machine.
-RESULTS = ["results.md", "step_overhead.md", "fsdp.md", "plain_cnn.md", "plain_cnn_full.md"]
+RESULTS = ["results.md", "step_overhead.md", "fsdp.md", "plain_cnn.md", "plain_cnn_full.md",
+           "skeleton_recipe.md"]
 
 
 def fences(text: str) -> list[tuple[str, str, int, int]]:

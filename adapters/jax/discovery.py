@@ -1,6 +1,6 @@
 """``find_chains``: the chains of a JAX model, proven from its jaxpr and checked numerically.
 
-DESIGN §13. The model is traced once (``jax.make_jaxpr``), the calls it can see through are
+The rules are the JAX guide's. The model is traced once (``jax.make_jaxpr``), the calls it can see through are
 inlined (:mod:`~gsgd_adapters.jax.program`), its weight layers are the contractions of
 params leaves (:mod:`~gsgd_adapters.jax.layers`), and each layer's units are followed to the
 next layer (:mod:`~gsgd_adapters.jax.walk`). Chains are runs of linked layers in data-flow
@@ -201,8 +201,9 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
         more than rounding: ``1e-9`` relative in float64 where JAX has it enabled, ``1e-4``
         in float32 otherwise.
 
-    Other keyword arguments go to ``apply_fn`` (``skeleton`` and ``check`` are this
-    function's own).
+    **example_kwargs
+        Keyword arguments of ``apply_fn`` (``skeleton`` and ``check`` are this function's
+        own).
 
     Returns
     -------

@@ -1,6 +1,6 @@
 """Which leaves of a params pytree form a chain, and how each weight leaf lays out its units.
 
-The core views layer ``l``'s weight as ``(n_l, n_{l-1}, k_l)`` (DESIGN §1). A JAX leaf keeps
+The core views layer ``l``'s weight as ``(n_l, n_{l-1}, k_l)`` (theory page). A JAX leaf keeps
 the same numbers in its library's order: Flax and Haiku kernels are ``(..., in, out)`` (HWIO
 for convolutions), Equinox's ``(out, in, ...)`` (OIHW), and a Dense after a Flax flatten of an
 NHWC tensor reads its inputs position-major. A :class:`Layout` names the leaf's axes, so the

@@ -34,7 +34,7 @@ def _chains(chains) -> list[ChainLeaves]:
 
 
 def skeleton_init(params, chains: Sequence[ChainLeaves], *, skeleton: str = "he"):
-    """New params with every chain's skeleton initialised (paper §11.2, DESIGN §11).
+    """New params with every chain's skeleton initialised (paper §11.2, skeleton guide).
 
     ``skeleton="he"``: skeleton edges of layer ``l`` get magnitude ``r_l = sqrt(2 * share /
     c_l)`` (:meth:`gsgd_core.Chain.he_skeleton_scale`, ``share = 1/4``) and keep their signs,

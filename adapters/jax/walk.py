@@ -3,7 +3,7 @@
 From the layer's output, every value computed from it is followed in program order
 (:func:`gsgd_adapters.jax.units.step`). The units pass on only if all of it ends in one
 weight layer that reads them as its input units; a bias joins the layer when a leaf laid
-out along the units is added before any other operation (DESIGN §13).
+out along the units is added before any other operation (JAX guide).
 """
 
 from __future__ import annotations

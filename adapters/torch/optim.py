@@ -279,7 +279,7 @@ class ScaleInvariantOptimizer(Optimizer):
     def _live(self, params, group: dict) -> list:
         """The parameters with a gradient (checked for non-finite values on request); none
         when one of those gradients holds NaN or Inf: the part's step is skipped, as a
-        chain's is (DESIGN §6: never written into the weights, nor into a buffer)."""
+        chain's is (numerics guide: never written into the weights, nor into a buffer)."""
         params = [p for p in params if p.grad is not None]
         if group.get("check_finite"):
             for p in params:
