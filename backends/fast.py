@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 from gsgd_core import Chain
 from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finite_or_zero, kept,
-                             path_gradient, safe_div, tau_ratio)
+                             path_gradient, safe_div, tau_ratio, written_ratio)
 
 from .plan import StepPlan
 
@@ -228,8 +228,7 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     (``st``: the :class:`~gsgd_backends.plan.Stack`): the backward sums ``T``, chain
     products ``B``, ``F``, new special edges and momentum buffers there, ``rho``, new
     biases, and the flags ``[ok, tame_1..tame_L]``. ``ok``: every backward sum, bias
-    gradient and layer-1 gradient is finite, and so is every new tau edge (else the core's
-    :func:`~gsgd_core.rules.written_ratio` takes the step); ``tame_l``: layer ``l`` may use
+    gradient and layer-1 gradient is finite; ``tame_l``: layer ``l`` may use
     :func:`recip_rows` (tested for traced kernels on plain steps). A plain step of kernels
     that run the block loops (``kernels.checked``) also gets every layer's
     :func:`bulk_factors` (``squares``), formed on the stacked node vectors: per layer they
@@ -240,11 +239,9 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     one = xp.ones((1,), dtype=ws.dtype, device=device)
     T = backward_sums(kernels, st, ws, gs, C[1:])
     B, F = chain_products(xp, st, ws, one)
-    special, special_m, rho, written = _special(xp, st, ws, gs, ms, T=T, B=B, F=F, lr=lr, h=h,
-                                                one=one)
+    special, special_m, rho = _special(xp, st, ws, gs, ms, T=T, B=B, F=F, lr=lr, h=h, one=one)
     # T sums every weight gradient above layer 1 (0 * inf is NaN).
     ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
-    ok = ok if written is None else ok & written
     high = [n - st.nodes[1] for n in st.nodes[1:]]
     squares = None
     if h is None and kernels.checked:  # the block loops' factors, every layer at once
@@ -428,14 +425,26 @@ def _tame(xp, v, zero_ok: bool):
     return xp.all((inside | (a == 0)) if zero_ok else inside)
 
 
+def as_written(xp, st, w, R, rho, one):
+    """:func:`gsgd_core.rules.written_ratio` on every tau edge at once: where a tau edge's
+    new value ``w R / rho_src`` would not be finite, its node's ``R`` (and so ``rho``)
+    becomes its source's ``rho``. A pass over the stacked nodes settles one more inner
+    layer, so ``L - 1`` passes give the core's layer-by-layer result."""
+    R_w = R
+    for _ in range(len(st.nodes) - 3):  # the inner layers: a tau chain crosses each once
+        _, R_w = written_ratio(xp, w, R, xp.take(rho, st.src))
+        rho = xp.take(xp.concat([one, R_w]), st.rho_from)
+    return R_w, rho
+
+
 def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     """New values of the stacked special edges (new tau edges, free edges unchanged), of the
     momentum buffers there (``None`` without momentum), and ``rho`` at every node of layers
     ``0..L-1``, by the rules of :func:`gsgd_core.sweeps.allocate3` on every inner node's tau
     edge at once: ``D = (P - T)/V`` (then :func:`gsgd_core.rules.direction`),
     ``R = 1 - lr*D/V`` (``0 -> eps``), tau edge ``W * R / rho_{l-1}``, ``rho_l = R`` or,
-    down a free tau edge, its source's; and whether every new tau edge is finite (``None``
-    without tau edges)."""
+    down a free tau edge, its source's (:func:`as_written` where a new tau edge would not
+    be finite)."""
     eps = float(xp.finfo(ws.dtype).eps)
     m_free = None
     if ms is not None:  # free edges carry no path: D = 0 there (icr3)
@@ -448,14 +457,13 @@ def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     R = tau_ratio(xp, lr * safe_div(xp, step_dir, V), eps)
     rho = xp.take(xp.concat([one, R]), st.rho_from)
     if not w.shape[0]:  # one layer: no tau edge
-        return ws, m_free, rho, None
-    tau_new = w * (R / xp.take(rho, st.src))
-    special = xp.where(st.moved, xp.take(kept(xp, tau_new, w), st.node), ws)
-    written = xp.all(finite_mask(tau_new))  # else the core's written_ratio: hand it back
+        return ws, m_free, rho
+    R, rho = as_written(xp, st, w, R, rho, one)
+    tau_new = kept(xp, w * (R / xp.take(rho, st.src)), w)
+    special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
     if ms is None:
-        return special, None, rho, written
-    return (special, xp.where(st.moved, xp.take(kept(xp, M_new, M), st.node), m_free), rho,
-            written)
+        return special, None, rho
+    return special, xp.where(st.moved, xp.take(kept(xp, M_new, M), st.node), m_free), rho
 
 
 def _biases(xp, b, Gb, Mb, *, F, lr, h):

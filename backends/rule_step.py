@@ -17,11 +17,11 @@ import math
 from typing import NamedTuple
 
 from gsgd_core import Chain, ElementwiseRule, RuleState
-from gsgd_core.rules import (all_finite, finite_mask, finite_or_zero, kept, path_gradient,
-                             safe_div, tau_ratio)
+from gsgd_core.rules import (all_finite, finite_or_zero, kept, path_gradient, safe_div,
+                             tau_ratio)
 
-from .fast import (backward_sums, chain_products, gathered, per_column, plan_for, split,
-                   stacked)
+from .fast import (as_written, backward_sums, chain_products, gathered, per_column, plan_for,
+                   split, stacked)
 from .plan import StepPlan
 
 __all__ = ["rule_step_"]
@@ -109,19 +109,16 @@ def rule_vectors(kernels, chain, st, *, rule, coef, ws, gs, ms, C, b, Gb, Mb,
     and the biases ``b``, their gradients and buffers, wherever they were gathered from
     (:mod:`.sharded` sums them over processes), over all layers at once (``st``: the plan's
     :class:`~gsgd_backends.plan.Stack`); ``None`` when a backward sum, a bias gradient or
-    layer 1's gradients are not finite, or a tau edge's new value is not (the core's
-    :func:`~gsgd_core.rules.written_ratio` takes that step), read in the step's one host
-    synchronisation."""
+    layer 1's gradients are not finite (the step's one host synchronisation)."""
     xp, L = kernels.xp, chain.L
     ws, gs, ms = stacked(xp, ws), stacked(xp, gs), [stacked(xp, m) for m in ms]
     one = xp.ones((1,), dtype=ws.dtype, device=device)
     T = backward_sums(kernels, st, ws, gs, C[1:])
-    B, F = chain_products(xp, st, ws, one)
-    special, special_m, rho, written = rule_special(xp, st, ws, gs, ms, rule=rule, coef=coef,
-                                                    T=T, B=B, F=F, one=one)
-    ok = all_finite(xp, [T] + Gb) & xp.isfinite(C[0])
-    if not bool(ok if written is None else ok & written):
+    if not bool(all_finite(xp, [T] + Gb) & xp.isfinite(C[0])):
         return None
+    B, F = chain_products(xp, st, ws, one)
+    special, special_m, rho = rule_special(xp, st, ws, gs, ms, rule=rule, coef=coef, T=T, B=B,
+                                           F=F, one=one)
     high = [n - st.nodes[1] for n in st.nodes[1:]]
     B, F, rho = split(B, st.nodes[:-1]) + [None], [None] + split(F, high), split(rho, st.nodes[:-1])
     bias, bias_m = [None] * L, [[None] * L for _ in Mb]
@@ -145,8 +142,7 @@ def _apply(xp, rule, coef, D, V, bufs):
 def rule_special(xp, st, ws, gs, ms, *, rule, coef, T, B, F, one):
     """New values of the stacked special edges (tau edges moved, free edges kept), of the
     rule's buffers there (a stacked vector per buffer), and ``rho`` at every node of layers
-    ``0..L-1`` (:func:`.fast._special` with the rule's step in place of G-SGD's), and
-    whether every new tau edge is finite (``None`` without tau edges)."""
+    ``0..L-1`` (:func:`.fast._special` with the rule's step in place of G-SGD's)."""
     eps = float(xp.finfo(ws.dtype).eps)
     zero = xp.zeros_like(ws)  # free edges own no path: D = V = 0 there (icr3)
     _, m_free = _apply(xp, rule, coef, zero, zero, ms)
@@ -157,11 +153,12 @@ def rule_special(xp, st, ws, gs, ms, *, rule, coef, T, B, F, one):
     R = tau_ratio(xp, safe_div(xp, delta, V), eps)
     rho = xp.take(xp.concat([one, R]), st.rho_from)
     if not w.shape[0]:  # one layer: no tau edge
-        return ws, m_free, rho, None
-    tau_new = w * (R / xp.take(rho, st.src))
-    special = xp.where(st.moved, xp.take(kept(xp, tau_new, w), st.node), ws)
+        return ws, m_free, rho
+    R, rho = as_written(xp, st, w, R, rho, one)
+    tau_new = kept(xp, w * (R / xp.take(rho, st.src)), w)
+    special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
     return special, [xp.where(st.moved, xp.take(a, st.node), f)
-                     for a, f in zip(m_tau, m_free)], rho, xp.all(finite_mask(tau_new))
+                     for a, f in zip(m_tau, m_free)], rho
 
 
 def rule_bias(xp, rule, coef, b, Gb, *, F, bufs):

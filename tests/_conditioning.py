@@ -22,8 +22,10 @@ cancelled ``D`` by ``10^6`` (``lr = 0.01``, ``eps = 1e-8``). The tolerance of a 
 is therefore the rule's own response to that bound: the change of ``Delta`` and of the new
 buffers when ``D`` moves by ``dD``, evaluated by the core's rule itself at ``D - dD`` and
 ``D + dD`` (:func:`step_tolerance`). Path values and buffers are compared path by path with
-it; weights, which mix a tau path's ratio into every weight above it, only where it is
-below rounding (:func:`well_conditioned`).
+it (:func:`assert_step_close`). Weights are compared as well wherever no tau path ratio
+``R`` nears 0: a weight above node ``a`` is divided by ``rho[a] = R``, so it carries the
+rounding of the cancelling ``1 - lr D / V`` divided by ``R`` (a diverging run drives ``R``
+toward 0; path values are products in which that division cancels).
 """
 
 from __future__ import annotations
@@ -112,11 +114,6 @@ def assert_paths_close(actual, expected, rtol: float, tol, what: str) -> None:
                                   f"bound {bound[worst]:.3g}")
 
 
-def well_conditioned(tolerances, rtol: float) -> bool:
-    """Every derived tolerance is below ``rtol``: the weights can be compared as well."""
-    return all(float(np.max(t, initial=0.0)) <= rtol * 1e-2 for t in tolerances)
-
-
 #: Weights are compared where no tau path ratio is below this in magnitude: a weight above
 #: node ``a`` is divided by ``rho[a] = R``, whose relative rounding is ``u / |R|`` when ``R``
 #: is the cancelling difference ``1 - lr D / V`` (a diverging run drives ``R`` toward 0).
@@ -124,14 +121,13 @@ MIN_RATIO = 1e-3
 
 
 def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float, rtol: float,
-                      blocks=None) -> None:
+                      blocks=None, plan=None) -> None:
     """G-SGD's fast step (``gsgd_backends.fast``, momentum buffers in place) against
     :func:`gsgd_core.gsgd_update`, ``steps`` times along the core's trajectory, each from
-    the core's state (weights, biases, buffers, step count): path values within ``rtol``
-    plus G-SGD's conditioning (:func:`step_tolerance` of the equivalent
-    :func:`gsgd_core.sgd_rule`), momentum buffers and free weights, and the weights
-    themselves where every tau path ratio is at least :data:`MIN_RATIO`. ``blocks(kernels)``
-    is a context that sets the block sizes."""
+    the core's state (weights, biases, buffers, step count), compared by
+    :func:`assert_step_close` and the momentum buffers by the same tolerance.
+    ``blocks(kernels)`` is a context that sets the block sizes; ``plan(weight)`` gives the
+    step plan to take (e.g. torch's GPU plan), else the weights' kernels plan one."""
     import contextlib
 
     import gsgd_backends as gb
@@ -139,14 +135,11 @@ def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float,
     from gsgd_backends._dispatch import assign
 
     blocks = blocks or (lambda kernels: contextlib.nullcontext())
-    rule = gc.sgd_rule(lr, **hyper)
     W, b = ns.tolist(ns.aslist(problem.W)), ns.tolist(ns.aslist(problem.b))
     core = gc.gsgd_init(chain, W, b)
     for count in range(steps):
         G, Gb = (ns.tolist(ns.aslist(g)) for g in problem.grads(W, b))
-        D, dD, V = gradient_rounding(chain, W, b, G, Gb)
-        bufs = (tuple(core.momentum) + tuple(m for m in core.bias_momentum if m is not None),)
-        tol, _ = step_tolerance(rule, count, D, dD, V, bufs if hyper.get("momentum") else ())
+        tol, tol_m = gsgd_tolerance(chain, hyper, lr, count, W, b, G, Gb, core)
         A, Ab = ns.aslist(W), ns.aslist(b)
         state = gc.gsgd_init(chain, A, Ab)
         state = state._replace(momentum=tuple(ns.aslist(core.momentum)),
@@ -155,25 +148,56 @@ def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float,
         kernels = gb.kernels_for(A[0])
         with blocks(kernels):
             assert fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr,
-                                   state if hyper else None, **hyper)
-        V_old = gc.path_values(chain, W, b)[0]
+                                   state if hyper else None,
+                                   plan=None if plan is None else plan(A[0]), **hyper)
+        old = (W, b)
         W, b, core = gc.gsgd_update(chain, core, W, b, G, Gb, lr=lr, **hyper)
-        got_W, got_b = ns.tolist(A), ns.tolist(Ab)
-        V_new = _flat(*gc.path_values(chain, W, b))
-        for i, (a, e, t) in enumerate(zip(_flat(*gc.path_values(chain, got_W, got_b)), V_new,
-                                          tol)):
-            assert_paths_close(a, e, rtol, np.reshape(t, np.shape(e)), f"step {count} [{i}]")
-        for a, e in zip(ns.tolist(state.momentum) if hyper.get("momentum") else [],
-                        core.momentum):
-            assert_paths_close(a, e, rtol, 0.0, f"step {count} momentum")
-        for l, (a, e) in enumerate(zip(got_W, W), start=1):
-            free = chain.free_mask(l)
-            np.testing.assert_array_equal(np.reshape(a, free.shape)[free],
-                                          np.reshape(e, free.shape)[free])
-        if smallest_tau_ratio(chain, V_old, V_new) >= MIN_RATIO:
-            for l, (a, e) in enumerate(zip(got_W + got_b, W + b)):
-                if e is not None:
-                    assert_paths_close(a, e, rtol, 0.0, f"step {count} weights/biases [{l}]")
+        assert_step_close(chain, old, (ns.tolist(A), ns.tolist(Ab)), (W, b), rtol, tol,
+                          f"step {count}")
+        if hyper.get("momentum"):
+            assert_buffers_close(ns.tolist(state.momentum) + ns.tolist(state.bias_momentum),
+                                 list(core.momentum) + list(core.bias_momentum), rtol, tol_m,
+                                 f"step {count} momentum")
+
+
+def gsgd_tolerance(chain, hyper: dict, lr: float, count: int, W, b, G, Gb, state):
+    """:func:`step_tolerance` of G-SGD's update (:func:`gsgd_core.sgd_rule` with ``hyper``)
+    from a :class:`gsgd_core.GSGDState`: per path array, for the step and for the momentum
+    buffer (layers, then the layers with a bias; empty without momentum)."""
+    rule = gc.sgd_rule(lr, **hyper)
+    D, dD, V = gradient_rounding(chain, W, b, G, Gb)
+    bufs = (tuple(state.momentum) + tuple(m for m in state.bias_momentum if m is not None),)
+    tol, tol_bufs = step_tolerance(rule, count, D, dD, V, bufs if rule.buffers else ())
+    return tol, (tol_bufs[0] if tol_bufs else [])
+
+
+def assert_step_close(chain, old, got, want, rtol: float, tol, what: str = "") -> None:
+    """One step's result ``got`` against ``want`` (``(weights, biases)`` host lists, both
+    from ``old``): free weights bit for bit, path values within ``rtol`` plus ``tol`` (per
+    path array, as :func:`step_tolerance` gives it), and the weights and biases within
+    ``rtol`` where that tolerance is below rounding and no tau path ratio is below
+    :data:`MIN_RATIO`."""
+    for l, (a, e) in enumerate(zip(got[0], want[0]), start=1):
+        free = chain.free_mask(l)
+        np.testing.assert_array_equal(np.reshape(a, free.shape)[free],
+                                      np.reshape(e, free.shape)[free])
+    V_new = flat_paths(*gc.path_values(chain, *want))
+    for i, (a, e, t) in enumerate(zip(flat_paths(*gc.path_values(chain, *got)), V_new, tol)):
+        assert_paths_close(a, e, rtol, np.reshape(t, np.shape(e)), f"{what} paths [{i}]")
+    negligible = all(float(np.max(t, initial=0.0)) <= 1e-2 * rtol for t in tol)
+    if negligible and smallest_tau_ratio(chain, gc.path_values(chain, *old)[0],
+                                         V_new) >= MIN_RATIO:
+        for i, (a, e) in enumerate(zip(got[0] + got[1], want[0] + want[1])):
+            if e is not None:
+                assert_paths_close(a, e, rtol, 0.0, f"{what} weights/biases [{i}]")
+
+
+def assert_buffers_close(got, want, rtol: float, tol, what: str = "") -> None:
+    """Path-space buffers (layers, then biases; ``None`` entries skipped) within ``rtol``
+    plus ``tol``, the arrays of ``tol`` following the ones that are not ``None``."""
+    pairs = [(a, e) for a, e in zip(got, want) if e is not None]
+    for i, ((a, e), t) in enumerate(zip(pairs, tol)):
+        assert_paths_close(a, e, rtol, np.reshape(t, np.shape(e)), f"{what} [{i}]")
 
 
 def smallest_tau_ratio(chain: gc.Chain, V_old, V_new) -> float:
@@ -188,5 +212,6 @@ def smallest_tau_ratio(chain: gc.Chain, V_old, V_new) -> float:
     return out
 
 
-def _flat(V, Vb) -> list:
+def flat_paths(V, Vb) -> list:
+    """Path arrays as rules see them: the layers', then the biases' that exist."""
     return list(V) + [v for v in Vb if v is not None]

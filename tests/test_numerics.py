@@ -389,8 +389,8 @@ def test_a_tau_edge_whose_new_value_overflows_keeps_it_and_the_weights_above_fol
     """A case the thorough profile drew (float32: weights of 1e-6, gradients of 1e30): a
     tau path ratio overflows, so the tau weight keeps its value, and its node's ``rho`` is
     then its source's, not the infinite ``R``, which divided every weight above to -0 in
-    the core while the fast path kept them. The fast path hands such a step to the core and
-    agrees with it; the weights above are not zeroed."""
+    the fast path while the core kept them. Fast path and core agree (to float32 rounding);
+    the weights above are not zeroed."""
     import gsgd_backends as gb
     chain = gc.Chain((4, 2, 2), (1, 1), bias=(False, True), tau=((0, 0),), sigma=((0, 0),),
                      skeleton_scale=(0.5 ** 0.5, 0.5 ** 0.5))
@@ -406,7 +406,7 @@ def test_a_tau_edge_whose_new_value_overflows_keeps_it_and_the_weights_above_fol
                           1e-3)
     for a, e in zip(f32.tolist(A + Ab), f32.tolist(eW + eb)):
         if e is not None:
-            assert np.all(np.isfinite(a)) and np.array_equal(a, e)
+            assert np.all(np.isfinite(a)) and np.allclose(a, e, rtol=1e-6, atol=0)
     W2 = f32.tolist(A)[1].reshape(chain.layer_shape(2))
     assert np.all(W2[~chain.free_mask(2)] != 0)
 
@@ -415,7 +415,7 @@ def test_a_tau_edge_that_would_overflow_keeps_its_value_and_the_paths_above_stil
     """``w' = w R`` overflows (``w = 100``, ``R = -1e307``, from a free weight of 1e-150):
     the tau weight keeps its value, its node's ``rho`` is its source's (1), and the non-tau
     path above still moves by exactly ``-lr D`` (``rho = R`` would shrink that weight to
-    ~1e-307 and the path with it); in the core and, handed back to it, in place."""
+    ~1e-307 and the path with it); in the core and in place."""
     import gsgd_backends as gb
     chain = gc.Chain.mlp([1, 1, 2], bias=False)
     W = [np.array([[100.0]]), np.array([[1e-150], [1.0]])]  # W2[0, 0] is the free edge

@@ -12,8 +12,8 @@ import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.rule_step import rule_step_
 from _helpers import Problem, assert_close, reverse_axes
-from _conditioning import (assert_paths_close, gradient_rounding, step_tolerance,
-                          well_conditioned)
+from _conditioning import (assert_buffers_close, assert_step_close, flat_paths,
+                          gradient_rounding, step_tolerance)
 from _strategies import chains, examples, seeds
 from test_fast_paths import CHAIN, _chunk, _tol
 
@@ -64,8 +64,8 @@ def _state(ns, chain, rule, W, b, buffers, count):
 
 def _synced_steps(ns, chain, pb, rule, steps, chunk=None) -> bool:
     """``steps`` steps along the core's trajectory, each taken by the fast path and by the
-    core from the same state and compared by :func:`_assert_same_paths` with the tolerance
-    the rule's conditioning gives (:mod:`_conditioning`). Whether every fast step ran fast."""
+    core from the same state and compared with the tolerance the rule's conditioning gives
+    (:mod:`_conditioning`). Whether every fast step ran fast."""
     W, b, buffers, ran = ns.tolist(ns.aslist(pb.W)), ns.tolist(ns.aslist(pb.b)), None, []
     for count in range(steps):
         G, Gb = (ns.tolist(ns.aslist(g)) for g in pb.grads(W, b))  # in the step's dtype
@@ -78,35 +78,14 @@ def _synced_steps(ns, chain, pb, rule, steps, chunk=None) -> bool:
             ran.append(rule_step_(kernels, chain, rule, fs, A, Ab, ns.aslist(G), ns.aslist(Gb)))
         E, Eb, es = _state(ns, chain, rule, W, b, buffers, count)
         E, Eb, es = gc.path_update(chain, rule, es, E, Eb, ns.aslist(G), ns.aslist(Gb))
-        W, b = ns.tolist(E), ns.tolist(Eb)
+        old, (W, b) = (W, b), (ns.tolist(E), ns.tolist(Eb))
         buffers = tuple(tuple(ns.tolist(list(x))) for x in es.buffers)
-        _assert_same_paths(ns, chain, (ns.tolist(A), ns.tolist(Ab), fs), (W, b, buffers),
-                           tol_delta, tol_bufs)
+        assert_step_close(chain, old, (ns.tolist(A), ns.tolist(Ab)), (W, b), _tol(ns),
+                          tol_delta, f"step {count}")
+        for j, (fb, eb) in enumerate(zip(fs.buffers, buffers)):
+            assert_buffers_close(ns.tolist(list(fb)), list(eb), _tol(ns), tol_bufs[j],
+                                 f"step {count} buffer {j}")
     return all(ran)
-
-
-def _assert_same_paths(ns, chain, fast, core, tol_delta, tol_bufs) -> None:
-    """Fast against core after one step from one state: free weights bit for bit, path
-    values and buffers path by path within the conditioning's tolerance, and the weights
-    themselves where that tolerance is below rounding."""
-    (W_f, b_f, fs), (W_c, b_c, bufs_c) = fast, core
-    for l, (a, e) in enumerate(zip(W_f, W_c), start=1):
-        free = chain.free_mask(l)
-        np.testing.assert_array_equal(np.reshape(a, free.shape)[free],
-                                      np.reshape(e, free.shape)[free])
-    V_f, V_c = (_flat(*gc.path_values(chain, W, b)) for W, b in ((W_f, b_f), (W_c, b_c)))
-    for i, (a, e, t) in enumerate(zip(V_f, V_c, tol_delta)):
-        assert_paths_close(a, e, _tol(ns), np.reshape(t, np.shape(e)), f"path values [{i}]")
-    for j, (fb, eb) in enumerate(zip(fs.buffers, bufs_c)):
-        for i, (x, y, t) in enumerate(zip(fb, eb, tol_bufs[j])):
-            assert_paths_close(ns.to_numpy(x), y, _tol(ns), np.reshape(t, np.shape(y)),
-                               f"buffer {j}[{i}]")
-    if well_conditioned(tol_delta + [t for ts in tol_bufs for t in ts], _tol(ns)):
-        _assert_same(ns, (W_f, b_f, fs), (W_c, b_c, fs._replace(buffers=bufs_c)))
-
-
-def _flat(V, Vb):
-    return list(V) + [v for v in Vb if v is not None]
 
 
 #: Drawn by the property below (hypothesis 6.170): node 3 of layer 2 carries gradient only
@@ -220,10 +199,11 @@ def test_a_tau_ratio_of_zero_becomes_epsilon_as_in_the_core(fxp):
     # Every path lands within rounding of 0 (a tau path on eps V); above a tau ratio of eps
     # the weights hold that rounding divided by eps, which differs with the order of the
     # arithmetic (a GPU's fused kernels), so fast and core meet in path space.
-    V0 = _flat(*gc.path_values(CHAIN, pb.W, pb.b))
+    V0 = flat_paths(*gc.path_values(CHAIN, pb.W, pb.b))
     bound = 8 * eps * max(float(np.max(np.abs(v))) for v in V0)
     for W, b in (fast[:2], core[:2]):
-        assert max(float(np.max(np.abs(v))) for v in _flat(*gc.path_values(CHAIN, W, b))) <= bound
+        V1 = flat_paths(*gc.path_values(CHAIN, W, b))
+        assert max(float(np.max(np.abs(v))) for v in V1) <= bound
     for l, (a, e) in enumerate(zip(fast[0], core[0]), start=1):
         free = CHAIN.free_mask(l)
         np.testing.assert_array_equal(a.reshape(free.shape)[free], e.reshape(free.shape)[free])

@@ -13,6 +13,8 @@ import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_, sharded_path_update_
 from _helpers import Problem, assert_close
+from _conditioning import (assert_buffers_close, assert_step_close, gradient_rounding,
+                          gsgd_tolerance, step_tolerance)
 from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
@@ -92,43 +94,49 @@ def _join(parts, from_):
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4),
        hyper=st.sampled_from(HYPERS))
 def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
-    """3 G-SGD steps (plain; momentum; weight decay; all with Nesterov) on row shards
-    equal the core's."""
+    """3 G-SGD steps (plain; momentum; weight decay; all with Nesterov) on row shards, each
+    from the core's state, equal the core's (:mod:`_conditioning`: path values and
+    buffers, and the weights where no tau path ratio nears 0)."""
     to, from_ = LIBS[lib]
     split = data.draw(splits(chain, world))
     pb = Problem(chain, seed)
     W, b, state = pb.W, pb.b, gc.gsgd_init(chain, pb.W, pb.b)
-    locs = [dict(W=_rows(W, r, to), b=_rows(b, r, to),
-                 st=gc.GSGDState(tuple(_rows([np.zeros_like(w) for w in W], r, to)),
-                                 tuple(_rows([None if x is None else np.zeros_like(x)
-                                              for x in b], r, to)), to(np.asarray(0))))
-            for r in split]
-    for _ in range(3):
+    rest = {k: v for k, v in hyper.items() if k != "lr"}
+    for count in range(3):
         G, Gb = pb.grads(W, b)
-        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **hyper)
+        tol, tol_m = gsgd_tolerance(chain, rest, hyper["lr"], count, W, b, G, Gb, state)
+        locs = [dict(W=_rows(W, r, to), b=_rows(b, r, to),
+                     st=gc.GSGDState(tuple(_rows(list(state.momentum), r, to)),
+                                     tuple(_rows(list(state.bias_momentum), r, to)),
+                                     to(np.asarray(count)))) for r in split]
 
-        def step(rank, reduce, G=G, Gb=Gb):
+        def step(rank, reduce, G=G, Gb=Gb, locs=locs):
             loc, rows = locs[rank], split[rank]
             shard = RowShard(chain, rows, reduce)
-            done = sharded_gsgd_update_(_kernels(lib, loc["W"][0]), shard, loc["st"],
+            return sharded_gsgd_update_(_kernels(lib, loc["W"][0]), shard, loc["st"],
                                         loc["W"], loc["b"], _rows(G, rows, to),
                                         _rows(Gb, rows, to), **hyper)
-            loc["st"] = loc["st"]._replace(step=loc["st"].step + 1)
-            return done
 
         assert run_processes(world, step) == [True] * world
-    for got, want in ((_join([p["W"] for p in locs], from_), W),
-                      (_join([p["b"] for p in locs], from_), b),
-                      (_join([p["st"].momentum for p in locs], from_), state.momentum)):
-        for g, w in zip(got, want):
-            assert_close(g, w, 1e-12)
+        old = (W, b)
+        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, **hyper)
+        got = (_join([p["W"] for p in locs], from_), _join([p["b"] for p in locs], from_))
+        assert_step_close(chain, old, got, (W, b), 1e-12, tol, f"step {count}")
+        if rest.get("momentum"):
+            assert_buffers_close(
+                _join([p["st"].momentum for p in locs], from_)
+                + _join([p["st"].bias_momentum for p in locs], from_),
+                list(state.momentum) + list(state.bias_momentum), 1e-12, tol_m,
+                f"step {count} momentum")
 
 
 @pytest.mark.parametrize("lib", list(LIBS))
 @settings(max_examples=examples(10))
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
 def test_sharded_rule_equals_the_core(lib, data, chain, seed, world):
-    """3 G-AdamW steps (amsgrad) on row shards equal the core's path_update, moments too."""
+    """3 G-AdamW steps (amsgrad) on row shards, each from the core's state, equal the
+    core's path_update, moments too, within G-AdamW's conditioning (:mod:`_conditioning`:
+    a tau path whose gradient cancels is rounding that Adam's ``lr / eps`` slope scales)."""
     to, from_ = LIBS[lib]
     split = data.draw(splits(chain, world))
     rule = gc.adamw_rule(0.01, weight_decay=0.1, amsgrad=True)
@@ -136,34 +144,35 @@ def test_sharded_rule_equals_the_core(lib, data, chain, seed, world):
     W, b = pb.W, pb.b
     state = gc.path_init(chain, rule, W, b)
     n_w = chain.L
-    locs = []
-    for rows in split:
-        bias_rows = [r for r, x in zip(rows, b) if x is not None]
-        bufs = tuple(tuple(_rows(list(buf[:n_w]), rows, to)
-                           + _rows(list(buf[n_w:]), bias_rows, to))
-                     for buf in state.buffers)
-        locs.append(dict(W=_rows(W, rows, to), b=_rows(b, rows, to),
-                         st=gc.RuleState(bufs, to(np.asarray(0, dtype=np.int32)))))
-    for _ in range(3):
+    for count in range(3):
         G, Gb = pb.grads(W, b)
-        W, b, state = gc.path_update(chain, rule, state, W, b, G, Gb)
+        D, dD, V = gradient_rounding(chain, W, b, G, Gb)
+        tol, tol_bufs = step_tolerance(rule, count, D, dD, V, state.buffers)
+        locs = []
+        for rows in split:
+            bias_rows = [r for r, x in zip(rows, b) if x is not None]
+            bufs = tuple(tuple(_rows(list(buf[:n_w]), rows, to)
+                               + _rows(list(buf[n_w:]), bias_rows, to))
+                         for buf in state.buffers)
+            locs.append(dict(W=_rows(W, rows, to), b=_rows(b, rows, to),
+                             st=gc.RuleState(bufs, to(np.asarray(count, dtype=np.int32)))))
 
-        def step(rank, reduce, G=G, Gb=Gb):
+        def step(rank, reduce, G=G, Gb=Gb, locs=locs):
             loc, rows = locs[rank], split[rank]
             shard = RowShard(chain, rows, reduce)
-            done = sharded_path_update_(_kernels(lib, loc["W"][0]), shard, rule, loc["st"],
+            return sharded_path_update_(_kernels(lib, loc["W"][0]), shard, rule, loc["st"],
                                         loc["W"], loc["b"], _rows(G, rows, to),
                                         _rows(Gb, rows, to))
-            loc["st"].count[...] += 1
-            return done
 
         assert run_processes(world, step) == [True] * world
-    for l in range(chain.L):
-        assert_close(_join([p["W"] for p in locs], from_)[l], W[l], 1e-12, f"W[{l}]")
-        assert_close(_join([p["b"] for p in locs], from_)[l], b[l], 1e-12, f"b[{l}]")
+        old = (W, b)
+        W, b, state = gc.path_update(chain, rule, state, W, b, G, Gb)
+        got = (_join([p["W"] for p in locs], from_), _join([p["b"] for p in locs], from_))
+        assert_step_close(chain, old, got, (W, b), 1e-12, tol, f"step {count}")
         for j, buf in enumerate(state.buffers):
-            got = np.concatenate([from_(p["st"].buffers[j][l]) for p in locs])
-            assert_close(got, buf[l], 1e-12, f"buffer {j} of layer {l}")
+            got_buf = [np.concatenate([from_(p["st"].buffers[j][i]) for p in locs])
+                       for i in range(len(buf))]
+            assert_buffers_close(got_buf, list(buf), 1e-12, tol_bufs[j], f"buffer {j}")
 
 
 def _declined(world, poison, rule=None):

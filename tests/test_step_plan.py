@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends import fast, rule_step
+from _conditioning import synced_gsgd_steps
 from _helpers import Problem, assert_close, from_repository, reverse_axes
 from _strategies import chains, examples, seeds
 
@@ -68,32 +69,13 @@ def test_device_plan_rule_step_reads_one_value_back():
 @given(chain=chains(), seed=seeds, hyper=st.sampled_from(HYPERS),
        dtype=st.sampled_from(["float64", "float32"]))
 def test_device_plan_equals_the_core(chain, seed, hyper, dtype):
-    """Two steps of the GPU plan (on the CPU) against gsgd_update: weights, biases and
-    momentum buffers, on drawn chains (custom skeletons, slots, biases)."""
-    pb = Problem(chain, seed)
-    dt = getattr(torch, dtype)
-    W = [torch.tensor(a, dtype=dt) for a in pb.W]
-    b = [None if a is None else torch.tensor(a, dtype=dt) for a in pb.b]
-    Wc, bc = [w.clone() for w in W], [None if x is None else x.clone() for x in b]
-    mom = bool(hyper.get("momentum"))
-    state = gc.gsgd_init(chain, W, b) if mom else None
-    core = gc.gsgd_init(chain, Wc, bc) if mom else None
-    plan = gbt.ON_DEVICE.plan(chain, W[0])
-    for _ in range(2):
-        G, Gb = (list(x) for x in pb.grads([w.double().numpy() for w in Wc],
-                                           [None if x is None else x.double().numpy()
-                                            for x in bc]))
-        G = [torch.tensor(g, dtype=dt) for g in G]
-        Gb = [None if g is None else torch.tensor(g, dtype=dt) for g in Gb]
-        assert gb.gsgd_update_(chain, state, W, b, G, Gb, lr=0.1, plan=plan, **hyper)
-        Wc, bc, core = gc.gsgd_update(chain, core, Wc, bc, G, Gb, lr=0.1, **hyper)
-    tol = 1e-12 if dtype == "float64" else 2e-4
-    for got, want in zip(W + b, Wc + bc):
-        assert_close(None if got is None else got.numpy(),
-                     None if want is None else want.numpy(), tol)
-    if mom:
-        for got, want in zip(state.momentum, core.momentum):
-            assert_close(got.numpy(), want.numpy(), tol)
+    """Two steps of the GPU plan (on the CPU) against gsgd_update, each from the core's
+    state: path values, momentum buffers, and the weights and biases where no tau ratio
+    nears 0 (:mod:`_conditioning`), on drawn chains (custom skeletons, slots, biases)."""
+    from _namespaces import _torch
+    synced_gsgd_steps(_torch(dtype), chain, Problem(chain, seed), hyper, 2, lr=0.1,
+                      rtol=1e-12 if dtype == "float64" else 2e-4,
+                      plan=lambda w: gbt.ON_DEVICE.plan(chain, w))
 
 
 def _core_keys(chain):
