@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     load = threads.load_average()
     text = "\n\n".join([
         "# Skeleton recipe: He against paper, measured",
+        threads.measured_on(),
         f"`python -m benchmarks.skeleton_recipe{' --quick' if args.quick else ''}`: "
         f"{budget.seeds} seeds, {budget.epochs} epochs for the MLPs ({CNN_EPOCHS} for the "
         f"CNN), batch 64, lr grid {', '.join(map(str, budget.sgd_grid))} for every row. "
