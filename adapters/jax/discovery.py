@@ -1,11 +1,12 @@
 """``find_chains``: the chains of a JAX model, proven from its jaxpr and checked numerically.
 
 The rules are the JAX guide's. The model is traced once (``jax.make_jaxpr``), the calls it
-can see through are inlined (:mod:`~gsgd_adapters.jax.program`), its weight layers are the contractions of
-params leaves (:mod:`~gsgd_adapters.jax.layers`), and each layer's units are followed to the
-next layer (:mod:`~gsgd_adapters.jax.walk`). Chains are runs of linked layers in data-flow
-order, never in the order of names. Every claim is then checked: a random rescaling of each
-chain's hidden units must leave the output unchanged (float64 where JAX has it enabled).
+can see through are inlined (:mod:`~gsgd_adapters.jax.program`), its weight layers are the
+contractions of params leaves (:mod:`~gsgd_adapters.jax.layers`), and each layer's units are
+followed to the next layer (:mod:`~gsgd_adapters.jax.walk`). Chains are runs of linked
+layers in data-flow order, never in the order of names. Every claim is then checked: a
+random rescaling of each chain's hidden units must leave the output unchanged (float64 where
+JAX has it enabled).
 """
 
 from __future__ import annotations
