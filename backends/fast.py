@@ -426,15 +426,15 @@ def _tame(xp, v, zero_ok: bool):
 
 
 def as_written(xp, st, w, R, rho, one):
-    """:func:`gsgd_core.rules.written_ratio` on every tau edge at once: where a tau edge's
-    new value ``w R / rho_src`` would not be finite, its node's ``R`` (and so ``rho``)
-    becomes its source's ``rho``. A pass over the stacked nodes settles one more inner
-    layer, so ``L - 1`` passes give the core's layer-by-layer result."""
-    R_w = R
+    """:func:`gsgd_core.rules.written_ratio` on every tau edge at once: the new tau edges
+    ``w R / rho_src`` (``w`` where that would not be finite) and ``rho``, in which such a
+    node's ``R`` becomes its source's ``rho``. A pass over the stacked nodes settles one more
+    inner layer, so ``L - 1`` passes give the core's layer-by-layer result (the last pass
+    reads only settled sources)."""
     for _ in range(len(st.nodes) - 3):  # the inner layers: a tau chain crosses each once
-        _, R_w = written_ratio(xp, w, R, xp.take(rho, st.src))
+        tau_new, R_w = written_ratio(xp, w, R, xp.take(rho, st.src))
         rho = xp.take(xp.concat([one, R_w]), st.rho_from)
-    return R_w, rho
+    return tau_new, rho
 
 
 def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
@@ -458,8 +458,7 @@ def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     rho = xp.take(xp.concat([one, R]), st.rho_from)
     if not w.shape[0]:  # one layer: no tau edge
         return ws, m_free, rho
-    R, rho = as_written(xp, st, w, R, rho, one)
-    tau_new = kept(xp, w * (R / xp.take(rho, st.src)), w)
+    tau_new, rho = as_written(xp, st, w, R, rho, one)
     special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
     if ms is None:
         return special, None, rho

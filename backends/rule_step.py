@@ -154,8 +154,7 @@ def rule_special(xp, st, ws, gs, ms, *, rule, coef, T, B, F, one):
     rho = xp.take(xp.concat([one, R]), st.rho_from)
     if not w.shape[0]:  # one layer: no tau edge
         return ws, m_free, rho
-    R, rho = as_written(xp, st, w, R, rho, one)
-    tau_new = kept(xp, w * (R / xp.take(rho, st.src)), w)
+    tau_new, rho = as_written(xp, st, w, R, rho, one)
     special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
     return special, [xp.where(st.moved, xp.take(a, st.node), f)
                      for a, f in zip(m_tau, m_free)], rho
