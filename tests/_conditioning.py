@@ -30,9 +30,14 @@ toward 0; path values are products in which that division cancels).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
+import gsgd_backends as gb
 import gsgd_core as gc
+from gsgd_backends import fast
+from gsgd_backends._dispatch import assign
 
 #: Rounding of a path gradient off the sums (a division, chain products of ``L`` factors
 #: formed in either order), relative to ``|D|``, in units of ``u`` per layer.
@@ -128,12 +133,6 @@ def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float,
     :func:`assert_step_close` and the momentum buffers by the same tolerance.
     ``blocks(kernels)`` is a context that sets the block sizes; ``plan(weight)`` gives the
     step plan to take (e.g. torch's GPU plan), else the weights' kernels plan one."""
-    import contextlib
-
-    import gsgd_backends as gb
-    from gsgd_backends import fast
-    from gsgd_backends._dispatch import assign
-
     blocks = blocks or (lambda kernels: contextlib.nullcontext())
     W, b = ns.tolist(ns.aslist(problem.W)), ns.tolist(ns.aslist(problem.b))
     core = gc.gsgd_init(chain, W, b)
