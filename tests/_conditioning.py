@@ -199,6 +199,21 @@ def assert_buffers_close(got, want, rtol: float, tol, what: str = "") -> None:
         assert_paths_close(a, e, rtol, np.reshape(t, np.shape(e)), f"{what} [{i}]")
 
 
+def ill_conditioned(chain: gc.Chain, tol, V_old, V_new, rel: float = 1e-4) -> bool:
+    """Whether a step (path values ``V_old`` to ``V_new``, layers' arrays) moved some tau
+    path by a rounding bound ``tol`` (:func:`step_tolerance`'s for ``Delta``, layers first)
+    above ``rel`` of its new value, or drove a tau ratio below :data:`MIN_RATIO`. From
+    there two correct runs part by that rounding, amplified into every weight above the
+    node, like a run that diverges: comparisons of separate trajectories stop there."""
+    for l in range(1, chain.L):
+        tau = chain.tau_mask(l) & ~chain.free_mask(l)
+        t = np.reshape(tol[l - 1], tau.shape)[tau]
+        v = np.abs(np.reshape(V_new[l - 1], tau.shape)[tau])
+        if np.any(t > rel * v):
+            return True
+    return smallest_tau_ratio(chain, V_old, V_new) < MIN_RATIO
+
+
 def smallest_tau_ratio(chain: gc.Chain, V_old, V_new) -> float:
     """The smallest ``|R| = |V'/V|`` over the tau paths that had a value."""
     out = np.inf

@@ -5,11 +5,13 @@ rescaled twins coincide (and plain Adam's do not), and the numerics rules hold."
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gsgd_core as gc
 from gsgd_core import reference as ref
+from _conditioning import (assert_paths_close, flat_paths, gradient_rounding, ill_conditioned,
+                          step_tolerance)
 from _helpers import Problem, assert_all_close, assert_close
 from _nets import output
 from _strategies import chains, examples, seeds
@@ -136,6 +138,8 @@ def test_adam_rule_equals_adam_run_on_the_path_values(name, chain, seed):
 
 
 def _twins(ns, chain, pb, make_rule, steps):
+    """G-Adam from ``w`` and from a random rescaling of it: per run, host copies of the
+    weights, biases and rule state before the first step and after each."""
     scales = gc.random_rescaling(chain, pb.rng, 1.0)
     Wt, bt = gc.rescale(chain, pb.W, pb.b, scales)
     runs = []
@@ -143,11 +147,30 @@ def _twins(ns, chain, pb, make_rule, steps):
         W, b = ns.aslist(W), ns.aslist(b)
         rule = make_rule()
         state = gc.path_init(chain, rule, W, b)
-        for _ in range(steps):
-            G, Gb = pb.grads(ns.tolist(W), ns.tolist(b))
-            W, b, state = gc.path_update(chain, rule, state, W, b, ns.aslist(G), ns.aslist(Gb))
-        runs.append((ns.tolist(W), ns.tolist(b)))
+        run = []
+        for _ in range(steps + 1):
+            run.append((ns.tolist(W), ns.tolist(b),
+                        tuple(tuple(ns.tolist(list(x))) for x in state.buffers)))
+            if len(run) <= steps:
+                G, Gb = pb.grads(ns.tolist(W), ns.tolist(b))
+                W, b, state = gc.path_update(chain, rule, state, W, b, ns.aslist(G),
+                                             ns.aslist(Gb))
+        runs.append(run)
     return runs, scales
+
+
+def _step_bound(chain, pb, rule, before, count):
+    """:func:`_conditioning.step_tolerance` of the rule's step from ``before`` (``(weights,
+    biases, buffers)``): per path array (layers first), how far rounding may move ``Delta``.
+    Adam's ``lr / eps`` slope turns the rounding of a ``D_tau`` that cancels (a degenerate
+    skeleton's, e.g. every tau edge from one unit) into steps that part the twins."""
+    W, b, buffers = before
+    dtype = W[0].dtype
+    G, Gb = pb.grads(W, b)
+    G = [np.asarray(g, dtype=dtype) for g in G]
+    Gb = [None if g is None else np.asarray(g, dtype=dtype) for g in Gb]
+    D, dD, V = gradient_rounding(chain, W, b, G, Gb)
+    return step_tolerance(rule, count, D, dD, V, buffers)[0]
 
 
 @pytest.mark.parametrize("name", list(ADAM_RULES))
@@ -155,22 +178,48 @@ def _twins(ns, chain, pb, make_rule, steps):
 @given(chain=chains(max_depth=4), seed=seeds)
 def test_adam_trajectories_of_rescaled_twins_coincide(hxp, name, chain, seed):
     """G-Adam / G-AdamW from ``w`` and from a random rescaling ``g(w)`` (scales
-    ``exp(N(0, 1))``): after the steps the weights are still ``g``-related and the network
-    outputs agree (float64 over 10 steps to 1e-7, float32 over 3 to 1e-3).
+    ``exp(N(0, 1))``): after each step the twins have the same path values, their weights
+    are still ``g``-related and the network outputs agree (float64 over 10 steps to 1e-7,
+    float32 over 3 to 1e-3).
 
     Adam divides by ``sqrt(v)``, so it turns a path gradient that is pure rounding noise (a
     ``D`` that vanishes analytically, e.g. on the chains of width 1 drawn here) into a step
-    of size ``lr`` whose sign is the noise's: the twins then differ by ``2 lr``. In float32
-    that noise (~1e-7 of the summed terms) is above ``eps = 1e-8``, so float32 runs use
-    ``eps = 1e-4``; float64's noise (~1e-16) is far below the default."""
+    of size up to ``lr`` whose sign is the noise's. In float32 that noise (~1e-7 of the
+    summed terms) is above ``eps = 1e-8``, so float32 runs use ``eps = 1e-4``; in float64
+    it is far below the default, yet it can still be the whole gradient of a tau path.
+    The twins' rounding differs, so path values are compared to the rule's response to it
+    (:func:`_step_bound`) summed over the steps, times ``1 + 2 / (1 - beta1)``: a change of
+    ``D`` at one step enters ``m`` (and ``v``) and reaches the later steps' ``Delta`` with
+    total weight at most ``1 / (1 - beta1^(k+1))`` each. Weights and outputs are compared
+    while that sum is below rounding; every comparison stops where a step is ill
+    conditioned (:func:`_conditioning.ill_conditioned`)."""
     pb = Problem(chain, seed)
     steps, tol, eps = (10, 1e-7, 1e-8) if hxp.is_f64 else (3, 1e-3, 1e-4)
-    ((W, b), (W2, b2)), scales = _twins(hxp, chain, pb, lambda: ADAM_RULES[name](eps), steps)
-    We, be = gc.rescale(chain, [w.astype(np.float64) for w in W],
-                        [None if v is None else v.astype(np.float64) for v in b], scales)
-    assert_all_close(W2, We, tol, "twin weights")
-    assert_all_close(b2, be, tol, "twin biases")
-    assert_close(output(chain, W2, b2, pb.x), output(chain, W, b, pb.x), tol, "outputs")
+    rule = ADAM_RULES[name](eps)
+    (ours, twin), scales = _twins(hxp, chain, pb, lambda: ADAM_RULES[name](eps), steps)
+    carry = 1 + 2 / (1 - rule.betas[0])
+    bound, compared = None, 0
+    for count in range(steps):
+        step = _step_bound(chain, pb, rule, ours[count], count)
+        V_old, V_new = (gc.path_values(chain, *ours[k][:2]) for k in (count, count + 1))
+        if ill_conditioned(chain, step, V_old[0], V_new[0]):
+            break
+        bound = step if bound is None else [a + t for a, t in zip(bound, step)]
+        compared = count + 1
+        (W, b, _), (W2, b2, _) = ours[compared], twin[compared]
+        for i, (a, e, t) in enumerate(zip(flat_paths(*gc.path_values(chain, W2, b2)),
+                                          flat_paths(*V_new), bound)):
+            assert_paths_close(a, e, tol, carry * np.reshape(t, np.shape(e)),
+                               f"twin path values [{i}], step {compared}")
+        if any(float(np.max(t, initial=0.0)) > 1e-2 * tol for t in bound):
+            continue
+        We, be = gc.rescale(chain, [w.astype(np.float64) for w in W],
+                            [None if v is None else v.astype(np.float64) for v in b], scales)
+        assert_all_close(W2, We, tol, f"twin weights, step {compared}")
+        assert_all_close(b2, be, tol, f"twin biases, step {compared}")
+        assert_close(output(chain, W2, b2, pb.x), output(chain, W, b, pb.x), tol,
+                     f"outputs, step {compared}")
+    assume(compared > 0)  # nothing to compare
 
 
 def test_plain_adam_trajectories_of_rescaled_twins_differ():
