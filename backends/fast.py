@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 from gsgd_core import Chain
 from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finite_or_zero, kept,
-                             path_gradient, safe_div, tau_ratio, written_ratio)
+                             path_gradient, safe_div, scaled_div, tau_ratio, written_ratio)
 
 from .plan import StepPlan
 
@@ -399,8 +399,12 @@ def momentum_block_(kernels, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch,
         step_dir = Mn
         if rule.nesterov:  # D + mu M'
             step_dir = mod.add(D, mod.multiply(Mn, rule.momentum, out=T), out=D)
-    mod.divide(step_dir, fb, out=T)  # W' = (W - lr * dir / fb) / rho
-    mod.subtract(W, mod.multiply(T, lr, out=T), out=T)
+    # W' = (W - lr * dir / fb) / rho, the step in scaled_div's order
+    if abs(lr) <= 1:
+        mod.divide(mod.multiply(step_dir, lr, out=T), fb, out=T)
+    else:
+        mod.multiply(mod.divide(step_dir, fb, out=T), lr, out=T)
+    mod.subtract(W, T, out=T)
     if not _quotient_into_(kernels, W, T, rho_cols, direct):
         return False
     if M is not None:
@@ -412,7 +416,7 @@ def _bias(xp, b, Gb, Mb, *, F, lr, h):
     """The core's bias rule: ``b - lr * Db / F`` with ``Db = Gb / F`` (frozen on overflow),
     weight decay and momentum applied to ``Db`` (``Vb = b F``); returns ``b'`` and ``Mb'``."""
     step_dir, Mb_new = direction(xp, path_gradient(xp, Gb, F, Gb), Mb, b * F, h)
-    return kept(xp, b - lr * safe_div(xp, step_dir, F), b), kept(xp, Mb_new, Mb)
+    return kept(xp, b - scaled_div(xp, lr, step_dir, F), b), kept(xp, Mb_new, Mb)
 
 
 def _tame(xp, v, zero_ok: bool):
@@ -454,7 +458,7 @@ def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     M = None if ms is None else xp.take(ms, st.tau)
     V = (F[:w.shape[0]] * xp.take(B, st.src)) * w
     step_dir, M_new = direction(xp, path_gradient(xp, w * g - T, V, g), M, V, h)
-    R = tau_ratio(xp, lr * safe_div(xp, step_dir, V), eps)
+    R = tau_ratio(xp, scaled_div(xp, lr, step_dir, V), eps)
     rho = xp.take(xp.concat([one, R]), st.rho_from)
     if not w.shape[0]:  # one layer: no tau edge
         return ws, m_free, rho
@@ -519,7 +523,7 @@ def rows_by_rules(xp, W, G, M, *, F, B_cols, rho_cols, lr, rule) -> tuple:
     momentum); an entry that is not finite keeps its value."""
     fb = F[:, None] * B_cols[None, :]
     step_dir, M_new = direction(xp, path_gradient(xp, G, fb, G), M, fb * W, rule)
-    new = (W - lr * safe_div(xp, step_dir, fb)) / rho_cols[None, :]
+    new = (W - scaled_div(xp, lr, step_dir, fb)) / rho_cols[None, :]
     return kept(xp, new, W), kept(xp, M_new, M)
 
 
@@ -532,5 +536,11 @@ def recip_rows(xp, W, G, recips, lr) -> Any:
     that a compiled loop runs over contiguous columns without a division per entry."""
     u, v, r = recips
     c = u[:, None] * v[None, :]
-    new = (W - lr * (finite_or_zero(xp, G * c) * c)) * r[None, :]
+    D = finite_or_zero(xp, G * c)
+    # lr * D * c in scaled_div's order: it overflows only where its value does
+    if isinstance(lr, (int, float)):
+        step = (lr * D) * c if abs(lr) <= 1 else lr * (D * c)
+    else:
+        step = xp.where(xp.abs(lr) <= 1, (lr * D) * c, lr * (D * c))
+    new = (W - step) * r[None, :]
     return xp.where(finite_mask(new), new, W)

@@ -9,7 +9,8 @@ shapes or control flow), and O(m) work per sweep. The public wrappers live in
 from __future__ import annotations
 
 from .arrays import outer3
-from .rules import frozen_if_overflow, path_gradient, safe_div, tau_ratio, written_ratio
+from .rules import (frozen_if_overflow, path_gradient, safe_div, scaled_div, tau_ratio,
+                    written_ratio)
 
 
 def _flat(xp, a):
@@ -125,14 +126,13 @@ def allocate3(xp, chain, meta, *, W, b, D, Db, V, B, F, lr, dtype, device):
     W_new, b_new = [], []
     for l in range(1, chain.L + 1):
         m = meta[l - 1]
-        step = safe_div(xp, D[l - 1], outer3(F[l], B[l - 1]))
-        Wl = (W[l - 1] - lr * step) / rho[None, :, None]
+        Wl = (W[l - 1] - scaled_div(xp, lr, D[l - 1], outer3(F[l], B[l - 1]))) / rho[None, :, None]
         bl = b[l - 1]
-        b_new.append(None if bl is None else bl - lr * safe_div(xp, Db[l - 1], F[l]))
+        b_new.append(None if bl is None else bl - scaled_div(xp, lr, Db[l - 1], F[l]))
         if l < chain.L:
             D_tau = xp.take(_flat(xp, D[l - 1]), m.tau_idx)
             V_tau = xp.take(_flat(xp, V[l - 1]), m.tau_idx)
-            R = tau_ratio(xp, lr * safe_div(xp, D_tau, V_tau), eps)
+            R = tau_ratio(xp, scaled_div(xp, lr, D_tau, V_tau), eps)
             tau_w = xp.take(_flat(xp, W[l - 1]), m.tau_idx)
             _, R = written_ratio(xp, tau_w, R, xp.take(rho, m.tau_src))
             # The tau edge itself as W * R / rho, so that the epsilon rule holds for it too.

@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import gsgd_backends as gb
@@ -342,6 +342,14 @@ def test_degenerate_skeletons_match_the_core(fxp, case):
        scale=st.sampled_from([0.0, 1e-30, 1e-6, 1.0, 1e6, 1e30]),
        gscale=st.sampled_from([0.0, 1e-30, 1.0, 1e6, 1e30]),
        lr=st.sampled_from([0.0, 1e-3, 0.1, 10.0, 1e10, 1e30]))
+# Found by the thorough profile: in float32 a layer-1 weight's D / F overflows where
+# lr * D / F fits (the core formed the step in that order and kept the weight).
+@example(chain=gc.Chain(sizes=(2, 1, 3, 4, 1), slots=(1, 1, 1, 1), bias=(False,) * 4,
+                        tau=((0,), (0, 0, 0), (0, 0, 0, 0)),
+                        sigma=((0,), (0, 0, 0), (0, 0, 0, 0)), skeleton_slots=(0, 0, 0, 0),
+                        skeleton_scale=(0.7071067811865476, 0.6123724356957945,
+                                        0.5345224838248488, 0.3535533905932738)),
+         seed=0, scale=1e-6, gscale=1e30, lr=1e-3)
 def test_fuzz_hostile_input_through_the_dispatch_equals_the_core(fxp, chain, seed, scale,
                                                                  gscale, lr):
     """Whatever the fast path does with hostile magnitudes (run, recompute blocks, or hand

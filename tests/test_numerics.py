@@ -94,6 +94,46 @@ def test_huge_learning_rate_moves_path_values_exactly_or_keeps_overflowed_entrie
     assert not all(np.array_equal(hxp.to_numpy(x), hxp.to_numpy(y)) for x, y in zip(W3, W))
 
 
+def test_a_step_is_formed_so_that_it_overflows_only_where_its_value_does(hxp):
+    """``lr * num / den`` (:func:`gsgd_core.rules.scaled_div`): with ``lr < 1`` the quotient
+    alone may overflow and with ``lr > 1`` the product alone, while the value fits; both
+    give the value. A value beyond the range is not finite, and a zero ``den`` gives 0."""
+    xp, big = hxp.xp, float(np.finfo(hxp.dtype_name).max)
+    num = hxp.asarray([big / 2, big / 10, big / 2, 1.0])
+    den = hxp.asarray([1e-3, 1e3, 1e-3, 0.0])
+    for lr, want in [(1e-4, [big / 20, big * 1e-8, big / 20, 0.0]),
+                     (100.0, [np.inf, big / 100, np.inf, 0.0]),
+                     (0.5, [np.inf, big / 2e4, np.inf, 0.0])]:
+        for rate in (lr, hxp.asarray(lr)):  # a Python number or a 0-d array (traced)
+            with np.errstate(over="ignore"):  # the other order's overflows (where selects)
+                got = gc.rules.scaled_div(xp, rate, num, den)
+            got = hxp.to_numpy(got).astype(np.float64)
+            np.testing.assert_allclose(got, want, rtol=hxp.rtol, err_msg=f"lr={lr}")
+
+
+def test_an_update_whose_path_gradient_quotient_overflows_but_fits_is_written():
+    """A float32 step with lr = 1e-3 on weights of 1e-6 and gradients of 1e30 (found by the
+    thorough profile): ``D / F`` of a layer-1 weight overflows, ``lr * D / F`` does not. The
+    weight takes the update float64 computes, as the fast path writes it; the entries whose
+    update overflows keep their values."""
+    chain = gc.Chain(sizes=(2, 1, 3, 4, 1), slots=(1, 1, 1, 1), bias=(False,) * 4,
+                     tau=((0,), (0, 0, 0), (0, 0, 0, 0)), sigma=((0,), (0, 0, 0), (0, 0, 0, 0)),
+                     skeleton_slots=(0, 0, 0, 0),
+                     skeleton_scale=(0.7071067811865476, 0.6123724356957945,
+                                     0.5345224838248488, 0.3535533905932738))
+    W = [np.array([[[7.6978671e-07], [5.4097353e-07]]]),
+         np.array([[[-1.4127556]], [[-1.1066358]], [[-1.2294966]]]),
+         np.full((4, 3, 1), 1.1), np.full((1, 4, 1), -1.1855420e-06)]
+    G = [np.full(w.shape, 1.4934311e+30) for w in W]
+    f32 = [w.astype(np.float32) for w in W]
+    W32, _ = gc.gsgd_step(chain, f32, None, [g.astype(np.float32) for g in G], None, 1e-3)
+    W64, _ = gc.gsgd_step(chain, [w.astype(np.float64) for w in f32], None, G, None, 1e-3)
+    fits = np.abs(W64[0]) < np.finfo(np.float32).max
+    assert fits.any() and not fits.all()
+    np.testing.assert_allclose(W32[0][fits], W64[0][fits], rtol=1e-6)
+    np.testing.assert_array_equal(W32[0][~fits], f32[0][~fits])
+
+
 def test_underflowed_skeleton_products_freeze_their_paths_without_nan(hxp):
     """Weights of magnitude c ~ 1e-6 (float32) or 1e-45 (float64) in a chain of depth 8: the
     skeleton product ``F B`` of every weight path leaves the dtype's range and its gradient
