@@ -30,8 +30,10 @@ def namespace(base, **functions: Callable) -> Namespace:
     return Namespace(**{**names, "__name__": base.__name__, **functions})
 
 
+# The protocols declare and run nothing: mutating them (mutmut's "no mutate block") would
+# only add members that no kernel set has.
 @runtime_checkable
-class LayerKernels(Protocol):
+class LayerKernels(Protocol):  # pragma: no mutate block
     """The passes over one layer's weights: the column sum before the update and the bulk
     update (a plan holds one such set per layer).
 
@@ -64,7 +66,7 @@ class LayerKernels(Protocol):
 
 
 @runtime_checkable
-class Kernels(LayerKernels, Protocol):
+class Kernels(LayerKernels, Protocol):  # pragma: no mutate block
     """The operations of a fast step on one library's arrays: the node-vector work and the
     special edges, and the layer passes of :class:`LayerKernels`."""
 
@@ -102,7 +104,7 @@ class Kernels(LayerKernels, Protocol):
 
 
 @runtime_checkable
-class BlockKernels(Protocol):
+class BlockKernels(Protocol):  # pragma: no mutate block
     """What the eager block loops (:func:`.fast.plain_rows_`, :func:`.fast.momentum_rows_`,
     :func:`.rule_step.rule_bulk_`) ask of a kernel set besides :class:`Kernels`: in-place
     operations on blocks of a layer's rows through one scratch buffer, each block checked by

@@ -31,8 +31,10 @@ __all__ = ["PathRule", "ElementwiseRule", "RuleState", "SGDRule", "AdamRule", "s
            "adam_rule", "adamw_rule"]
 
 
+# A protocol declares and runs nothing: mutating it (mutmut's "no mutate block") would
+# only add members that no rule has.
 @runtime_checkable
-class PathRule(Protocol):
+class PathRule(Protocol):  # pragma: no mutate block
     """A per-path update rule: ``init(V) -> state`` and ``update(D, state, V) -> (Delta,
     state)``, with ``D``, ``V`` and ``Delta`` tuples of arrays (module docstring). The step
     moves each basis path's value from ``V`` to ``V - Delta``. Every array leaf of the state

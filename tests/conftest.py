@@ -42,7 +42,7 @@ settings.register_profile("dev", deadline=None, max_examples=100, suppress_healt
 # HYPOTHESIS_PROFILE=thorough: 20 times the examples, random (not derandomised) draws.
 settings.register_profile("thorough", deadline=None, max_examples=500, print_blob=True,
                           suppress_health_check=_QUIET)
-# HYPOTHESIS_PROFILE=mutate (tests/mutate.py): "ci" without shrinking, since a mutant needs
+# HYPOTHESIS_PROFILE=mutate (tests/mutation.py): "ci" without shrinking, since a mutant needs
 # one failing example, not the smallest one.
 settings.register_profile("mutate", settings.get_profile("ci"),
                           phases=[Phase.explicit, Phase.reuse, Phase.generate])

@@ -117,6 +117,21 @@ def test_a_plan_that_does_not_fit_is_refused():
     assert all(torch.equal(w, torch.tensor(a)) for w, a in zip(W, pb.W))  # nothing written
 
 
+def test_a_plan_fits_an_equal_chain_and_its_own_device_and_dtype_only():
+    """``fits`` compares chains by value, the array's dtype, and its device (an array
+    without a ``device``, as NumPy's before 2.0, is on the CPU)."""
+    W = _tensors(Problem(CHAIN, 3).W)
+    plan = gb.step_plan(CHAIN, W)
+    twin = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
+                               bias=[True, False, True, True])
+    assert twin is not CHAIN and plan.fits(twin, W[0])
+    assert not plan.fits(CHAIN, W[0].float())
+    assert not plan.fits(CHAIN, W[0].to("meta"))
+    no_device = type("Old", (), {"dtype": W[0].dtype})()
+    assert plan.fits(CHAIN, no_device)
+    assert type(plan.kernels).__name__ in repr(plan) and "device=cpu" in repr(plan)
+
+
 def test_kernel_sets_declare_the_interface():
     import gsgd_backends.numpy as gbn
 
@@ -145,6 +160,18 @@ def test_layer_kernels_take_the_declared_keywords():
         assert sum(kind == inspect.Parameter.KEYWORD_ONLY for _, kind in declared) >= 3, name
         for k in (gbn.KERNELS, gbt.KERNELS, gbt.COMPILED, gbt.ON_DEVICE, gbt.ON_NUMPY):
             assert shape(getattr(k, name)) == declared, (type(k).__name__, name)
+
+
+def test_a_namespace_is_its_base_public_names_and_name_with_the_replacements():
+    import types
+
+    from gsgd_backends.kernels import namespace
+
+    base = types.ModuleType("lib")
+    base.add, base.take, base._private = max, min, len
+    xp = namespace(base, take=sorted)
+    assert xp.__name__ == "lib" and xp.add is max and xp.take is sorted
+    assert not hasattr(xp, "_private")
 
 
 def test_eager_namespaces_are_copies_with_cheaper_takes_and_reshapes():

@@ -1,0 +1,170 @@
+"""Mutation testing with mutmut, one module at a time, with the tests that cover it.
+
+Usage, from the repository root (``pip install -e .[test,torch,jax,jax-test,mutation]``)::
+
+    python tests/mutation.py backends/plan.py              # one module
+    python tests/mutation.py backends/plan.py adapters/optax.py --jobs 2
+    python tests/mutation.py --all                         # every module of the table
+    python tests/mutation.py --report                      # docs/mutation.md from results/
+
+mutmut names a mutant by its file's path (``backends/plan.py`` gives ``backends.plan.*``)
+and looks for it under the name the tests import (``gsgd_backends.plan``), and it mutates
+a copy of the sources that the tests must import instead of the installed package. Our
+packages live in folders named otherwise (``backends/`` is ``gsgd_backends``), so each run
+stages a copy laid out under the import names (``build/mutation/<module>/``), writes
+``[tool.mutmut]`` of ``pyproject.toml`` there with the module and its tests
+(``[tool.gsgd.mutation]``), and runs ``mutmut run`` in it. Hypothesis runs its ``mutate``
+profile (``ci`` without shrinking). Results (every mutant's status, survivors with their
+diff, the run's duration) go to ``results/mutation/<module>.json``; ``--report`` turns them
+into ``docs/mutation.md`` together with the reasons given in ``[tool.gsgd.mutation]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Folders as the repository holds them -> the package names the tests import.
+PACKAGES = {"gsgd_core": "gsgd_core", "backends": "gsgd_backends", "adapters": "gsgd_adapters"}
+BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "results" / "mutation"
+
+
+def settings() -> dict:
+    """``[tool.gsgd.mutation]``: ``tests`` (module -> test files), ``gpu_only`` (modules
+    only a GPU runs), ``equivalent`` (mutant name -> why no test can tell it apart)."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        data = tomllib.load(f)
+    return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
+
+
+def import_path(module: str) -> str:
+    """``backends/plan.py`` -> ``gsgd_backends/plan.py``: where the staged copy holds it."""
+    top, _, rest = module.partition("/")
+    return f"{PACKAGES[top]}/{rest}"
+
+
+def stage(module: str, tests: list[str], conf: dict) -> Path:
+    """A copy of the packages under their import names, the tests and the benchmarks they
+    import, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone."""
+    dest = BUILD / module.replace("/", ".")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for folder, name in PACKAGES.items():
+        shutil.copytree(ROOT / folder, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("tests", "benchmarks"):
+        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns(
+            "__pycache__", ".hypothesis"))
+    target = import_path(module)
+    mutmut = conf["mutmut"] | {
+        "paths_to_mutate": [target.split("/")[0] + "/"],
+        "only_mutate": [target],
+        "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/"],
+        "pytest_add_cli_args_test_selection": tests,
+    }
+    lines = ["[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in mutmut.items()]
+    pytest_conf = ['[tool.pytest.ini_options]', 'addopts = ["-ra"]',
+                   'filterwarnings = ["error::RuntimeWarning"]']
+    (dest / "pyproject.toml").write_text("\n".join(lines + [""] + pytest_conf) + "\n")
+    return dest
+
+
+def statuses(dest: Path, module: str) -> dict[str, str]:
+    """Every mutant of the run in ``dest`` and its status as mutmut names it."""
+    from mutmut.stats import status_by_exit_code
+
+    meta = json.loads((dest / "mutants" / (import_path(module) + ".meta")).read_text())
+    return {k: status_by_exit_code[v] for k, v in sorted(meta["exit_code_by_key"].items())}
+
+
+def run(module: str, jobs: int, conf: dict) -> dict:
+    """mutmut over ``module`` with its tests; the result as written to ``results/``."""
+    tests = conf["tests"][module]
+    dest = stage(module, tests, conf)
+    mutmut = Path(sys.executable).with_name("mutmut")
+    env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.perf_counter()
+    done = subprocess.run([str(mutmut), "run", "--max-children", str(jobs)], cwd=dest,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
+    status = statuses(dest, module)
+    survivors = {name: subprocess.run([str(mutmut), "show", name], cwd=dest, env=env,
+                                      capture_output=True, text=True).stdout
+                 for name, s in status.items() if s == "survived"}
+    result = {"module": module, "tests": tests, "seconds": round(seconds, 1),
+              "status": status, "survivors": survivors}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def score(result: dict) -> tuple[int, int]:
+    """``(killed, counted)``: killed counts mutmut's "killed" and "timeout" (a mutant that
+    hangs the tests is caught); "no tests" counts as a survivor."""
+    counted = [s for s in result["status"].values() if s != "skipped"]
+    return sum(s in ("killed", "timeout") for s in counted), len(counted)
+
+
+def report(conf: dict) -> str:
+    """The results page: score per module, then every survivor with its diff and either
+    the reason it is equivalent (``[tool.gsgd.mutation.equivalent]``) or "open"."""
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    why = conf.get("equivalent", {})
+    out = ["# Mutation testing: results", "",
+           "Produced by `python tests/mutation.py --report` from the runs of",
+           "`python tests/mutation.py MODULE` (see [Testing](testing.md)). A mutant counts",
+           "as killed when a test fails or times out on it.", "",
+           "| module | mutants | killed | of which timeouts | score | survivors explained "
+           "| run time |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        killed, counted = score(r)
+        explained = sum(name in why for name in r["survivors"])
+        timeouts = sum(s == "timeout" for s in r["status"].values())
+        out.append(f"| `{r['module']}` | {counted} | {killed} | {timeouts} "
+                   f"| {100 * killed / counted:.1f}% | {explained}/{len(r['survivors'])} "
+                   f"| {r['seconds'] / 60:.1f} min |")
+    missing = sorted(set(conf["tests"]) - {r["module"] for r in results})
+    out += ["", "Not run yet: " + (", ".join(f"`{m}`" for m in missing) or "none") + ".",
+            "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + "."]
+    for r in results:
+        if r["survivors"]:
+            out += ["", f"## Survivors in `{r['module']}`"]
+        for name, diff in r["survivors"].items():
+            out += ["", f"**`{name}`**: {why.get(name, 'open: no test kills it yet.')}", "",
+                    "```diff", diff.strip(), "```"]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", help="e.g. backends/plan.py")
+    parser.add_argument("--all", action="store_true", help="every module of the table")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--report", action="store_true", help="write docs/mutation.md")
+    args = parser.parse_args(argv)
+    conf = settings()
+    modules = list(conf["tests"]) if args.all else args.modules
+    unknown = [m for m in modules if m not in conf["tests"]]
+    if unknown:
+        parser.error(f"not in [tool.gsgd.mutation.tests]: {unknown}")
+    for module in modules:
+        r = run(module, args.jobs, conf)
+        killed, counted = score(r)
+        print(f"{module}: {killed}/{counted} killed ({100 * killed / counted:.1f}%), "
+              f"{len(r['survivors'])} survivors, {r['seconds'] / 60:.1f} min", flush=True)
+    if args.report:
+        (ROOT / "docs" / "mutation.md").write_text(report(conf))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

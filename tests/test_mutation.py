@@ -1,0 +1,74 @@
+"""The mutation-testing driver (tests/mutation.py): every module is in its table, a staged
+copy puts each package under its import name, and scores and the page follow the runs."""
+
+import json
+import tomllib
+
+import pytest
+
+import mutation
+
+MODULES = sorted(str(p.relative_to(mutation.ROOT)) for folder in mutation.PACKAGES
+                 for p in (mutation.ROOT / folder).rglob("*.py") if p.name != "__init__.py")
+
+
+def test_every_module_has_tests_or_is_gpu_only():
+    conf = mutation.settings()
+    assert sorted(set(conf["tests"]) | set(conf["gpu_only"])) == MODULES
+    assert not set(conf["tests"]) & set(conf["gpu_only"])
+    for module, tests in conf["tests"].items():
+        assert tests, module
+        for test in tests:
+            assert (mutation.ROOT / test).is_file(), (module, test)
+
+
+def test_the_staged_copy_holds_the_packages_under_their_import_names(tmp_path, monkeypatch):
+    monkeypatch.setattr(mutation, "BUILD", tmp_path)
+    conf = mutation.settings()
+    dest = mutation.stage("backends/plan.py", ["tests/test_step_plan.py"], conf)
+    for name in ("gsgd_core", "gsgd_backends", "gsgd_adapters"):
+        assert (dest / name / "__init__.py").is_file(), name
+    assert (dest / "gsgd_backends" / "plan.py").read_text() == (
+        mutation.ROOT / "backends" / "plan.py").read_text()
+    assert (dest / "gsgd_adapters" / "torch" / "optim.py").is_file()
+    table = tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["mutmut"]
+    assert table["only_mutate"] == ["gsgd_backends/plan.py"]
+    assert table["paths_to_mutate"] == ["gsgd_backends/"]
+    assert table["pytest_add_cli_args_test_selection"] == ["tests/test_step_plan.py"]
+    assert table["process_isolation"] == conf["mutmut"]["process_isolation"]
+
+
+@pytest.mark.parametrize("module, path", [
+    ("backends/plan.py", "gsgd_backends/plan.py"),
+    ("adapters/torch/optim.py", "gsgd_adapters/torch/optim.py"),
+    ("gsgd_core/sweeps.py", "gsgd_core/sweeps.py")])
+def test_import_path(module, path):
+    assert mutation.import_path(module) == path
+
+
+def _result(tmp_path, module, status, survivors):
+    r = {"module": module, "tests": [], "seconds": 90.0, "status": status,
+         "survivors": survivors}
+    (tmp_path / (module.replace("/", ".") + ".json")).write_text(json.dumps(r))
+    return r
+
+
+def test_score_counts_timeouts_as_killed_and_missing_tests_as_survivors():
+    r = {"status": {"a": "killed", "b": "timeout", "c": "survived", "d": "no tests",
+                    "e": "skipped", "f": "segfault"}}
+    assert mutation.score(r) == (2, 5)
+
+
+def test_the_page_gives_every_score_and_every_survivor_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(mutation, "RESULTS", tmp_path)
+    _result(tmp_path, "backends/plan.py",
+            {"m1": "killed", "m2": "survived", "m3": "survived", "m4": "timeout"},
+            {"m2": "--- a\n+++ b\n-x < 1\n+x <= 1", "m3": "-y\n+z"})
+    conf = {"tests": {"backends/plan.py": [], "adapters/optax.py": []},
+            "gpu_only": ["backends/cupy.py"], "equivalent": {"m2": "no dtype lies between."}}
+    page = mutation.report(conf)
+    assert "| `backends/plan.py` | 4 | 2 | 1 | 50.0% | 1/2 | 1.5 min |" in page
+    assert "**`m2`**: no dtype lies between." in page
+    assert "**`m3`**: open" in page and "+x <= 1" in page
+    assert "Not run yet: `adapters/optax.py`." in page
+    assert "GPU only, excluded: `backends/cupy.py`." in page
