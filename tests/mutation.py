@@ -39,7 +39,9 @@ BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "results" / "mutation"
 
 def settings() -> dict:
     """``[tool.gsgd.mutation]``: ``tests`` (module -> test files), ``gpu_only`` (modules
-    only a GPU runs), ``equivalent`` (mutant name -> why no test can tell it apart)."""
+    only a GPU runs), ``fork_unsafe`` (modules, or folders ending in ``/``, whose tests
+    cannot run in a child forked after their collection), ``equivalent`` (mutant name ->
+    why no test can tell it apart)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)
     return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
@@ -63,7 +65,8 @@ def stage(module: str, tests: list[str], conf: dict) -> Path:
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns(
             "__pycache__", ".hypothesis"))
     target = import_path(module)
-    mutmut = conf["mutmut"] | {
+    fresh = any(module.startswith(prefix) for prefix in conf.get("fork_unsafe", []))
+    mutmut = conf["mutmut"] | ({"forkserver_warmup": "none"} if fresh else {}) | {
         "paths_to_mutate": [target.split("/")[0] + "/"],
         "only_mutate": [target],
         "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/"],

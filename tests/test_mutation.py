@@ -36,6 +36,10 @@ def test_the_staged_copy_holds_the_packages_under_their_import_names(tmp_path, m
     assert table["paths_to_mutate"] == ["gsgd_backends/"]
     assert table["pytest_add_cli_args_test_selection"] == ["tests/test_step_plan.py"]
     assert table["process_isolation"] == conf["mutmut"]["process_isolation"]
+    assert table["forkserver_warmup"] == "collect"
+    jax = mutation.stage("adapters/jax/norms.py", ["tests/test_jax_discovery.py"], conf)
+    assert tomllib.loads((jax / "pyproject.toml").read_text())["tool"]["mutmut"][
+        "forkserver_warmup"] == "none", "JAX's tests run in children that import it"
 
 
 @pytest.mark.parametrize("module, path", [
