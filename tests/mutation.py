@@ -40,8 +40,9 @@ BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "results" / "mutation"
 def settings() -> dict:
     """``[tool.gsgd.mutation]``: ``tests`` (module -> test files), ``gpu_only`` (modules
     only a GPU runs), ``fork_unsafe`` (modules, or folders ending in ``/``, whose tests
-    cannot run in a child forked after their collection), ``equivalent`` (mutant name ->
-    why no test can tell it apart)."""
+    cannot run in a child forked after their collection), ``deselect`` (tests that fail
+    under mutmut's trampolines), ``equivalent`` (mutant name -> why no test can tell it
+    apart)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)
     return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
@@ -66,8 +67,10 @@ def stage(module: str, tests: list[str], conf: dict) -> Path:
             "__pycache__", ".hypothesis"))
     target = import_path(module)
     fresh = any(module.startswith(prefix) for prefix in conf.get("fork_unsafe", []))
+    deselect = [arg for test in conf.get("deselect", []) for arg in ("--deselect", test)]
     mutmut = conf["mutmut"] | ({"forkserver_warmup": "none"} if fresh else {}) | {
-        "paths_to_mutate": [target.split("/")[0] + "/"],
+        "pytest_add_cli_args": conf["mutmut"].get("pytest_add_cli_args", []) + deselect,
+        "source_paths": [target.split("/")[0] + "/"],
         "only_mutate": [target],
         "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/"],
         "pytest_add_cli_args_test_selection": tests,
@@ -103,8 +106,8 @@ def run(module: str, jobs: int, conf: dict) -> dict:
     survivors = {name: subprocess.run([str(mutmut), "show", name], cwd=dest, env=env,
                                       capture_output=True, text=True).stdout
                  for name, s in status.items() if s == "survived"}
-    result = {"module": module, "tests": tests, "seconds": round(seconds, 1),
-              "status": status, "survivors": survivors}
+    result = {"module": module, "tests": tests, "seconds": round(seconds, 1), "jobs": jobs,
+              "date": time.strftime("%Y-%m-%d"), "status": status, "survivors": survivors}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
     return result
@@ -125,16 +128,22 @@ def report(conf: dict) -> str:
     out = ["# Mutation testing: results", "",
            "Produced by `python tests/mutation.py --report` from the runs of",
            "`python tests/mutation.py MODULE` (see [Testing](testing.md)). A mutant counts",
-           "as killed when a test fails or times out on it.", "",
-           "| module | mutants | killed | of which timeouts | score | survivors explained "
-           "| run time |", "|---|---:|---:|---:|---:|---:|---:|"]
+           "as killed when a test fails or times out on it; an equivalent mutant (no test",
+           "can tell it from the original, for the reason given below) is left out of the",
+           "score of the others.", "",
+           "| module | mutants | killed | of which timeouts | score | equivalent "
+           "| score of the others | open survivors | run time |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         killed, counted = score(r)
-        explained = sum(name in why for name in r["survivors"])
+        same = sum(name in why for name in r["survivors"])
         timeouts = sum(s == "timeout" for s in r["status"].values())
         out.append(f"| `{r['module']}` | {counted} | {killed} | {timeouts} "
-                   f"| {100 * killed / counted:.1f}% | {explained}/{len(r['survivors'])} "
-                   f"| {r['seconds'] / 60:.1f} min |")
+                   f"| {100 * killed / counted:.1f}% | {same} "
+                   f"| {100 * killed / max(counted - same, 1):.1f}% "
+                   f"| {len(r['survivors']) - same} "
+                   f"| {r['seconds'] / 60:.1f} min, {r['jobs']} job{'s' * (r['jobs'] > 1)}, "
+                   f"{r['date']} |")
     missing = sorted(set(conf["tests"]) - {r["module"] for r in results})
     out += ["", "Not run yet: " + (", ".join(f"`{m}`" for m in missing) or "none") + ".",
             "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + "."]

@@ -33,7 +33,11 @@ def test_the_staged_copy_holds_the_packages_under_their_import_names(tmp_path, m
     assert (dest / "gsgd_adapters" / "torch" / "optim.py").is_file()
     table = tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["mutmut"]
     assert table["only_mutate"] == ["gsgd_backends/plan.py"]
-    assert table["paths_to_mutate"] == ["gsgd_backends/"]
+    assert table["source_paths"] == ["gsgd_backends/"]
+    args = table["pytest_add_cli_args"]
+    for test in conf["deselect"]:
+        assert args[args.index(test) - 1] == "--deselect"
+        assert (mutation.ROOT / test.split("::")[0]).is_file(), test
     assert table["pytest_add_cli_args_test_selection"] == ["tests/test_step_plan.py"]
     assert table["process_isolation"] == conf["mutmut"]["process_isolation"]
     assert table["forkserver_warmup"] == "collect"
@@ -51,8 +55,8 @@ def test_import_path(module, path):
 
 
 def _result(tmp_path, module, status, survivors):
-    r = {"module": module, "tests": [], "seconds": 90.0, "status": status,
-         "survivors": survivors}
+    r = {"module": module, "tests": [], "seconds": 90.0, "jobs": 2, "date": "2026-11-25",
+         "status": status, "survivors": survivors}
     (tmp_path / (module.replace("/", ".") + ".json")).write_text(json.dumps(r))
     return r
 
@@ -71,7 +75,8 @@ def test_the_page_gives_every_score_and_every_survivor_with_its_reason(tmp_path,
     conf = {"tests": {"backends/plan.py": [], "adapters/optax.py": []},
             "gpu_only": ["backends/cupy.py"], "equivalent": {"m2": "no dtype lies between."}}
     page = mutation.report(conf)
-    assert "| `backends/plan.py` | 4 | 2 | 1 | 50.0% | 1/2 | 1.5 min |" in page
+    assert ("| `backends/plan.py` | 4 | 2 | 1 | 50.0% | 1 | 66.7% | 1 "
+            "| 1.5 min, 2 jobs, 2026-11-25 |") in page
     assert "**`m2`**: no dtype lies between." in page
     assert "**`m3`**: open" in page and "+x <= 1" in page
     assert "Not run yet: `adapters/optax.py`." in page

@@ -196,11 +196,16 @@ def test_a_frozen_bias_never_moves_and_gets_no_state():
     assert len(opt.state) == sum(p.requires_grad for p in model.parameters())
 
 
+def test_the_skeleton_warning_points_at_the_users_line():
+    with pytest.warns(SkeletonWarning) as caught:
+        GAdamW(Net(), lr=0.01)
+    assert caught[0].filename == __file__  # through GAdamW's constructor
+
+
 def test_describe_and_errors():
     model = Net()
-    with pytest.warns(SkeletonWarning) as caught:
+    with pytest.warns(SkeletonWarning):
         opt = GAdamW(model, lr=0.01)
-    assert caught[0].filename == __file__  # points at the user's line, through GAdamW
     skeleton_init_(model)
     text = str(opt.describe())
     assert text.startswith("G-AdamW: 1 chain(s)")
