@@ -131,3 +131,16 @@ def test_check_invariance_takes_input_tuples_and_outputs_of_dicts_and_lists():
     x, y = torch.randn(5, 3), torch.randn(2)  # float32: the check works in float64
     got = check_invariance(model, (x, y))
     assert list(got) == ["a -> b"] and got["a -> b"] < 1e-12
+
+
+def test_check_invariance_rescales_each_chain_on_its_own_copy():
+    """Each chain's twin is a fresh copy: two layer lists that are no chains (tanh is not
+    positively homogeneous) report what each reports alone."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    a, b = [m[0], m[2]], [m[2], m[4]]
+    both = check_invariance(m, x, chains=[a, b], rtol=math.inf)
+    alone = {**check_invariance(m, x, chains=[a], rtol=math.inf),
+             **check_invariance(m, x, chains=[b], rtol=math.inf)}
+    assert both == alone and len(both) == 2 and min(both.values()) > 1e-3
