@@ -396,6 +396,8 @@ def _traced_eagerly():
                         sigma=((0, 0), (0, 0, 1, 0, 0), (0, 0), (0, 0, 0, 0)),
                         skeleton_slots=(0, 0, 0, 0, 0), skeleton_scale=(1.0,) * 5),
          seed=1_523_363_476, lr=0.01, scale=1e-20, dtype="float64")
+@example(chain=gc.Chain.mlp([1] * 5, bias=False), seed=0, lr=0.01, scale=1e160,
+         dtype="float64")
 def test_traced_plan_run_eagerly_equals_the_core(chain, seed, lr, scale, dtype):
     """The traced (compiled) plan's arithmetic: tame layers by reciprocals, the others by
     the per-entry rules (``scale`` on the first and last layers moves ``B`` and ``F`` out
@@ -420,7 +422,13 @@ def test_traced_plan_run_eagerly_equals_the_core(chain, seed, lr, scale, dtype):
     plan = _traced_eagerly().plan(chain, W[0])
     if not gb.gsgd_update_(chain, None, W, b, G, Gb, lr=lr, plan=plan):
         return  # a non-finite gradient at these scales: skipped like the core
+    rtol = 1e-12 if dtype == "float64" else 2e-4
+    with np.errstate(over="ignore", invalid="ignore"):
+        in_range = all(np.all(np.isfinite(v)) for v in gc.path_values(chain, *old)[0])
+    if not in_range:  # path values beyond float64's range: the weights as written
+        for got, w in zip(host(W) + host(b), want[0] + want[1]):
+            assert_close(got, w, rtol)
+        return
     tol, _ = gsgd_tolerance(chain, {}, lr, 0, *old, *grads, gc.gsgd_init(chain, *old))
     units = torch.finfo(dt).eps / torch.finfo(torch.float64).eps
-    assert_step_close(chain, old, (host(W), host(b)), want,
-                      1e-12 if dtype == "float64" else 2e-4, [t * units for t in tol])
+    assert_step_close(chain, old, (host(W), host(b)), want, rtol, [t * units for t in tol])
