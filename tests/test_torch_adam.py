@@ -230,3 +230,45 @@ def test_paper_bn_variant_chains_through_batch_norm_and_trains():
     before = float(loss_of(model, x, y).detach())
     train(model, opt, x, y, 10)
     assert float(loss_of(model, x, y).detach()) < before
+
+
+@pytest.mark.parametrize("cls, torch_cls", [(GAdam, torch.optim.Adam),
+                                            (GAdamW, torch.optim.AdamW)])
+def test_defaults_are_torchs(cls, torch_cls):
+    """Every hyperparameter torch's Adam(W) has, with torch's default, plus ``check_finite``."""
+    with pytest.warns(SkeletonWarning):
+        ours = cls(Net(), lr=torch_cls([nn.Parameter(torch.zeros(1))]).defaults["lr"])
+    with pytest.warns(SkeletonWarning):
+        default_lr = cls(Net())
+    theirs = torch_cls([nn.Parameter(torch.zeros(1))]).defaults
+    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach"):
+        assert ours.defaults[key] == theirs[key], key
+        assert default_lr.defaults[key] == theirs[key], key
+    assert ours.defaults["check_finite"] is False
+    with pytest.warns(SkeletonWarning):
+        given = cls(Net(), foreach=False, check_finite=True).defaults
+    assert given["foreach"] is False and given["check_finite"] is True
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_the_plain_parameters_state_is_torchs(amsgrad):
+    """Batch norm's parameters (no chain) carry torch's Adam state, key for key."""
+    model = Net()
+    twin = copy.deepcopy(model)
+    skeleton_init_(model)
+    opt = GAdam(model, lr=0.01, amsgrad=amsgrad)
+    ref = torch.optim.Adam(twin.bn.parameters(), lr=0.01, amsgrad=amsgrad)
+    x, y = data()
+    train(model, opt, x, y, 1)
+    loss_of(twin, x, y).backward()
+    ref.step()
+    for p, q in zip(model.bn.parameters(), twin.bn.parameters()):
+        assert set(opt.state[p]) == set(ref.state[q])
+
+
+@pytest.mark.parametrize("name", ["lr", "betas"])
+def test_a_tensor_hyperparameter_of_several_elements_is_refused_by_name(name):
+    value = torch.tensor([0.1, 0.2])
+    kwargs = {"lr": value} if name == "lr" else {"betas": (value, value)}
+    with pytest.raises(ValueError, match=f"^{name} as a tensor must have one element"):
+        GAdam(Net(), **kwargs)  # refused before the skeleton is looked at
