@@ -44,7 +44,8 @@ from typing import Any, NamedTuple
 
 from gsgd_core import Chain
 from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finite_or_zero, kept,
-                             path_gradient, safe_div, scaled_div, tau_ratio, written_ratio)
+                             path_gradient, safe_div, scaled, scaled_div, tau_ratio,
+                             written_ratio)
 
 from .plan import StepPlan
 
@@ -399,7 +400,7 @@ def momentum_block_(kernels, W, G, M, *, F, B_cols, rho_cols, lr, rule, scratch,
         step_dir = Mn
         if rule.nesterov:  # D + mu M'
             step_dir = mod.add(D, mod.multiply(Mn, rule.momentum, out=T), out=D)
-    # W' = (W - lr * dir / fb) / rho, the step in scaled_div's order
+    # W' = (W - lr * dir / fb) / rho, the step in rules.scaled's order (lr is a number)
     if abs(lr) <= 1:
         mod.divide(mod.multiply(step_dir, lr, out=T), fb, out=T)
     else:
@@ -536,11 +537,6 @@ def recip_rows(xp, W, G, recips, lr) -> Any:
     that a compiled loop runs over contiguous columns without a division per entry."""
     u, v, r = recips
     c = u[:, None] * v[None, :]
-    D = finite_or_zero(xp, G * c)
-    # lr * D * c in scaled_div's order: it overflows only where its value does
-    if isinstance(lr, (int, float)):
-        step = (lr * D) * c if abs(lr) <= 1 else lr * (D * c)
-    else:
-        step = xp.where(xp.abs(lr) <= 1, (lr * D) * c, lr * (D * c))
+    step = scaled(xp, lr, finite_or_zero(xp, G * c), lambda D: D * c)
     new = (W - step) * r[None, :]
     return xp.where(finite_mask(new), new, W)

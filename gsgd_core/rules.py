@@ -14,7 +14,7 @@ rules exist once:
   not be finite keeps its value, its node's ``rho`` then being its source's
   (:func:`written_ratio`);
 - a **step** ``lr * D / (F B)`` is formed so that it overflows only where its value does
-  (:func:`scaled_div`);
+  (:func:`scaled`, :func:`scaled_div`);
 - a new value that is not finite is not written: the entry keeps its old value
   (:func:`kept`, :func:`guard`), and a step with a non-finite gradient is skipped whole
   (:func:`all_finite`).
@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 __all__ = ["StepRule", "all_finite", "direction", "finite_mask", "finite_or_zero",
-           "frozen_if_overflow", "guard", "kept", "path_gradient", "safe_div", "scaled_div",
-           "tau_ratio", "written_ratio"]
+           "frozen_if_overflow", "guard", "kept", "path_gradient", "safe_div", "scaled",
+           "scaled_div", "tau_ratio", "written_ratio"]
 
 
 def safe_div(xp, num, den):
@@ -37,15 +37,22 @@ def safe_div(xp, num, den):
     return xp.where(zero, 0.0, num / xp.where(zero, 1.0, den))
 
 
-def scaled_div(xp, lr, num, den):
-    """``lr * num / den`` (:func:`safe_div`) in the order that overflows only where the
-    value does: ``(lr * num) / den`` for ``|lr| <= 1``, ``lr * (num / den)`` above. With a
-    finite ``num``, no intermediate then exceeds both ``|num|`` and the value, so a step whose
-    value is representable is written (an entry keeps its value only where the step itself
-    overflows). ``lr`` is a Python number or a 0-d array (traced under ``jit``)."""
+def scaled(xp, lr, x, apply):
+    """``lr * apply(x)``, ``apply`` a division or product by fixed factors, in the order that
+    overflows only where the value does: ``apply(lr * x)`` for ``|lr| <= 1``, ``lr * apply(x)``
+    above. With a finite ``x``, no intermediate then exceeds both ``|x|`` and the value, so a
+    step whose value is representable is written (an entry keeps its value only where the
+    step itself overflows). ``lr`` is a Python number or a 0-d array (traced under ``jit``):
+    then one factor is ``lr`` and the other ``1``, which changes no bit."""
     if isinstance(lr, (int, float)):
-        return safe_div(xp, lr * num, den) if abs(lr) <= 1 else lr * safe_div(xp, num, den)
-    return xp.where(xp.abs(lr) <= 1, safe_div(xp, lr * num, den), lr * safe_div(xp, num, den))
+        return apply(lr * x) if abs(lr) <= 1 else lr * apply(x)
+    small = xp.abs(lr) <= 1
+    return xp.where(small, 1.0, lr) * apply(xp.where(small, lr, 1.0) * x)
+
+
+def scaled_div(xp, lr, num, den):
+    """``lr * num / den`` (:func:`safe_div`) in :func:`scaled`'s order."""
+    return scaled(xp, lr, num, lambda n: safe_div(xp, n, den))
 
 
 def frozen_if_overflow(xp, D, G):

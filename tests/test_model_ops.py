@@ -42,14 +42,14 @@ def test_skeleton_init_sets_the_recipes_edges_and_scales_the_rest(skeleton):
         if skeleton == "he":
             want = torch.where(w0 < 0, -want, want)
         assert torch.equal(m.weight[sk], want[sk]), (skeleton, l)
-        assert torch.equal(m.weight[~sk], w0[~sk] * rest if rest != 1.0 else w0[~sk])
+        assert torch.equal(m.weight[~sk], w0[~sk] * rest)
 
 
 def test_skeleton_init_of_the_given_chains_only():
     model = mlp()
     last = model[4].weight.detach().clone()
     (c,) = skeleton_init_(model, chains=[[model[0], model[2]]])
-    assert [m for m in c.modules] == [model[0], model[2]]
+    assert list(c.modules) == [model[0], model[2]]
     assert torch.equal(model[4].weight, last), "a layer outside the given chain moved"
 
 

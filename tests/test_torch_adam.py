@@ -236,11 +236,11 @@ def test_paper_bn_variant_chains_through_batch_norm_and_trains():
                                             (GAdamW, torch.optim.AdamW)])
 def test_defaults_are_torchs(cls, torch_cls):
     """Every hyperparameter torch's Adam(W) has, with torch's default, plus ``check_finite``."""
+    theirs = torch_cls([nn.Parameter(torch.zeros(1))]).defaults
     with pytest.warns(SkeletonWarning):
-        ours = cls(Net(), lr=torch_cls([nn.Parameter(torch.zeros(1))]).defaults["lr"])
+        ours = cls(Net(), lr=theirs["lr"])
     with pytest.warns(SkeletonWarning):
         default_lr = cls(Net())
-    theirs = torch_cls([nn.Parameter(torch.zeros(1))]).defaults
     for key in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach"):
         assert ours.defaults[key] == theirs[key], key
         assert default_lr.defaults[key] == theirs[key], key
