@@ -25,7 +25,9 @@ A step runs through a :class:`~gsgd_backends.plan.StepPlan` (built once per chai
 and dtype by a kernel set, :class:`~gsgd_backends.kernels.Kernels`, and kept by the caller):
 the heavy passes (column sum, bulk update) are each layer's kernels, chosen in the plan
 (:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the two stages whole
-(:meth:`StepPlan.stage`). Memory traffic is 5 passes over the weights against SGD's 3.
+(:meth:`StepPlan.stage`). Memory traffic is 5 passes over the weights against SGD's 3;
+with the column sums and the gradients' check taken from the backward pass (DESIGN §12), 3,
+as SGD's.
 
 Numerics (numerics guide) are :mod:`gsgd_core.rules`, the core's own, without a second pass over
 the weights: the backward sums see every non-finite gradient (``0 * inf`` is NaN), so a step
@@ -82,7 +84,8 @@ def plan_for(kernels, chain: Chain, weights, plan: StepPlan | None) -> StepPlan:
 
 def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, state=None, *,
                plan: StepPlan | None = None, momentum: float = 0.0, dampening: float = 0.0,
-               nesterov: bool = False, weight_decay: float = 0.0) -> bool:
+               nesterov: bool = False, weight_decay: float = 0.0, column_sums=None,
+               gradient_sum=None) -> bool:
     """One G-SGD step in place through ``kernels``; ``False`` if the core must take it.
 
     ``state`` (a :class:`gsgd_core.GSGDState`, needed with momentum) has its buffers
@@ -92,16 +95,20 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, st
     (not contiguous, half precision) or when a gradient or a backward sum is not finite (the
     core then skips the step or freezes the paths concerned, numerics guide). Otherwise the
     weights, biases and buffers hold :func:`gsgd_core.gsgd_update`'s result (to rounding).
+    ``column_sums``: ``colsum(W_l * grad_l)``, ``l = 2..L``, taken from the backward pass,
+    and ``gradient_sum``, the sum of every weight gradient's entries
+    (:meth:`StepPlan.column_sums`): the step then reads each weight and gradient once.
     """
     plan = plan_for(kernels, chain, weights, plan)
     with plan.kernels.context():
         return _step(plan, weights, biases, grads, bias_grads, lr,
                      state if state is not None and momentum else None,
                      StepRule(float(weight_decay), float(momentum), float(dampening),
-                              bool(nesterov), None))
+                              bool(nesterov), None), column_sums, gradient_sum)
 
 
-def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) -> bool:
+def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper,
+          given=None, gradient_sum=None) -> bool:
     chain, kernels, xp, L = plan.chain, plan.kernels, plan.xp, plan.chain.L
     extra = () if state is None else (("momentum", state.momentum),
                                       ("bias_momentum", state.bias_momentum))
@@ -114,15 +121,16 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper) 
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     Mb = list(Mb) if Mb is not None else [None] * L
-    weights, grads, b, Gb, Mb, M, steps = plan.mapped(
-        [weights, grads, b, Gb, Mb, M, None if M is None else [step]])
+    weights, grads, b, Gb, Mb, M, steps, given, total = plan.mapped(
+        [weights, grads, b, Gb, Mb, M, None if M is None else [step], given,
+         None if gradient_sum is None else [gradient_sum]])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, plan.shapes)]
     if any(w is None for w in W + (M or [])):
         return False
     G = [kernels.view3(g, s, writable=False) for g, s in zip(grads, plan.shapes)]
     # Layer 1's gradients are checked through their sum (ATen's sum outruns inductor's).
-    C = plan.column_sums(W, G)
+    C = plan.column_sums(W, G, given, None if total is None else total[0])
     wd, mu = hyper.weight_decay, hyper.momentum
     scalar = kernels.scalar
     h = None if not (wd or mu) else StepRule(

@@ -20,7 +20,7 @@ from gsgd_core.rules import all_finite
 
 from ._dispatch import assign, kernels_for, library
 from .fast import fast_step_
-from .plan import StepPlan
+from .plan import StepPlan, check_column_sums
 from .rule_step import rule_step_
 
 __all__ = ["gsgd_step_", "gsgd_update_", "path_update_", "rescale_", "canonicalize_",
@@ -61,7 +61,8 @@ def step_plan(chain: Chain, weights, *, kernels=None) -> StepPlan | None:
 
 
 def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, bias_grads,
-                 *, kernels=None, plan: StepPlan | None = None, **hyper) -> bool:
+                 *, kernels=None, plan: StepPlan | None = None, column_sums=None,
+                 gradient_sum=None, **hyper) -> bool:
     """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``.
 
     A step of NumPy, PyTorch or CuPy arrays with hyperparameters given as Python numbers
@@ -73,16 +74,27 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     is built for the call, of ``kernels`` (``gsgd_backends.torch.COMPILED``, ...) or of the
     kernels :func:`kernels_for` chooses.
 
+    ``column_sums``: ``colsum(W_l * grad_l)`` for ``l = 2..L`` (one vector per layer, an
+    entry per input unit, the weights' dtype), when the caller has them from the backward
+    pass (DESIGN §12: ``sum over batch and positions of x_l * dL/dx_l``); the fast path then
+    reads each weight once. They must be exactly those of ``weights`` and ``grads``: the
+    core, when it takes the step, computes its own. ``gradient_sum`` (with them): the sum of
+    every weight gradient's entries, if the caller has it (taken where the gradients were
+    written); the step checks the gradients through it (non-finite if one entry is) and
+    then reads each gradient once.
+
     Returns ``False`` when the step was skipped for a non-finite gradient (nothing written),
     ``True`` otherwise.
     """
     if kernels is None and plan is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
+    if column_sums is not None or gradient_sum is not None:
+        check_column_sums(chain, column_sums, weights[0].dtype, gradient_sum)
     h = _fast_hypers(hyper, state, plan)
     finite = None  # known once the fast path has declined the step
     if (kernels is not None or plan is not None) and h is not None:
         if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state,
-                      plan=plan, **h):
+                      plan=plan, column_sums=column_sums, gradient_sum=gradient_sum, **h):
             if state is not None:
                 assign(state.step, state.step + 1)
             return True
@@ -132,23 +144,27 @@ def _checked_hypers(hyper: dict) -> dict | None:
 
 
 def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads, *,
-                 plan: StepPlan | None = None) -> bool:
+                 plan: StepPlan | None = None, column_sums=None,
+                 gradient_sum=None) -> bool:
     """:func:`gsgd_core.path_update` applied in place to ``weights``, ``biases`` and every
     array of ``state`` (which must be mutable arrays, as the rule's ``init`` makes them).
 
     An elementwise rule (:class:`gsgd_core.ElementwiseRule`, e.g. Adam) on NumPy, PyTorch
     or CuPy arrays takes the fast path of :mod:`.rule_step`, which hands the step back when
     it holds a non-finite value or cannot be done in place; a step whose gradients hold a
-    NaN or Inf is then skipped here, and any other goes to the core. ``plan`` as for
-    :func:`gsgd_update_`.
+    NaN or Inf is then skipped here, and any other goes to the core. ``plan``,
+    ``column_sums`` and ``gradient_sum`` as for :func:`gsgd_update_`.
 
     Returns ``False`` when the step was skipped for a non-finite gradient, ``True``
     otherwise.
     """
     kernels = kernels_for(weights[0]) if plan is None and isinstance(
         weights, (list, tuple)) and weights else None
+    if column_sums is not None or gradient_sum is not None:
+        check_column_sums(chain, column_sums, weights[0].dtype, gradient_sum)
     if (kernels is not None or plan is not None) and rule_step_(
-            kernels, chain, rule, state, weights, biases, grads, bias_grads, plan=plan):
+            kernels, chain, rule, state, weights, biases, grads, bias_grads, plan=plan,
+            column_sums=column_sums, gradient_sum=gradient_sum):
         assign(state.count, state.count + 1)
         return True
     if not _finite(grads, bias_grads):

@@ -13,6 +13,8 @@ builds a temporary one.
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 from itertools import chain as concat
 from typing import Any, Callable, NamedTuple, Sequence
@@ -23,7 +25,8 @@ import numpy as np
 from gsgd_core import Chain
 from gsgd_core.arrays import Prepared, layer_meta, prepare
 
-__all__ = ["Scratch", "Stack", "StepPlan", "special_edges", "stack_in", "stack_plan"]
+__all__ = ["Scratch", "Stack", "StepPlan", "check_column_sums", "special_edges", "stack_in",
+           "stack_plan"]
 
 
 def special_edges(chain: Chain, l: int) -> np.ndarray:
@@ -33,6 +36,27 @@ def special_edges(chain: Chain, l: int) -> np.ndarray:
     gathers them once and writes them back once."""
     meta = layer_meta(chain, np_compat, "cpu")[l - 1]
     return np.union1d(meta.tau_idx, meta.free_idx).astype(np.int64)
+
+
+def check_column_sums(chain: Chain, sums, dtype, gradient_sum=None) -> None:
+    """``ValueError`` naming the layer and the shapes unless ``sums`` holds, for each layer
+    ``l = 2..L``, a vector of ``chain.sizes[l-1]`` entries (one per input unit) of ``dtype``,
+    and ``gradient_sum``, if given, is one number of ``dtype``: what a caller hands a step
+    (:meth:`StepPlan.column_sums`)."""
+    if sums is None:
+        raise ValueError("gradient_sum is the check of column_sums: pass both")
+    if len(sums) != chain.L - 1:
+        raise ValueError(f"column_sums: a chain of {chain.L} layers takes {chain.L - 1} "
+                         f"vectors (layers 2..{chain.L}), got {len(sums)}")
+    for l, s in enumerate(sums, start=2):
+        if tuple(s.shape) != (chain.sizes[l - 1],) or s.dtype != dtype:
+            raise ValueError(f"column_sums of layer {l}: expected shape "
+                             f"({chain.sizes[l - 1]},) and dtype {dtype}, got "
+                             f"{tuple(s.shape)} and {s.dtype}")
+    if gradient_sum is not None and (tuple(gradient_sum.shape) != ()
+                                     or gradient_sum.dtype != dtype):
+        raise ValueError(f"gradient_sum: expected a 0-d array of dtype {dtype}, got shape "
+                         f"{tuple(gradient_sum.shape)} and dtype {gradient_sum.dtype}")
 
 
 class Stack(NamedTuple):
@@ -201,12 +225,25 @@ class StepPlan:
             staged = self._stages[fn] = self.kernels.compile(fn)
         return staged
 
-    def column_sums(self, W, G) -> list:
-        """The sum of layer 1's gradients (it checks them: a non-finite gradient makes it
-        non-finite), then ``colsum(W_l * grad_l)``, ``l = 2..L``, by each layer's kernels
-        (the pass over the weights before a step's update)."""
-        return [self.layer_kernels[0].total(G[0])] + [
-            self.layer_kernels[l].colsum(W[l], G[l], self.scratch) for l in range(1, self.chain.L)]
+    def column_sums(self, W, G, given=None, gradient_sum=None) -> list:
+        """A sum that checks the gradients (a non-finite gradient makes it non-finite), then
+        ``colsum(W_l * grad_l)``, ``l = 2..L``, by each layer's kernels: the pass over the
+        weights before a step's update, which reads every weight but layer 1's and every
+        gradient (layer 1's only through its sum).
+
+        ``given``: those column sums taken elsewhere, from the backward pass (DESIGN §12,
+        ``colsum_l[a] = sum over batch and positions of x_l * dL/dx_l``); the step then reads
+        no weight before its update, and the check is ``gradient_sum`` (the sum of every
+        weight gradient's entries, taken where the gradients were written) or, without one,
+        the sum of each layer's gradients' sums (one read of the gradients)."""
+        kernels = self.layer_kernels
+        if given is not None:
+            if gradient_sum is None:
+                totals = [k.total(g) for k, g in zip(kernels, G)]
+                gradient_sum = functools.reduce(operator.add, totals)
+            return [gradient_sum] + list(given)
+        return [kernels[0].total(G[0])] + [
+            kernels[l].colsum(W[l], G[l], self.scratch) for l in range(1, self.chain.L)]
 
     def checked(self, hyper: dict, check: Callable[[dict], Any]) -> Any:
         """``check(hyper)``, memoised on the last hyperparameters' names, types and values

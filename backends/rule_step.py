@@ -34,18 +34,22 @@ BLOCK = 1 << 16
 
 
 def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, weights, biases,
-               grads, bias_grads, *, plan: StepPlan | None = None) -> bool:
+               grads, bias_grads, *, plan: StepPlan | None = None, column_sums=None,
+               gradient_sum=None) -> bool:
     """One step of ``rule`` in place through ``kernels`` (or ``plan``, reused across
     steps); ``False`` if the core must take it (nothing written then). ``state``'s buffers
-    are updated in place; its count is the caller's."""
+    are updated in place; its count is the caller's. ``column_sums`` and ``gradient_sum``
+    as for :func:`~gsgd_backends.fast.fast_step_`."""
     if not isinstance(rule, ElementwiseRule) or not isinstance(state, RuleState):
         return False
     plan = plan_for(kernels, chain, weights, plan)
     with plan.kernels.context():
-        return _step(plan, rule, state, weights, biases, grads, bias_grads)
+        return _step(plan, rule, state, weights, biases, grads, bias_grads,
+                     column_sums, gradient_sum)
 
 
-def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bool:
+def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads, given,
+          gradient_sum) -> bool:
     chain, kernels, xp, L = plan.chain, plan.kernels, plan.xp, plan.chain.L
     p = plan.prepared(weights, biases, grads, bias_grads)
     b = list(biases) if biases is not None else [None] * L
@@ -55,8 +59,9 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     if any(m.dtype != p.dtype for bufs in state.buffers for m in bufs):
         return False
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
-    weights, grads, b, Gb, counts, *buffers = plan.mapped(
-        [weights, grads, b, Gb, [state.count], *state.buffers])
+    weights, grads, b, Gb, counts, given, total, *buffers = plan.mapped(
+        [weights, grads, b, Gb, [state.count], given,
+         None if gradient_sum is None else [gradient_sum], *state.buffers])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], plan.shapes)] for bufs in buffers]
     if any(a is None for a in W + [m for ms in M for m in ms]):
@@ -66,7 +71,7 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads) -> bo
     Mb = [[None if x is None else next(r) for x in b] for r in rest]
     spec = plan.stack.spec
     coef = rule.coefficients(xp, counts[0], W[0].dtype)
-    C = plan.column_sums(W, G)
+    C = plan.column_sums(W, G, given, None if total is None else total[0])
     v = rule_vectors(kernels, chain, plan.stack, rule=rule, coef=coef,
                      ws=gathered(xp, W, spec), gs=gathered(xp, G, spec),
                      ms=[gathered(xp, m, spec) for m in M], C=C, b=b, Gb=Gb, Mb=Mb,

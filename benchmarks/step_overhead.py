@@ -1,19 +1,21 @@
 """``python -m benchmarks.step_overhead``: what a G-SGD (and G-Adam) step costs next to SGD.
 
 Optimizer-step time of G-SGD against each library's own SGD, for MLPs and CNNs from 1e4 to
-1e7 weights, on gradients held fixed, every optimizer stepping its own copy in turn
-(interleaved) and the median of many steps taken; then the end-to-end training step
-(forward + backward + step) of CNNs at batch 128. Prints a table and writes
-``step_overhead.md`` and ``step_overhead.png`` (ratio against size) to ``--out``.
+1e7 weights, every optimizer stepping its own copy in turn (interleaved) and the median of
+many steps taken; then the end-to-end training step (forward + backward + step) at batch 128.
+Prints a table and writes ``step_overhead.md`` and ``step_overhead.png`` (ratio against size)
+to ``--out``.
 
 - torch (CPU float32, or CUDA when available): ``torch.optim.SGD(foreach=True)`` against
   ``GSGD`` (eager fast path), ``GSGD(compile=True)``, and both with momentum 0.9 against
   ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` against ``torch.optim.Adam(foreach=True)``;
-  ResNet-18 with batch norm, where ``GSGD`` is PSI-SGD(M) on every conv weight. Beside
-  them, each model's measured memory floor (:func:`floor_reads` then SGD's step): the least
-  a plain G-SGD step can cost on this machine.
-- NumPy: ``w -= lr * g`` and a preallocated in-place SGD against ``gsgd_step_``.
-- CuPy (GPU only): ``w -= lr * g`` against ``gsgd_step_``.
+  ResNet-18 with batch norm, where ``GSGD`` is PSI-SGD(M) on every conv weight. Every step
+  follows a real backward pass (untimed) on a batch of 32, so that G-SGD's steps take their
+  column sums from it (DESIGN §12); beside them, ``GSGD(backward_sums=False)``, whose step
+  reads them from ``W * grad`` (the "sums from W*grad" rows).
+- NumPy: ``w -= lr * g`` and a preallocated in-place SGD against ``gsgd_step_``, on
+  gradients held fixed (no backward pass: the step reads ``W * grad``).
+- CuPy (GPU only): ``w -= lr * g`` against ``gsgd_step_``, likewise.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tqdm import tqdm
 
 import gsgd_backends as gb
 import gsgd_core as gc
-from gsgd_adapters.torch import GSGD, GAdam, SkeletonWarning
+from gsgd_adapters.torch import GSGD, GAdam, SkeletonWarning, skeleton_init_
 
 from . import threads
 from .resnet import resnet18
@@ -69,7 +71,7 @@ MODELS = {  # name -> (builder, argument); sizes span 1e4..1e7 weights
     "CNN c=340": (cnn, 340),
 }
 QUICK = ("MLP 64-64-64-10", "MLP 64-256-256-10", "CNN c=8", "CNN c=32")
-E2E = ("CNN c=32", "CNN c=110")
+E2E = ("CNN c=32", "CNN c=110", "MLP 1024-2048x3-10", "CNN c=340")
 
 
 @dataclass
@@ -85,15 +87,17 @@ class Row:
 
 
 def interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds of each function, run in turn ``reps`` times after one warm-up each."""
+    """Median seconds of each function, run in turn ``reps`` times after one warm-up each; a
+    function that returns a number returns the seconds it timed itself (a step after an
+    untimed backward pass)."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
             t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
+            own = f()
+            times[k].append(time.perf_counter() - t0 if own is None else own)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -102,55 +106,55 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _stepper(opt, device):
+def _stepper(opt, device, backward=None):
+    """``opt``'s step, timed alone (the seconds returned); ``backward`` runs before it,
+    untimed."""
     def f():
+        if backward is not None:
+            backward()
+            _sync(device)
+        t0 = time.perf_counter()
         opt.step()
         _sync(device)
+        return time.perf_counter() - t0
     return f
+
+
+def _batch(name, device, batch=32):
+    """A batch of random inputs and labels for the model ``name``."""
+    build, arg = MODELS[name]
+    mlp_ = name.startswith("MLP")
+    shape = (batch, arg[0]) if mlp_ else (batch, 3, 16, 16)
+    return (torch.randn(shape, device=device),
+            torch.randint(0, arg[-1] if mlp_ else 10, (batch,), device=device))
 
 
 def _copies(make, kinds, device):
-    """One model per kind, all with the same weights and the same fixed gradients."""
+    """One model per kind, all with the same weights (skeleton initialised, so that
+    G-SGD trains stably while it is timed)."""
     torch.manual_seed(0)
     base = make().to(device)
+    skeleton_init_(base)
     copies = {k: make().to(device) for k in kinds}
-    grads = [torch.randn_like(p) * 1e-3 for p in base.parameters()]
     for m in copies.values():
         m.load_state_dict(base.state_dict())
-        for p, g in zip(m.parameters(), grads):
-            p.grad = g.clone()
     return copies, sum(p.numel() for p in base.parameters())
 
 
-SGD, SGDM = "SGD(foreach)", "SGD(momentum=0.9, foreach)"
-#: The variant that times :func:`floor_reads` and SGD's own step.
-FLOOR = "memory floor"
-
-
-def floor_reads(model) -> list:
-    """What a G-SGD step reads before it may write a weight: its column sums read every
-    weight but the first layer's and every weight gradient (layer 1's gradients only through
-    their sum, the check that they are finite). A step that skips whole on a non-finite
-    gradient (numerics guide) must read them before its update, and the update then reads and
-    writes what SGD's does: these reads plus SGD's step (one fused pass) are the least
-    memory traffic of any plain G-SGD step (the "memory floor" rows; 5 passes over the
-    weights against SGD's 3, and on a machine where SGD's step costs what reading ``W`` and
-    ``grad`` does, 2x). There is no such row for momentum: torch's foreach SGD with
-    momentum makes several passes, which a fused G-SGD loop need not make."""
-    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-    return [m.weight for m in layers[1:]] + [m.weight.grad for m in layers]
-
-
-def _floor_stepper(model, opt, device):
-    """:func:`floor_reads` (each tensor summed) followed by ``opt``'s step."""
-    reads = floor_reads(model)
+def _backward(model, opt, batch):
+    """Clear the gradients and take a real backward pass on ``batch``: a step's gradients
+    and, for G-SGD, its column sums."""
+    x, y = batch
 
     def f():
-        for x in reads:
-            x.sum()
-        opt.step()
-        _sync(device)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
     return f
+
+
+SGD, SGDM = "SGD(foreach)", "SGD(momentum=0.9, foreach)"
+#: The variant whose column sums are read from ``W * grad`` in the step.
+PRODUCT = "G-SGD, sums from W*grad"
 
 
 def _variants(times: dict, spec) -> dict:
@@ -161,32 +165,31 @@ def _variants(times: dict, spec) -> dict:
 
 def torch_rows(name, device, reps, compile_):
     build, arg = MODELS[name]
-    kinds = ("sgd", "gsgd", "sgdm", "gsgdm", "adam", "gadam", "floor") + (
+    kinds = ("sgd", "gsgd", "product", "sgdm", "gsgdm", "adam", "gadam") + (
         ("gsgdc", "gsgdmc") if compile_ else ())
     copies, m = _copies(lambda: build(arg), kinds, device)
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
             "gsgd": GSGD(copies["gsgd"], lr=LR),
+            "product": GSGD(copies["product"], lr=LR, backward_sums=False),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,
                                     foreach=True),
             "gsgdm": GSGD(copies["gsgdm"], lr=LR, momentum=0.9),
             "adam": torch.optim.Adam(copies["adam"].parameters(), lr=LR, foreach=True),
-            "gadam": GAdam(copies["gadam"], lr=LR),
-            "floor": torch.optim.SGD(copies["floor"].parameters(), lr=LR, foreach=True)}
+            "gadam": GAdam(copies["gadam"], lr=LR)}
     if compile_:
         opts["gsgdc"] = GSGD(copies["gsgdc"], lr=LR, compile=True)
         opts["gsgdmc"] = GSGD(copies["gsgdmc"], lr=LR, momentum=0.9, compile=True)
-
-    steppers = {k: _stepper(o, device) for k, o in opts.items()}
-    steppers["floor"] = _floor_stepper(copies["floor"], opts["floor"], device)
+    batch = _batch(name, device)
+    steppers = {k: _stepper(o, device, _backward(copies[k], o, batch)) for k, o in opts.items()}
     # Plain and momentum steps interleave within their own group: each ratio compares
     # optimizers that ran in turn, on equally warm caches.
     t = {}
-    for group in (("sgd", "gsgd", "gsgdc", "floor"), ("sgdm", "gsgdm", "gsgdmc"),
+    for group in (("sgd", "gsgd", "gsgdc", "product"), ("sgdm", "gsgdm", "gsgdmc"),
                   ("adam", "gadam")):
         t.update(interleaved({k: steppers[k] for k in group if k in opts}, reps))
     return Row(f"torch {device.type}", name, m, _variants(t, [
         ("G-SGD", SGD, "sgd", "gsgd"), ("G-SGD compiled", SGD, "sgd", "gsgdc"),
-        (FLOOR, SGD, "sgd", "floor"),
+        (PRODUCT, SGD, "sgd", "product"),
         ("momentum 0.9", SGDM, "sgdm", "gsgdm"),
         ("momentum 0.9 compiled", SGDM, "sgdm", "gsgdmc"),
         ("G-Adam", "Adam(foreach)", "adam", "gadam")]))
@@ -269,32 +272,51 @@ def array_rows(name, xp, reps):
 
 def e2e_row(name, device, reps, compile_, batch=128):
     build, arg = MODELS[name]
-    torch.manual_seed(0)
     kinds = ("sgd", "gsgd", "gsgdc") if compile_ else ("sgd", "gsgd")
-    models = {k: build(arg).to(device) for k in kinds}
-    for k in kinds[1:]:
-        models[k].load_state_dict(models["sgd"].state_dict())
+    models, m = _copies(lambda: build(arg), kinds, device)
     opts = {"sgd": torch.optim.SGD(models["sgd"].parameters(), lr=LR, foreach=True),
             "gsgd": GSGD(models["gsgd"], lr=LR)}
     if compile_:
         opts["gsgdc"] = GSGD(models["gsgdc"], lr=LR, compile=True)
-    x = torch.randn(batch, 3, 16, 16, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
+    data = _batch(name, device, batch)
 
     def train_step(k):
+        backward = _backward(models[k], opts[k], data)
+
         def f():
-            opts[k].zero_grad()
-            nn.functional.cross_entropy(models[k](x), y).backward()
+            backward()
             opts[k].step()
             _sync(device)
         return f
 
     t = interleaved({k: train_step(k) for k in models}, reps)
-    m = sum(p.numel() for p in models["sgd"].parameters())
     variants = {"G-SGD": ("SGD(foreach)", t["sgd"], t["gsgd"])}
     if compile_:
         variants["G-SGD compiled"] = ("SGD(foreach)", t["sgd"], t["gsgdc"])
     return Row(f"torch {device.type}", f"{name} train step, batch {batch}", m, variants)
+
+
+def hooks_row(name, device, reps, batch=128):
+    """What collecting the column sums costs the backward pass: ``zero_grad``, forward and
+    backward of a model whose optimizer collects them (``GSGD``) against the same model
+    whose optimizer does not (``GSGD(backward_sums=False)``), interleaved."""
+    build, arg = MODELS[name]
+    models, m = _copies(lambda: build(arg), ("plain", "hooked"), device)
+    opts = {"plain": GSGD(models["plain"], lr=LR, backward_sums=False),
+            "hooked": GSGD(models["hooked"], lr=LR)}
+    data = _batch(name, device, batch)
+
+    def backward(k):
+        f = _backward(models[k], opts[k], data)
+
+        def timed():
+            f()
+            _sync(device)
+        return timed
+
+    t = interleaved({k: backward(k) for k in models}, reps)
+    return Row(f"torch {device.type}", f"{name} forward + backward, batch {batch}", m,
+               {"collecting the sums": ("no hooks", t["plain"], t["hooked"])})
 
 
 def table(rows) -> str:
@@ -315,7 +337,7 @@ def plot(rows, path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.8))
     series: dict = {}
     for r in rows:
-        if "train step" in r.model:
+        if "train step" in r.model or "forward + backward" in r.model:
             continue
         for variant, ratio in r.ratios().items():
             key = (f"{r.library}: {variant}", r.model.split()[0])
@@ -325,11 +347,11 @@ def plot(rows, path) -> None:
     colours = {k: palette[i % len(palette)] for i, k in enumerate(keys)}
     for (key, kind), pts in sorted(series.items()):
         pts.sort()
-        floor = FLOOR in key  # measured, not a line drawn at 5/3
+        product = PRODUCT in key  # the step that reads W * grad: drawn as the reference
         ax.plot([p[0] for p in pts], [p[1] for p in pts],
-                color="grey" if floor else colours[key],
-                ls=":" if floor else "-" if kind == "MLP" else "--",
-                marker="o" if kind == "MLP" else "s", ms=3 if floor else 4,
+                color="grey" if product else colours[key],
+                ls=":" if product else "-" if kind == "MLP" else "--",
+                marker="o" if kind == "MLP" else "s", ms=3 if product else 4,
                 label=f"{key} ({kind})")
     ax.axhline(2.5, color="grey", ls="--", lw=1, label="target 2.5x")
     ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="step time / SGD step time",
@@ -389,7 +411,7 @@ def main(argv=None) -> int:
     except Exception:
         print("CuPy: skipped (not installed or no GPU)")
     jobs = [("torch", n) for n in names] + [(xp, n) for xp in xps for n in names]
-    jobs += [("e2e", n) for n in (E2E[:1] if args.quick else E2E)]
+    jobs += [(kind, n) for kind in ("e2e", "hooks") for n in (E2E[:1] if args.quick else E2E)]
     jobs += [] if args.quick else [("psi", PSI_MODEL)]
     if args.only:
         jobs = [(k, n) for k, n in jobs if n in args.only]
@@ -403,6 +425,8 @@ def main(argv=None) -> int:
             rows.append(torch_rows(name, device, reps(size), not args.no_compile))
         elif kind == "e2e":
             rows.append(e2e_row(name, device, reps(size) + 3, not args.no_compile))
+        elif kind == "hooks":
+            rows.append(hooks_row(name, device, reps(size) + 3))
         else:
             rows.append(array_rows(name, kind, reps(size)))
     load_after = threads.load_average()

@@ -173,7 +173,8 @@ def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
     device = "cuda" if "| torch cuda |" in table else "cpu"  # torch's GPU where there is one
     assert f"| torch {device} | MLP 64-64-64-10 |" in table and "| numpy | CNN c=32 |" in table
     assert "train step, batch 128" in table
-    assert "| SGD(foreach) | " in table and "| memory floor |" in table
+    assert "| SGD(foreach) | " in table and "| G-SGD, sums from W*grad |" in table
+    assert "forward + backward, batch 128" in table
     assert (tmp_path / "step_overhead.png").stat().st_size > 10_000
 
 
@@ -192,32 +193,31 @@ def test_step_overhead_plot_takes_every_row_of_a_full_run(tmp_path):
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 @pytest.mark.parametrize("name", ["MLP 64-64-64-10", "CNN c=8"])
-def test_memory_floor_reads_what_the_column_sums_read(name, monkeypatch):
-    """The "memory floor" rows time reads of exactly the tensors that a step's column-sum
-    pass reads (layer 1's gradients and, above it, weights and gradients), each once."""
+def test_step_overhead_times_steps_that_read_no_weight_before_their_update(name, monkeypatch):
+    """The G-SGD rows time steps after a real backward pass: each takes its column sums and
+    gradient check from it, and reads no weight or gradient before its update; the "sums
+    from W*grad" rows time the step that reads them."""
     pytest.importorskip("tqdm")
     torch = pytest.importorskip("torch")
     so = from_repository("benchmarks.step_overhead")
-    from gsgd_adapters.torch import GSGD, skeleton_init_
+    from gsgd_adapters.torch import GSGD
     from gsgd_backends.plan import StepPlan
 
     build, arg = so.MODELS[name]
-    model = build(arg)
-    skeleton_init_(model)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p) * 1e-3
-    read = []
+    copies, _ = so._copies(lambda: build(arg), ("one", "product"), torch.device("cpu"))
+    sources = []
     column_sums = StepPlan.column_sums
 
-    def spy(self, W, G):
-        read.extend([G[0]] + [a for l in range(1, len(W)) for a in (W[l], G[l])])
-        return column_sums(self, W, G)
+    def spy(self, W, G, given=None, gradient_sum=None):
+        sources.append((given is not None, gradient_sum is not None))
+        return column_sums(self, W, G, given, gradient_sum)
 
     monkeypatch.setattr(StepPlan, "column_sums", spy)
-    GSGD(model, lr=0.01).step()
-    address = lambda a: a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data  # noqa: E731
-    floor = [t.data_ptr() for t in so.floor_reads(model)]
-    assert len(read) == len(floor) > 1 and sorted(map(address, read)) == sorted(floor)
+    batch = so._batch(name, torch.device("cpu"))
+    for kind, kw in (("one", {}), ("product", dict(backward_sums=False))):
+        opt = GSGD(copies[kind], lr=so.LR, **kw)
+        so._stepper(opt, torch.device("cpu"), so._backward(copies[kind], opt, batch))()
+    assert sources == [(True, True), (False, False)]
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")

@@ -22,7 +22,7 @@ from gsgd_core import AdamRule, RuleState
 
 from .fsdp import is_sharded, sharded_step
 from .groups import hyper_value
-from .optim import ScaleInvariantOptimizer
+from .optim import ScaleInvariantOptimizer, _sums_kwargs
 
 __all__ = ["GAdam", "GAdamW"]
 
@@ -53,7 +53,7 @@ class GAdam(ScaleInvariantOptimizer):
         path gradients and weight decay is L2 on basis-path values
         (``D += weight_decay * V``; :class:`GAdamW`: decoupled, ``Delta += lr*wd*V``).
         The chain's step count is kept in its first weight's state (``"step"``).
-    model, chains, skeleton, strict, example_input, check_finite
+    model, chains, skeleton, strict, example_input, check_finite, backward_sums
         As :class:`~.optim.GSGD`. Adam's step has the size of ``lr`` on every path whatever
         the path's value, so a path whose value is much smaller than ``lr`` changes sign or
         grows by orders of magnitude in one step: initialise the skeleton
@@ -72,6 +72,7 @@ class GAdam(ScaleInvariantOptimizer):
     """
 
     algorithm = "G-Adam"
+    takes_column_sums = True
     rest_rule = "Adam"
     described = ("lr", "weight_decay", "eps")
     decoupled = False
@@ -80,7 +81,8 @@ class GAdam(ScaleInvariantOptimizer):
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, model: nn.Module | None = None, chains=None,
                  skeleton: str = "he", bn: str = "adam", strict: bool = False,
-                 example_input=None, check_finite: bool = False) -> None:
+                 example_input=None, check_finite: bool = False,
+                 backward_sums: bool = True) -> None:
         if bn not in ("adam", "paper"):
             raise ValueError(f"bn must be 'adam' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -88,7 +90,7 @@ class GAdam(ScaleInvariantOptimizer):
                         check_finite=check_finite)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
-                         strict=strict)
+                         strict=strict, backward_sums=backward_sums)
         self._check_chains(params, model, example_input, skeleton)
 
     def _validate(self, group: dict, where: str) -> None:
@@ -102,7 +104,7 @@ class GAdam(ScaleInvariantOptimizer):
 
     kernels = KERNELS
 
-    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper) -> bool:
+    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
         rule = _rule(group, self.decoupled)
         for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
             for name in rule.buffers:
@@ -117,7 +119,7 @@ class GAdam(ScaleInvariantOptimizer):
 
         st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
         if not is_sharded(W[0]):
-            return path_update_(chain, rule, st, W, b, G, Gb, plan=stepper)
+            return path_update_(chain, rule, st, W, b, G, Gb, plan=stepper, **_sums_kwargs(sums))
 
         def fast(a):
             done = sharded_path_update_(KERNELS, stepper, rule, *a)

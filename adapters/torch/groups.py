@@ -248,6 +248,7 @@ class Description:
     skipped: int = 0                              # chain steps skipped (non-finite gradients)
     skeleton: str = "paper"
     rest_rule: str = "plain SGD"                  # the rule of the "sgd" parts
+    column_sums: dict = field(default_factory=dict)  # where chain steps got them -> count
 
     @property
     def chains(self) -> list[tuple[list[str], Chain, bool]]:
@@ -298,6 +299,14 @@ class Description:
                 lines.append(f"    {name}: not in a chain: {why}")
         if self.skipped:
             lines.append(f"  steps skipped for non-finite gradients: {self.skipped}")
+        if self.column_sums:
+            sums = dict(self.column_sums)
+            text = ("  chain steps with column sums from the backward pass: "
+                    f"{sums.pop('backward', 0)}")
+            if sums:
+                text += "; read from W * grad instead: " + "; ".join(
+                    f"{why} ({n})" for why, n in sums.items())
+            lines.append(text)
         return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -24,6 +25,7 @@ from gsgd_backends.psi import PSIPlan
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
+from .backward_sums import BackwardSums
 from .discovery import unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
@@ -35,7 +37,8 @@ __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarn
            "SkippedStepWarning"]
 
 # Attributes of the optimizer beyond torch's own, carried by copy.deepcopy and pickle.
-_OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile")
+_OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile",
+              "_backward_sums")
 
 
 class SkeletonWarning(UserWarning):
@@ -103,10 +106,15 @@ class ScaleInvariantOptimizer(Optimizer):
     described = ("lr", "momentum", "weight_decay")
     _validate = staticmethod(_check_group)
 
+    #: Whether chain steps can take their column sums from the backward pass.
+    takes_column_sums = False
+
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
                  find_normalised: bool, through_bn: bool = False,
-                 skeleton: str = "paper", strict: bool = False) -> None:
+                 skeleton: str = "paper", strict: bool = False,
+                 backward_sums: bool = False) -> None:
         self._validate(defaults, "")
+        replicated = isinstance(params if model is None else model, nn.DataParallel)
         model, groups = _user_groups(params, model)
         if chains is not None:
             _add_chain_params(groups, chains)
@@ -126,8 +134,26 @@ class ScaleInvariantOptimizer(Optimizer):
                 check_chain(params, [self._name(p) for p in params])
         self._skeleton = skeleton
         self._skipped = 0
+        self._backward_sums = bool(backward_sums and self.takes_column_sums and not replicated)
+        self._hook_chains()
+
+    def _hook_chains(self) -> None:
+        """The chains' :class:`.backward_sums.BackwardSums` (hooks on their layers), if the
+        optimizer takes its column sums from the backward pass."""
+        self._sums = {}
+        if self.__dict__.get("_backward_sums"):
+            # FSDP2's chains step their local rows, whose column sums are reduced across
+            # processes (.fsdp); bn="paper" scales gradients by row norms before the step
+            self._sums = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in self._parts
+                          if p.kind == "chain" and p.chain.L > 1 and not any(p.normalised)
+                          and not is_sharded(p.weights[0])}
 
     # ------------------------------------------------------------------ torch.optim API
+    #: ``torch.amp.GradScaler.step`` hands the step its scale and ``found_inf`` instead of
+    #: unscaling the gradients itself (its unscaling kernel bypasses version counters, which
+    #: the column sums from the backward pass rely on).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step of every part; ``closure`` re-evaluates the loss (torch convention)."""
@@ -135,9 +161,46 @@ class ScaleInvariantOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._unscale_amp():
+            return loss
         for part in self._parts:
             getattr(self, f"_step_{part.kind}")(part, self.param_groups[part.group])
         return loss
+
+    def _unscale_amp(self) -> bool:
+        """``GradScaler``'s part of a step called by ``scaler.step(opt)``: ``False`` (no step)
+        if it found a non-finite gradient, as it skips other optimizers' steps; else the
+        gradients unscaled as ``scaler.unscale_`` would, and the chains' column sums with them
+        (:meth:`.backward_sums.BackwardSums.rescale`). Gradients that ``scaler.unscale_``
+        already unscaled (no ``grad_scale`` then) refuse the sums."""
+        found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found is None and scale is None:
+            return True
+        if found is not None and bool(found):
+            return False
+        sums = self.__dict__.get("_sums", {}).values()
+        if scale is None:
+            for s in sums:
+                s.refuse("GradScaler.unscale_ changed the gradients in place")
+            return True
+        inv = scale.double().reciprocal().float()
+        grads: dict = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), gs in grads.items():
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
+        for s in sums:
+            s.rescale(float(inv))
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; the chains' column sums restart with the gradients."""
+        super().zero_grad(set_to_none)
+        for sums in self.__dict__.get("_sums", {}).values():
+            sums.clear()
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; parameters added after construction take the SGD rule
@@ -150,6 +213,13 @@ class ScaleInvariantOptimizer(Optimizer):
         if built:
             self._parts.append(SGDPart(list(self.param_groups[-1]["params"]),
                                        len(self.param_groups) - 1))
+
+    def __setstate__(self, state: dict) -> None:
+        # a copy's sums start anew, on the copy's layers (a copy of the model carries the
+        # original's hooks disarmed)
+        super().__setstate__(state)
+        if "_parts" in self.__dict__:
+            self._hook_chains()
 
     def __getstate__(self) -> dict:
         # torch keeps only defaults, state and param_groups; the partition goes along so that
@@ -189,8 +259,9 @@ class ScaleInvariantOptimizer(Optimizer):
                 infos.append(PartInfo("psi", p.names, hyper))
             else:
                 infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
+        counts = sum((s.counts for s in self.__dict__.get("_sums", {}).values()), Counter())
         return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
-                           self._skeleton, self.rest_rule)
+                           self._skeleton, self.rest_rule, dict(counts))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(\n{self.describe()}\n)"
@@ -346,9 +417,25 @@ class ScaleInvariantOptimizer(Optimizer):
         G = [_row_norm_scaled(g, w) if part.normalised[i] else g
              for g, w, i in zip(G, W, layers)]
         applied = self._apply(chain, W, b, G, Gb, group=group, state=state, fixed=fixed,
-                              stepper=self._stepper(chain, W, names))
+                              stepper=self._stepper(chain, W, names),
+                              sums=self._column_sums(part, len(layers), group))
         if not applied:
             self._count_skip(f"the chain {' -> '.join(names)}")
+
+    def _column_sums(self, part: ChainPart, n_layers: int, group: dict):
+        """The chain's column sums and gradient sum from the backward pass
+        (:meth:`.backward_sums.BackwardSums.take`) when they stand for ``W * grad`` of this
+        step, else ``None``: the step then reads ``W * grad``. Every step is counted by where
+        its sums came from (``describe()``)."""
+        sums = self.__dict__.get("_sums", {}).get(id(part))
+        if sums is None:
+            return None
+        taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else
+                          "FSDP2 sharded the chain after the optimizer was built"
+                          if is_sharded(part.weights[0]) else "")
+        if taken is not None and group.get("maximize"):
+            taken = ([-s for s in taken[0]], taken[1])
+        return taken
 
     def _count_skip(self, what: str) -> None:
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
@@ -359,6 +446,11 @@ class ScaleInvariantOptimizer(Optimizer):
                 "skipped (weights and momentum unchanged); later skips are counted in "
                 "describe() without a warning", SkippedStepWarning,
                 stacklevel=user_stacklevel())
+
+
+def _sums_kwargs(sums) -> dict:
+    """The step's keyword arguments of ``(column sums, gradient sum)`` (none for ``None``)."""
+    return {} if sums is None else dict(column_sums=sums[0], gradient_sum=sums[1])
 
 
 def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
@@ -434,6 +526,14 @@ class GSGD(ScaleInvariantOptimizer):
         finite is skipped (a :class:`SkippedStepWarning` the first time, a count in
         ``describe()``), at no more cost than a normal step; so is the step of a group's
         parameters outside chains, and a PSI weight's row keeps its values.
+    backward_sums : bool
+        Take each chain's column sums ``colsum(W_l * grad_l)`` from the backward pass
+        (:mod:`.backward_sums`: hooks on the chain's layers), so that a step reads each
+        weight and gradient once. Where the gradients are not exactly the accumulation of
+        the backward passes the sums saw (clipped, unscaled, reduced by DDP, replaced, ...)
+        the step reads ``W * grad`` instead, with the same result; ``describe()`` counts
+        both. Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
+        On by default; ``False`` removes the hooks' cost from the backward pass.
 
     Notes
     -----
@@ -447,13 +547,15 @@ class GSGD(ScaleInvariantOptimizer):
     """
 
     algorithm = "G-SGD"
+    takes_column_sums = True
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  model: nn.Module | None = None, chains=None, skeleton: str = "he",
                  bn: str = "psi", strict: bool = False, example_input=None,
                  check_finite: bool = False, foreach: bool | None = None,
-                 max_norm: float = 1e4, compile: bool = False) -> None:
+                 max_norm: float = 1e4, compile: bool = False,
+                 backward_sums: bool = True) -> None:
         if bn not in ("psi", "sgd", "paper"):
             raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -462,14 +564,14 @@ class GSGD(ScaleInvariantOptimizer):
         self._compile = bool(compile)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=(bn == "psi"), through_bn=(bn == "paper"),
-                         skeleton=skeleton, strict=strict)
+                         skeleton=skeleton, strict=strict, backward_sums=backward_sums)
         self._check_chains(params, model, example_input, skeleton)
 
     @property
     def kernels(self):
         return gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
 
-    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper) -> bool:
+    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
         momentum = hyper_value(group["momentum"])
         st = None
         if momentum != 0:
@@ -485,7 +587,8 @@ class GSGD(ScaleInvariantOptimizer):
                      dampening=hyper_value(group["dampening"]), nesterov=group["nesterov"],
                      weight_decay=hyper_value(group["weight_decay"]))
         if not is_sharded(W[0]):
-            return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper)
+            return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper,
+                                **_sums_kwargs(sums))
 
         def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
             done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, stepper, *a, **hyper)
@@ -533,7 +636,7 @@ class PathSGD(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
 
-    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper) -> bool:
+    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
         def full(a):
             path_sgd_step_(chain, *a, hyper_value(group["lr"]))
             return True

@@ -1,0 +1,280 @@
+"""A chain's column sums taken from the backward pass, so that a step reads each weight once.
+
+The backward sweep of a G-SGD step needs, for every layer ``l >= 2`` of a chain,
+``colsum_l[a] = sum_{b,k} W_l[b,a,k] * grad_l[b,a,k]``. A layer is bilinear in its weight
+and its input, so (DESIGN §12)::
+
+    colsum_l[a] = sum over batch and positions of x_l[n, a, pos] * dL/dx_l[n, a, pos]
+
+exactly, where ``x_l`` is the layer's input. :class:`BackwardSums` wraps that input in an
+identity autograd function (:class:`_Tap`) whose backward accumulates ``x * dL/dx`` per
+input unit: one reduction over activations, whose two factors autograd holds anyway.
+
+The sums stand for ``W * grad`` only while each weight's ``.grad`` is exactly the
+accumulation of the backward passes they saw, with the weights they saw. Everything else is
+detected, and the step then reads ``W * grad`` as before (a fallback, counted):
+
+- ``.grad`` replaced, or changed in place (clipping, unscaling, an all-reduce of DDP: the
+  tensor's identity and its version counter, checked after every accumulation and at the
+  step; an accumulation bumps the version by exactly one);
+- ``.grad`` cleared by someone else (``model.zero_grad()``): set to ``None`` before a forward
+  pass, it is accounted for exactly (the sums restart at zero, as the gradient does); zeroed
+  in place, or cleared or assigned between a forward pass and its backward, it is detected
+  (a hook on the weight checks the gradient just before each accumulation);
+- a forward pass whose layer input does not require grad while the weight does (no_grad
+  parts, ``detach``): its backward would reach the weight and not the tap;
+- a backward pass that reaches the tap but not the weight's accumulation, or the reverse
+  (``torch.autograd.grad``): the graph tasks that each saw must be the same;
+- weights written since the sums began (the version counter of each weight).
+
+Writes through ``.data`` bypass version counters and cannot be detected: after such a write
+to a gradient or a weight, call the optimizer's ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import weakref
+from collections import Counter
+
+import torch
+import torch.nn as nn
+
+__all__ = ["BackwardSums"]
+
+
+def _graph_task() -> int:
+    return torch._C._current_graph_task_id()
+
+
+class _Tap(torch.autograd.Function):
+    """The identity on a layer's input ``x``; its backward adds ``sum(x * dL/dx)`` per input
+    unit into ``layer``'s sums."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.save_for_backward(x)
+        ctx.layer = layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gx):
+        (x,) = ctx.saved_tensors
+        ctx.layer.add_(x, gx)
+        return gx, None
+
+
+class _Layer:
+    """One chain layer's record: the sum of its gradient's entries (taken right after each
+    accumulation, while the gradient is still in cache: it checks the gradient is finite),
+    its input's column sums (layers ``2..L``, ``tap``), and what says they are valid."""
+
+    def __init__(self, module: nn.Module, units: int, tap: bool) -> None:
+        self.weight, self.units, self.tap = module.weight, units, tap
+        # Input units are on axis 1 of a convolution's input and on the last axis (as units
+        # times positions, channel-major after a flatten) of a Linear's.
+        self.conv = isinstance(module, nn.modules.conv._ConvNd)
+        self.sums = self.total = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Sums of zero (in the weight's dtype and on its device, which ``model.to`` may have
+        changed), valid for a gradient that is ``None`` or is the current one."""
+        w = self.weight
+        if not self._fits():
+            self.sums = torch.zeros(self.units if self.tap else 0, dtype=w.dtype,
+                                    device=w.device)
+        self.sums.zero_()
+        self.total = torch.zeros((), dtype=w.dtype, device=w.device)
+        self.known = _state(self.weight.grad)
+        self.weight_version = self.weight._version
+        self.taps, self.accumulations = set(), set()
+        self.broken = ""
+
+    def add_(self, x: torch.Tensor, gx: torch.Tensor) -> None:
+        """``sums += sum(x * gx)`` per input unit (the tap's backward)."""
+        if self.broken:  # nothing to keep until the record restarts
+            return
+        self.taps.add(_graph_task())
+        with torch.no_grad():
+            if self.conv:
+                unbatched = x.ndim == self.weight.ndim - 1
+                dims = [d for d in range(x.ndim) if d != (0 if unbatched else 1)]
+                self.sums.add_(torch.sum(x * gx, dim=dims, dtype=self.sums.dtype))
+            else:
+                prod = torch.sum((x * gx).reshape(-1, x.shape[-1]), dim=0,
+                                 dtype=self.sums.dtype)
+                self.sums.add_(prod.view(self.units, -1).sum(1))
+
+    def before_forward(self, x: torch.Tensor) -> bool:
+        """Check the record before a forward pass that may reach the weight's gradient;
+        whether the input is to be tapped."""
+        grad = self.weight.grad
+        if grad is None:
+            self.reset()  # exact: the gradient is zero (cleared by anyone), so are the sums
+        elif not _same(self.known, grad):
+            self._break("the gradient was changed after a backward pass")
+        if self.weight._version != self.weight_version:
+            self._break("the weights were written after a backward pass")
+        if not self.tap:
+            return False
+        if not x.requires_grad:
+            self._break("a forward pass reached the layer with an input that needs no grad")
+            return False
+        return True
+
+    def accumulating(self) -> None:
+        """Before autograd accumulates into the weight's gradient: it must be as known."""
+        if not _same(self.known, self.weight.grad):
+            self._break("the gradient was changed between a forward pass and its backward")
+
+    def accumulated(self) -> None:
+        """After autograd accumulated into the weight's gradient: a new one where there was
+        none, or the known one with its version one further (an in-place sum)."""
+        if self.broken:
+            return
+        self.accumulations.add(_graph_task())
+        grad, known = self.weight.grad, self.known
+        if known is not None and not (known[0]() is grad and grad._version == known[1] + 1):
+            self._break("the gradient was not accumulated in place")
+        self.known = _state(grad)
+        with torch.no_grad():
+            self.total = grad.sum(dtype=self.total.dtype)
+
+    def _fits(self) -> bool:
+        w = self.weight
+        return self.sums is not None and self.sums.dtype == w.dtype and self.sums.device == w.device
+
+    def _break(self, why: str) -> None:
+        self.broken = self.broken or why
+
+    def why_invalid(self) -> str:
+        """Why this record does not stand for the layer's ``W * grad`` now (``""``: it
+        does)."""
+        if self.broken:
+            return self.broken
+        if not self._fits():
+            return "the model moved to another dtype or device"
+        if self.known is None or not _same(self.known, self.weight.grad):
+            return "the gradient was changed after a backward pass"
+        if self.weight._version != self.weight_version:
+            return "the weights were written after a backward pass"
+        if self.tap and self.taps != self.accumulations:
+            return "a backward pass reached the gradient without the layer's input, or back"
+        return ""
+
+
+def _state(grad):
+    return None if grad is None else (weakref.ref(grad), grad._version)
+
+
+def _same(known, grad) -> bool:
+    if known is None or grad is None:
+        return known is None and grad is None
+    return known[0]() is grad and grad._version == known[1]
+
+
+class BackwardSums:
+    """The column sums of a chain's layers ``2..L``, taken during the backward pass.
+
+    Parameters
+    ----------
+    modules : the chain's Linear/Conv layers, in order.
+    sizes : the chain's widths (:attr:`gsgd_core.Chain.sizes`): layer ``l``'s input units
+        are ``sizes[l-1]``.
+
+    :meth:`take` hands the step the sums when they are valid; :meth:`clear` restarts them
+    (the optimizer's ``zero_grad``); :meth:`remove` takes the hooks off the model.
+    """
+
+    def __init__(self, modules, sizes) -> None:
+        self.layers = [_Layer(m, sizes[l], tap=l >= 1) for l, m in enumerate(modules)]
+        self.handles = []
+        for m, layer in zip(modules, self.layers):
+            self.handles += [
+                m.register_forward_pre_hook(_Hook(layer, "forward")),
+                m.weight.register_hook(_Hook(layer, "accumulating")),
+                m.weight.register_post_accumulate_grad_hook(_Hook(layer, "accumulated"))]
+        #: how the chain's steps got their column sums: "backward", or the fallback's reason
+        self.counts: Counter = Counter()
+
+    def take(self, refused: str = "") -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        """``(sums, total)`` if the record stands for ``W * grad`` now, else ``None``:
+        ``sums``, the column sums of layers ``2..L``; ``total``, the sum of every weight
+        gradient's entries (finite only if they are). ``refused``: the caller's reason not
+        to use them. Counted either way (:attr:`counts`).
+
+        The weights are about to be written (not always through a version counter: the
+        eager step writes CPU tensors through NumPy views), so the record holds no more
+        until the gradients are cleared."""
+        why = refused or next((w for w in (k.why_invalid() for k in self.layers) if w), "")
+        self.counts["backward" if not why else why] += 1
+        for layer in self.layers:
+            layer._break("the gradients were not cleared after a step")
+        if why:
+            return None
+        total = functools.reduce(operator.add, [layer.total for layer in self.layers])
+        return [layer.sums for layer in self.layers[1:]], total
+
+    def refuse(self, why: str) -> None:
+        """The gradients were changed where no version counter sees it: the record holds no
+        more until they are cleared."""
+        for layer in self.layers:
+            layer._break(why)
+
+    def rescale(self, factor: float) -> None:
+        """The gradients were multiplied by ``factor`` in place (``GradScaler``'s unscaling,
+        done by the optimizer): so are the sums. Exact only for a power of two, the only
+        factor taken; any other refuses the record."""
+        if math.frexp(factor)[0] != 0.5:
+            self.refuse("the gradients were unscaled by a factor that is not a power of two")
+            return
+        for layer in self.layers:
+            layer.sums.mul_(factor)
+            layer.total = layer.total * factor
+
+    def clear(self) -> None:
+        """Restart every layer's sums at zero (after the gradients were cleared)."""
+        for layer in self.layers:
+            layer.reset()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class _Hook:
+    """A hook of one layer's sums: before a forward pass (``pre``: the tap), before and after
+    an accumulation into the weight's gradient. A copy of the model (``copy.deepcopy``,
+    pickling) gets a hook that does nothing: the sums belong to this model's optimizer."""
+
+    def __init__(self, layer: _Layer | None, when: str) -> None:
+        self.layer, self.when = layer, when
+
+    def __reduce__(self):
+        return (_Hook, (None, self.when))
+
+    def __call__(self, *args):
+        layer = self.layer
+        if layer is None:
+            return None
+        if self.when == "accumulating":
+            layer.accumulating()
+        elif self.when == "accumulated":
+            layer.accumulated()
+        else:
+            return self._tap(layer, *args)
+        return None
+
+    @staticmethod
+    def _tap(layer: _Layer, module: nn.Module, args: tuple):
+        if (module.weight is not layer.weight or not torch.is_grad_enabled()
+                or not layer.weight.requires_grad or not args):
+            return None
+        x = args[0]
+        if not isinstance(x, torch.Tensor) or not layer.before_forward(x):
+            return None
+        return (_Tap.apply(x, layer),) + tuple(args[1:])
