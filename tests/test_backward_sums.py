@@ -173,13 +173,21 @@ def _assign_between_forward_and_backward(model, opt, seed):
 
 
 def _detached(model, opt, seed):
+    """One backward pass through two uses of the layers, one of them with a detached input:
+    the tap sees the same graph task as the weight's accumulation, and misses that use."""
     opt.zero_grad()
-    _loss(model, seed).backward()
+    loss = _loss(model, seed)
     model.detach = True
     try:
-        _loss(model, seed + 1).backward()
+        loss = loss + _loss(model, seed + 1)
     finally:
         model.detach = False
+    loss.backward()
+
+
+def _zero_in_place(model, opt, seed):
+    opt.zero_grad(set_to_none=False)
+    _loss(model, seed).backward()
 
 
 def _autograd_grad(model, opt, seed):
@@ -197,6 +205,14 @@ def _weights_written(model, opt, seed):
         model.l2.weight.mul_(1.0)
 
 
+def _functional_call(model, opt, seed):
+    """A loss of the same layers with other parameters, backward to those: no tap."""
+    _plain(model, opt, seed)
+    other = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    x = torch.randn(4, 5, dtype=F64)
+    torch.func.functional_call(model, other, (x,)).square().sum().backward()
+
+
 def _checkpointed(reentrant):
     def play(model, opt, seed):
         model.checkpoint = reentrant
@@ -212,6 +228,7 @@ def _checkpointed(reentrant):
 SCENARIOS = {
     "optimizer zero_grad": (_plain, 3),
     "model.zero_grad()": (_model_zero_grad, 3),
+    "optimizer zero_grad(set_to_none=False)": (_zero_in_place, 3),
     "accumulated micro-batches": (_micro_batches, 3),
     "retain_graph, two backward passes": (_retain_graph, 3),
     # zeroing gradients that are still None (the first step) changes nothing
@@ -227,8 +244,9 @@ SCENARIOS = {
     "torch.autograd.grad": (_autograd_grad, 0),
     "gradients not cleared": (_no_zero_grad, 1),
     "weights written after the backward pass": (_weights_written, 0),
-    "checkpoint (non-reentrant)": (_checkpointed(False), None),
-    "checkpoint (reentrant)": (_checkpointed(True), None),
+    "torch.func.functional_call with other parameters": (_functional_call, 3),
+    "checkpoint (non-reentrant)": (_checkpointed(False), 3),
+    "checkpoint (reentrant)": (_checkpointed(True), 3),
 }
 
 
@@ -279,6 +297,33 @@ def test_a_non_finite_gradient_skips_the_step_with_sums_from_the_backward_pass()
     x = torch.randn(4, 5, dtype=F64)
     x[0, 0] = float("inf")
     model(x).square().mean().backward()
+    with pytest.warns(UserWarning, match="NaN or Inf"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt.describe().skipped == 1 and opt.describe().column_sums == {"backward": 1}
+
+
+@pytest.mark.parametrize("huge", [0, 1, 2])
+def test_a_gradient_that_overflows_skips_the_step_though_the_sums_are_finite(huge):
+    """One entry of ``grad_2``, ``gz[:, huge]^T x[:, 0]``, overflows where
+    ``sum(x * W_2^T gz)`` does not (tiny ``W_2``): for two of the three outputs ``huge``
+    that entry is an edge of the bulk (not the free edge of column 0), which no backward sum
+    sees. The sum of the gradient, taken in the backward pass, says the step must be
+    skipped."""
+    model = nn.Sequential(nn.Linear(2, 3, dtype=F64), nn.ReLU(), nn.Linear(3, 3, dtype=F64))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].weight[0] = 1e100
+        model[0].bias.zero_()
+        model[2].weight.fill_(1e-200)
+    opt = GSGD(model, lr=0.05)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    out = model(torch.full((4, 2), 1e100, dtype=F64))
+    (out[:, huge].sum() * 1e200 + out.sum()).backward()
+    assert torch.isfinite(model[2].weight.grad).sum() == 8
+    sums = opt._sums[id(opt._parts[0])]
+    assert all(torch.isfinite(layer.sums).all() for layer in sums.layers)
     with pytest.warns(UserWarning, match="NaN or Inf"):
         opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -14,9 +14,8 @@ The sums stand for ``W * grad`` only while each weight's ``.grad`` is exactly th
 accumulation of the backward passes they saw, with the weights they saw. Everything else is
 detected, and the step then reads ``W * grad`` as before (a fallback, counted):
 
-- ``.grad`` replaced, or changed in place (clipping, unscaling, an all-reduce of DDP: the
-  tensor's identity and its version counter, checked after every accumulation and at the
-  step; an accumulation bumps the version by exactly one);
+- ``.grad`` replaced, or changed in place (clipping, an all-reduce of DDP: the tensor's
+  identity and its version counter, checked before every accumulation and at the step);
 - ``.grad`` cleared by someone else (``model.zero_grad()``): set to ``None`` before a forward
   pass, it is accounted for exactly (the sums restart at zero, as the gradient does); zeroed
   in place, or cleared or assigned between a forward pass and its backward, it is detected
@@ -25,7 +24,15 @@ detected, and the step then reads ``W * grad`` as before (a fallback, counted):
   parts, ``detach``): its backward would reach the weight and not the tap;
 - a backward pass that reaches the tap but not the weight's accumulation, or the reverse
   (``torch.autograd.grad``): the graph tasks that each saw must be the same;
-- weights written since the sums began (the version counter of each weight).
+- weights written since the sums began (the version counter of each weight), and a step
+  taken since (the optimizer's step writes CPU weights through NumPy views, out of sight of
+  version counters: the record holds nothing more until the gradients are cleared);
+- ``GradScaler``: its unscaling kernel bypasses version counters, so the optimizers take
+  the scale from ``scaler.step`` and unscale the gradients and the sums together (exactly,
+  for a power of two), and refuse the sums when ``scaler.unscale_`` ran first.
+
+A forward pass through the layer with other parameters (``torch.func.functional_call``)
+is not tapped.
 
 Writes through ``.data`` bypass version counters and cannot be detected: after such a write
 to a gradient or a weight, call the optimizer's ``zero_grad``.
@@ -109,15 +116,10 @@ class _Layer:
                 self.sums.add_(prod.view(self.units, -1).sum(1))
 
     def before_forward(self, x: torch.Tensor) -> bool:
-        """Check the record before a forward pass that may reach the weight's gradient;
-        whether the input is to be tapped."""
-        grad = self.weight.grad
-        if grad is None:
+        """Before a forward pass that may reach the weight's gradient: whether its input is
+        to be tapped."""
+        if self.weight.grad is None:
             self.reset()  # exact: the gradient is zero (cleared by anyone), so are the sums
-        elif not _same(self.known, grad):
-            self._break("the gradient was changed after a backward pass")
-        if self.weight._version != self.weight_version:
-            self._break("the weights were written after a backward pass")
         if not self.tap:
             return False
         if not x.requires_grad:
@@ -126,22 +128,20 @@ class _Layer:
         return True
 
     def accumulating(self) -> None:
-        """Before autograd accumulates into the weight's gradient: it must be as known."""
+        """Before autograd accumulates into the weight's gradient: it must be as known (a
+        change made after a backward pass, or between a forward pass and its backward)."""
         if not _same(self.known, self.weight.grad):
-            self._break("the gradient was changed between a forward pass and its backward")
+            self._break("the gradient was changed after a backward pass")
 
     def accumulated(self) -> None:
-        """After autograd accumulated into the weight's gradient: a new one where there was
-        none, or the known one with its version one further (an in-place sum)."""
+        """After autograd accumulated into the weight's gradient (in place, or into a new
+        tensor): the gradient now known, and its sum, taken while it is in cache."""
         if self.broken:
             return
         self.accumulations.add(_graph_task())
-        grad, known = self.weight.grad, self.known
-        if known is not None and not (known[0]() is grad and grad._version == known[1] + 1):
-            self._break("the gradient was not accumulated in place")
-        self.known = _state(grad)
+        self.known = _state(self.weight.grad)
         with torch.no_grad():
-            self.total = grad.sum(dtype=self.total.dtype)
+            self.total = self.weight.grad.sum(dtype=self.total.dtype)
 
     def _fits(self) -> bool:
         w = self.weight
@@ -155,8 +155,6 @@ class _Layer:
         does)."""
         if self.broken:
             return self.broken
-        if not self._fits():
-            return "the model moved to another dtype or device"
         if self.known is None or not _same(self.known, self.weight.grad):
             return "the gradient was changed after a backward pass"
         if self.weight._version != self.weight_version:
