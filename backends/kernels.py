@@ -38,8 +38,8 @@ class LayerKernels(Protocol):  # pragma: no mutate block
     update (a plan holds one such set per layer).
 
     ``W``, ``G``, ``M`` of the bulk operations are a layer's weights, gradients and
-    momentum buffers as ``(n, p*k)`` views written in place (``colsum`` and ``rule_bulk_``
-    take ``(n, p, k)``); ``F``, ``B``, ``rho`` are node vectors (:mod:`.fast`); ``scratch``
+    momentum buffers as ``(n, p*k)`` views written in place (``colsum`` takes
+    ``(n, p, k)``); ``F``, ``B``, ``rho`` are node vectors (:mod:`.fast`); ``scratch``
     is the plan's :class:`~gsgd_backends.plan.Scratch` (``None`` for traced kernels).
     """
 

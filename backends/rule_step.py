@@ -78,10 +78,11 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads, given
                      device=plan.step_device)
     if v is None:
         return False
-    for l in range(L, 0, -1):  # the column sums ended on the top layers' first rows
-        plan.layer_kernels[l - 1].rule_bulk_(rule, coef, W[l - 1], G[l - 1],
-                                             [m[l - 1] for m in M], F=v.F[l], B=v.B[l - 1],
-                                             rho=v.rho[l - 1])
+    # The bulk sees each layer as (n, p*k) (as fast.py's): a compiled loop then writes its
+    # input itself (mutating a view of an input, inductor stages a copy).
+    rows = [[a.reshape(a.shape[0], -1) for a in A] for A in (W, G, *M)]
+    plan.stage(rule_bulk_stage_)(plan.layer_kernels, rule, coef, rows[0], rows[1], rows[2:],
+                                 F=v.F, B=v.B, rho=v.rho)
     for l in range(L):
         kernels.put_(W[l], spec[l], v.special[l])
         for m, new in zip(M, v.special_m[l]):
@@ -171,10 +172,19 @@ def rule_bias(xp, rule, coef, b, Gb, *, F, bufs):
     return kept(xp, b - safe_div(xp, delta, F), b), new
 
 
+def rule_bulk_stage_(layer_kernels, rule, coef, W, G, M, *, F, B, rho) -> None:
+    """Every layer's bulk by the rule, through its kernels' ``rule_bulk_`` (compiled whole
+    by traced kernels: one fused loop per layer reading the weights, gradients and buffers
+    once)."""
+    for l in range(len(W), 0, -1):  # the column sums ended on the top layers' first rows
+        layer_kernels[l - 1].rule_bulk_(rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M],
+                                        F=F[l], B=B[l - 1], rho=rho[l - 1])
+
+
 def rule_bulk_(kernels, rule, coef, W, G, M, *, F, B_prev, rho, checked: bool = True) -> None:
-    """Every edge of a layer by the rule, in blocks of rows, in place: ``D = G/(F B)``,
-    ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges are
-    overwritten afterwards. ``checked``: each block is computed without the per-entry guards
+    """Every edge of a ``(n, p*k)`` layer by the rule, in blocks of rows, in place:
+    ``D = G/(F B)``, ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the
+    special edges are overwritten afterwards. ``checked``: each block is computed without the per-entry guards
     and checked through the sums of ``D``, ``W'`` and the new buffers, each read on the host
     (on a CPU a read costs less than the ops that would stack them): where every sum is
     finite the guards would have changed nothing (a zero ``F B`` or an overflow makes ``D``,
@@ -182,12 +192,11 @@ def rule_bulk_(kernels, rule, coef, W, G, M, *, F, B_prev, rho, checked: bool = 
     the block is recomputed by the core's per-entry rules. Unchecked, every block takes the
     per-entry rules (no host read)."""
     xp = kernels.xp
-    n, p, k = W.shape
+    n, cols = W.shape
+    k = cols // B_prev.shape[0]
     rows = kernels.block_rows(W)
-    if str(getattr(W, "device", "cpu")).startswith("cpu"):
-        rows = min(rows, max(1, BLOCK // (p * k)))
-    W, G = W.reshape(n, p * k), G.reshape(n, p * k)
-    M = [m.reshape(n, p * k) for m in M]
+    if not kernels.traced and str(getattr(W, "device", "cpu")).startswith("cpu"):
+        rows = min(rows, max(1, BLOCK // cols))
     B_cols, rho_cols = per_column(xp, B_prev, k), per_column(xp, rho, k)
     for i in range(0, n, rows):
         sl = slice(i, min(n, i + rows))

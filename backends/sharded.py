@@ -257,9 +257,10 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
         for l in range(L, 0, -1):
             r0, r1 = shard.rows[l - 1]
             if r1 > r0:
-                plan.layer_kernels[l - 1].rule_bulk_(
-                    rule, coef, W[l - 1], G[l - 1], [m[l - 1] for m in M], F=v.F[l][r0:r1],
-                    B=v.B[l - 1], rho=v.rho[l - 1])
+                w, g, *ms = (a.reshape(a.shape[0], -1) for a in
+                             [W[l - 1], G[l - 1]] + [m[l - 1] for m in M])
+                plan.layer_kernels[l - 1].rule_bulk_(rule, coef, w, g, ms, F=v.F[l][r0:r1],
+                                                     B=v.B[l - 1], rho=v.rho[l - 1])
         shard.put_(plan, W, v.special)
         for j, m in enumerate(M):
             shard.put_(plan, m, [s[j] for s in v.special_m])

@@ -17,7 +17,7 @@ from torch.optim.adam import adam as adam_update
 
 from gsgd_backends import path_update_
 from gsgd_backends.sharded import sharded_path_update_
-from gsgd_backends.torch import KERNELS
+from gsgd_backends.torch import COMPILED, KERNELS
 from gsgd_core import AdamRule, RuleState
 
 from .fsdp import is_sharded, sharded_step
@@ -54,7 +54,12 @@ class GAdam(ScaleInvariantOptimizer):
         (``D += weight_decay * V``; :class:`GAdamW`: decoupled, ``Delta += lr*wd*V``).
         The chain's step count is kept in its first weight's state (``"step"``).
     model, chains, skeleton, strict, example_input, check_finite, backward_sums
-        As :class:`~.optim.GSGD`. Adam's step has the size of ``lr`` on every path whatever
+        As :class:`~.optim.GSGD`.
+    compile : bool
+        The chains' update of every edge (the rule's moments and the weights) runs as one
+        ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
+        one fused loop that reads its weights, gradients and moments once. The first step
+        compiles for some seconds. Off by default. Adam's step has the size of ``lr`` on every path whatever
         the path's value, so a path whose value is much smaller than ``lr`` changes sign or
         grows by orders of magnitude in one step: initialise the skeleton
         (:func:`~gsgd_adapters.torch.skeleton_init_`) so that path values have the size of
@@ -82,12 +87,13 @@ class GAdam(ScaleInvariantOptimizer):
                  foreach: bool | None = None, model: nn.Module | None = None, chains=None,
                  skeleton: str = "he", bn: str = "adam", strict: bool = False,
                  example_input=None, check_finite: bool = False,
-                 backward_sums: bool = True) -> None:
+                 backward_sums: bool = True, compile: bool = False) -> None:
         if bn not in ("adam", "paper"):
             raise ValueError(f"bn must be 'adam' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         check_finite=check_finite)
+        self._compile = bool(compile)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
                          strict=strict, backward_sums=backward_sums)
@@ -102,7 +108,9 @@ class GAdam(ScaleInvariantOptimizer):
         except ValueError as exc:
             raise ValueError(f"{where}{exc}") from None
 
-    kernels = KERNELS
+    @property
+    def kernels(self):
+        return COMPILED if self.__dict__.get("_compile") else KERNELS
 
     def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
         rule = _rule(group, self.decoupled)
