@@ -85,7 +85,7 @@ def plan_for(kernels, chain: Chain, weights, plan: StepPlan | None) -> StepPlan:
 def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, state=None, *,
                plan: StepPlan | None = None, momentum: float = 0.0, dampening: float = 0.0,
                nesterov: bool = False, weight_decay: float = 0.0, column_sums=None,
-               gradient_sum=None) -> bool:
+               gradient_check=None) -> bool:
     """One G-SGD step in place through ``kernels``; ``False`` if the core must take it.
 
     ``state`` (a :class:`gsgd_core.GSGDState`, needed with momentum) has its buffers
@@ -96,7 +96,7 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, st
     core then skips the step or freezes the paths concerned, numerics guide). Otherwise the
     weights, biases and buffers hold :func:`gsgd_core.gsgd_update`'s result (to rounding).
     ``column_sums``: ``colsum(W_l * grad_l)``, ``l = 2..L``, taken from the backward pass,
-    and ``gradient_sum``, the sum of every weight gradient's entries
+    and ``gradient_check``, finite only if every weight gradient's entry is
     (:meth:`StepPlan.column_sums`): the step then reads each weight and gradient once.
     """
     plan = plan_for(kernels, chain, weights, plan)
@@ -104,11 +104,11 @@ def fast_step_(kernels, chain: Chain, weights, biases, grads, bias_grads, lr, st
         return _step(plan, weights, biases, grads, bias_grads, lr,
                      state if state is not None and momentum else None,
                      StepRule(float(weight_decay), float(momentum), float(dampening),
-                              bool(nesterov), None), column_sums, gradient_sum)
+                              bool(nesterov), None), column_sums, gradient_check)
 
 
 def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper,
-          given=None, gradient_sum=None) -> bool:
+          given=None, gradient_check=None) -> bool:
     chain, kernels, xp, L = plan.chain, plan.kernels, plan.xp, plan.chain.L
     extra = () if state is None else (("momentum", state.momentum),
                                       ("bias_momentum", state.bias_momentum))
@@ -123,7 +123,7 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper,
     Mb = list(Mb) if Mb is not None else [None] * L
     weights, grads, b, Gb, Mb, M, steps, given, total = plan.mapped(
         [weights, grads, b, Gb, Mb, M, None if M is None else [step], given,
-         None if gradient_sum is None else [gradient_sum]])
+         None if gradient_check is None else [gradient_check]])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = None if M is None else [kernels.view3(m, s) for m, s in zip(M, plan.shapes)]
     if any(w is None for w in W + (M or [])):

@@ -62,7 +62,7 @@ def step_plan(chain: Chain, weights, *, kernels=None) -> StepPlan | None:
 
 def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, bias_grads,
                  *, kernels=None, plan: StepPlan | None = None, column_sums=None,
-                 gradient_sum=None, **hyper) -> bool:
+                 gradient_check=None, **hyper) -> bool:
     """:func:`gsgd_core.gsgd_update` applied in place to ``weights``, ``biases`` and ``state``.
 
     A step of NumPy, PyTorch or CuPy arrays with hyperparameters given as Python numbers
@@ -78,23 +78,23 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     entry per input unit, the weights' dtype), when the caller has them from the backward
     pass (DESIGN §12: ``sum over batch and positions of x_l * dL/dx_l``); the fast path then
     reads each weight once. They must be exactly those of ``weights`` and ``grads``: the
-    core, when it takes the step, computes its own. ``gradient_sum`` (with them): the sum of
-    every weight gradient's entries, if the caller has it (taken where the gradients were
-    written); the step checks the gradients through it (non-finite if one entry is) and
-    then reads each gradient once.
+    core, when it takes the step, computes its own. ``gradient_check`` (with them): a 0-d
+    array that is finite only if every weight gradient's entry is (their sum, or a bound on
+    them), if the caller has one: the step then reads each gradient once, and where the
+    check is not finite it checks the gradients themselves.
 
     Returns ``False`` when the step was skipped for a non-finite gradient (nothing written),
     ``True`` otherwise.
     """
     if kernels is None and plan is None and isinstance(weights, (list, tuple)) and weights:
         kernels = kernels_for(weights[0])
-    if column_sums is not None or gradient_sum is not None:
-        check_column_sums(chain, column_sums, weights[0].dtype, gradient_sum)
+    if column_sums is not None or gradient_check is not None:
+        check_column_sums(chain, column_sums, weights[0].dtype, gradient_check)
     h = _fast_hypers(hyper, state, plan)
     finite = None  # known once the fast path has declined the step
     if (kernels is not None or plan is not None) and h is not None:
         if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state,
-                      plan=plan, column_sums=column_sums, gradient_sum=gradient_sum, **h):
+                      plan=plan, column_sums=column_sums, gradient_check=gradient_check, **h):
             if state is not None:
                 assign(state.step, state.step + 1)
             return True
@@ -145,7 +145,7 @@ def _checked_hypers(hyper: dict) -> dict | None:
 
 def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads, *,
                  plan: StepPlan | None = None, column_sums=None,
-                 gradient_sum=None) -> bool:
+                 gradient_check=None) -> bool:
     """:func:`gsgd_core.path_update` applied in place to ``weights``, ``biases`` and every
     array of ``state`` (which must be mutable arrays, as the rule's ``init`` makes them).
 
@@ -153,18 +153,18 @@ def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads, 
     or CuPy arrays takes the fast path of :mod:`.rule_step`, which hands the step back when
     it holds a non-finite value or cannot be done in place; a step whose gradients hold a
     NaN or Inf is then skipped here, and any other goes to the core. ``plan``,
-    ``column_sums`` and ``gradient_sum`` as for :func:`gsgd_update_`.
+    ``column_sums`` and ``gradient_check`` as for :func:`gsgd_update_`.
 
     Returns ``False`` when the step was skipped for a non-finite gradient, ``True``
     otherwise.
     """
     kernels = kernels_for(weights[0]) if plan is None and isinstance(
         weights, (list, tuple)) and weights else None
-    if column_sums is not None or gradient_sum is not None:
-        check_column_sums(chain, column_sums, weights[0].dtype, gradient_sum)
+    if column_sums is not None or gradient_check is not None:
+        check_column_sums(chain, column_sums, weights[0].dtype, gradient_check)
     if (kernels is not None or plan is not None) and rule_step_(
             kernels, chain, rule, state, weights, biases, grads, bias_grads, plan=plan,
-            column_sums=column_sums, gradient_sum=gradient_sum):
+            column_sums=column_sums, gradient_check=gradient_check):
         assign(state.count, state.count + 1)
         return True
     if not _finite(grads, bias_grads):

@@ -38,13 +38,13 @@ def special_edges(chain: Chain, l: int) -> np.ndarray:
     return np.union1d(meta.tau_idx, meta.free_idx).astype(np.int64)
 
 
-def check_column_sums(chain: Chain, sums, dtype, gradient_sum=None) -> None:
+def check_column_sums(chain: Chain, sums, dtype, gradient_check=None) -> None:
     """``ValueError`` naming the layer and the shapes unless ``sums`` holds, for each layer
     ``l = 2..L``, a vector of ``chain.sizes[l-1]`` entries (one per input unit) of ``dtype``,
-    and ``gradient_sum``, if given, is one number of ``dtype``: what a caller hands a step
+    and ``gradient_check``, if given, is one number of ``dtype``: what a caller hands a step
     (:meth:`StepPlan.column_sums`)."""
     if sums is None:
-        raise ValueError("gradient_sum is the check of column_sums: pass both")
+        raise ValueError("gradient_check is the check of column_sums: pass both")
     if len(sums) != chain.L - 1:
         raise ValueError(f"column_sums: a chain of {chain.L} layers takes {chain.L - 1} "
                          f"vectors (layers 2..{chain.L}), got {len(sums)}")
@@ -53,10 +53,10 @@ def check_column_sums(chain: Chain, sums, dtype, gradient_sum=None) -> None:
             raise ValueError(f"column_sums of layer {l}: expected shape "
                              f"({chain.sizes[l - 1]},) and dtype {dtype}, got "
                              f"{tuple(s.shape)} and {s.dtype}")
-    if gradient_sum is not None and (tuple(gradient_sum.shape) != ()
-                                     or gradient_sum.dtype != dtype):
-        raise ValueError(f"gradient_sum: expected a 0-d array of dtype {dtype}, got shape "
-                         f"{tuple(gradient_sum.shape)} and dtype {gradient_sum.dtype}")
+    if gradient_check is not None and (tuple(gradient_check.shape) != ()
+                                     or gradient_check.dtype != dtype):
+        raise ValueError(f"gradient_check: expected a 0-d array of dtype {dtype}, got shape "
+                         f"{tuple(gradient_check.shape)} and dtype {gradient_check.dtype}")
 
 
 class Stack(NamedTuple):
@@ -225,7 +225,7 @@ class StepPlan:
             staged = self._stages[fn] = self.kernels.compile(fn)
         return staged
 
-    def column_sums(self, W, G, given=None, gradient_sum=None) -> list:
+    def column_sums(self, W, G, given=None, gradient_check=None) -> list:
         """A sum that checks the gradients (a non-finite gradient makes it non-finite), then
         ``colsum(W_l * grad_l)``, ``l = 2..L``, by each layer's kernels: the pass over the
         weights before a step's update, which reads every weight but layer 1's and every
@@ -233,15 +233,16 @@ class StepPlan:
 
         ``given``: those column sums taken elsewhere, from the backward pass (DESIGN §12,
         ``colsum_l[a] = sum over batch and positions of x_l * dL/dx_l``); the step then reads
-        no weight before its update, and the check is ``gradient_sum`` (the sum of every
-        weight gradient's entries, taken where the gradients were written) or, without one,
-        the sum of each layer's gradients' sums (one read of the gradients)."""
+        no weight before its update, and the check is ``gradient_check`` (a number that is
+        finite only if every weight gradient's entry is: a bound on them taken in the
+        backward pass) or, without one, the sum of each layer's gradients' sums (one read of
+        the gradients)."""
         kernels = self.layer_kernels
         if given is not None:
-            if gradient_sum is None:
+            if gradient_check is None:
                 totals = [k.total(g) for k, g in zip(kernels, G)]
-                gradient_sum = functools.reduce(operator.add, totals)
-            return [gradient_sum] + list(given)
+                gradient_check = functools.reduce(operator.add, totals)
+            return [gradient_check] + list(given)
         return [kernels[0].total(G[0])] + [
             kernels[l].colsum(W[l], G[l], self.scratch) for l in range(1, self.chain.L)]
 

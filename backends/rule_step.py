@@ -35,21 +35,21 @@ BLOCK = 1 << 16
 
 def rule_step_(kernels, chain: Chain, rule: ElementwiseRule, state: RuleState, weights, biases,
                grads, bias_grads, *, plan: StepPlan | None = None, column_sums=None,
-               gradient_sum=None) -> bool:
+               gradient_check=None) -> bool:
     """One step of ``rule`` in place through ``kernels`` (or ``plan``, reused across
     steps); ``False`` if the core must take it (nothing written then). ``state``'s buffers
-    are updated in place; its count is the caller's. ``column_sums`` and ``gradient_sum``
+    are updated in place; its count is the caller's. ``column_sums`` and ``gradient_check``
     as for :func:`~gsgd_backends.fast.fast_step_`."""
     if not isinstance(rule, ElementwiseRule) or not isinstance(state, RuleState):
         return False
     plan = plan_for(kernels, chain, weights, plan)
     with plan.kernels.context():
         return _step(plan, rule, state, weights, biases, grads, bias_grads,
-                     column_sums, gradient_sum)
+                     column_sums, gradient_check)
 
 
 def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads, given,
-          gradient_sum) -> bool:
+          gradient_check) -> bool:
     chain, kernels, xp, L = plan.chain, plan.kernels, plan.xp, plan.chain.L
     p = plan.prepared(weights, biases, grads, bias_grads)
     b = list(biases) if biases is not None else [None] * L
@@ -61,7 +61,7 @@ def _step(plan: StepPlan, rule, state, weights, biases, grads, bias_grads, given
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     weights, grads, b, Gb, counts, given, total, *buffers = plan.mapped(
         [weights, grads, b, Gb, [state.count], given,
-         None if gradient_sum is None else [gradient_sum], *state.buffers])
+         None if gradient_check is None else [gradient_check], *state.buffers])
     W = [kernels.view3(w, s) for w, s in zip(weights, plan.shapes)]
     M = [[kernels.view3(m, s) for m, s in zip(bufs[:L], plan.shapes)] for bufs in buffers]
     if any(a is None for a in W + [m for ms in M for m in ms]):
@@ -182,15 +182,15 @@ def rule_bulk_stage_(layer_kernels, rule, coef, W, G, M, *, F, B, rho) -> None:
 
 
 def rule_bulk_(kernels, rule, coef, W, G, M, *, F, B_prev, rho, checked: bool = True) -> None:
-    """Every edge of a ``(n, p*k)`` layer by the rule, in blocks of rows, in place:
-    ``D = G/(F B)``, ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the
-    special edges are overwritten afterwards. ``checked``: each block is computed without the per-entry guards
-    and checked through the sums of ``D``, ``W'`` and the new buffers, each read on the host
-    (on a CPU a read costs less than the ops that would stack them): where every sum is
-    finite the guards would have changed nothing (a zero ``F B`` or an overflow makes ``D``,
-    ``W'`` or a buffer non-finite; ``D`` is checked itself, since a rule may squash it), else
-    the block is recomputed by the core's per-entry rules. Unchecked, every block takes the
-    per-entry rules (no host read)."""
+    """Every edge of a ``(n, p*k)`` layer by the rule, in blocks of rows, in place: ``D = G/(F
+    B)``, ``V = F B W``, the rule's step, ``W' = (W - Delta/(F B))/rho``; the special edges
+    are overwritten afterwards. ``checked``: each block is computed without the per-entry
+    guards and checked through the sums of ``D``, ``W'`` and the new buffers, each read on
+    the host (on a CPU a read costs less than the ops that would stack them): where every
+    sum is finite the guards would have changed nothing (a zero ``F B`` or an overflow makes
+    ``D``, ``W'`` or a buffer non-finite; ``D`` is checked itself, since a rule may squash
+    it), else the block is recomputed by the core's per-entry rules. Unchecked, every block
+    takes the per-entry rules (no host read)."""
     xp = kernels.xp
     n, cols = W.shape
     k = cols // B_prev.shape[0]

@@ -208,9 +208,9 @@ def test_step_overhead_times_steps_that_read_no_weight_before_their_update(name,
     sources = []
     column_sums = StepPlan.column_sums
 
-    def spy(self, W, G, given=None, gradient_sum=None):
-        sources.append((given is not None, gradient_sum is not None))
-        return column_sums(self, W, G, given, gradient_sum)
+    def spy(self, W, G, given=None, gradient_check=None):
+        sources.append((given is not None, gradient_check is not None))
+        return column_sums(self, W, G, given, gradient_check)
 
     monkeypatch.setattr(StepPlan, "column_sums", spy)
     batch = so._batch(name, torch.device("cpu"))

@@ -388,7 +388,7 @@ def test_training_far_past_the_stability_limit_keeps_stepping(lr, momentum):
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
-def test_in_place_step_tells_a_skip_from_a_gradient_sum_that_overflows(lib):
+def test_in_place_step_tells_a_skip_from_a_gradient_check_that_overflows(lib):
     """The in-place layer skips a step with a NaN gradient without running the core, but
     finite float32 gradients whose sum overflows are a normal step: the core's result."""
     import gsgd_backends as gb

@@ -54,16 +54,16 @@ class GAdam(ScaleInvariantOptimizer):
         (``D += weight_decay * V``; :class:`GAdamW`: decoupled, ``Delta += lr*wd*V``).
         The chain's step count is kept in its first weight's state (``"step"``).
     model, chains, skeleton, strict, example_input, check_finite, backward_sums
-        As :class:`~.optim.GSGD`.
-    compile : bool
-        The chains' update of every edge (the rule's moments and the weights) runs as one
-        ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
-        one fused loop that reads its weights, gradients and moments once. The first step
-        compiles for some seconds. Off by default. Adam's step has the size of ``lr`` on every path whatever
+        As :class:`~.optim.GSGD`. Adam's step has the size of ``lr`` on every path whatever
         the path's value, so a path whose value is much smaller than ``lr`` changes sign or
         grows by orders of magnitude in one step: initialise the skeleton
         (:func:`~gsgd_adapters.torch.skeleton_init_`) so that path values have the size of
         the weights (``skeleton="he"``, the default).
+    compile : bool
+        The chains' update of every edge (the rule's moments and the weights) runs as one
+        ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
+        one fused loop that reads its weights, gradients and moments once. The first step
+        compiles for some seconds. Off by default.
     bn : {"adam", "paper"}
         Weight layers directly followed by a normalisation end their chain and take Adam
         (``"adam"``, the default), or, with ``"paper"``, batch norm does not end a chain and

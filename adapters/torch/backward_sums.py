@@ -73,17 +73,42 @@ class _Tap(torch.autograd.Function):
         return gx, None
 
 
+class _Bound(torch.autograd.Function):
+    """The identity on a layer's output; its backward adds ``||dL/dz|| * ||x||`` (``x`` the
+    layer's input, its norm taken in the forward pass) into ``layer``'s bound on the
+    gradient's entries."""
+
+    @staticmethod
+    def forward(ctx, z, layer, x_norm):
+        ctx.layer, ctx.x_norm = layer, x_norm
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, gz):
+        ctx.layer.add_bound(gz, ctx.x_norm)
+        return gz, None, None
+
+
 class _Layer:
-    """One chain layer's record: the sum of its gradient's entries (taken right after each
-    accumulation, while the gradient is still in cache: it checks the gradient is finite),
-    its input's column sums (layers ``2..L``, ``tap``), and what says they are valid."""
+    """One chain layer's record: a bound on its gradient's entries (it says they are
+    finite), its input's column sums (layers ``2..L``, ``tap``), and what says they are
+    valid.
+
+    The bound: every entry of a backward pass's weight gradient is a sum over batch and
+    positions of ``dL/dz[n, b, pos] * x[n, a, pos']`` (one position of the input per position
+    of the output), so by Cauchy-Schwarz it is at most ``||dL/dz|| * ||x||`` (Frobenius
+    norms), and the accumulated gradient at most the sum of those, over the backward passes
+    that reached it. Where that sum is far below the dtype's largest number, no entry (nor
+    its rounding) can overflow, and finite factors give finite entries; a non-finite factor
+    makes the bound non-finite. The check costs two norms over activations, not a read of
+    the gradient."""
 
     def __init__(self, module: nn.Module, units: int, tap: bool) -> None:
         self.weight, self.units, self.tap = module.weight, units, tap
         # Input units are on axis 1 of a convolution's input and on the last axis (as units
         # times positions, channel-major after a flatten) of a Linear's.
         self.conv = isinstance(module, nn.modules.conv._ConvNd)
-        self.sums = self.total = None
+        self.sums = self.bound = None
         self.reset()
 
     def reset(self) -> None:
@@ -94,7 +119,7 @@ class _Layer:
             self.sums = torch.zeros(self.units if self.tap else 0, dtype=w.dtype,
                                     device=w.device)
         self.sums.zero_()
-        self.total = torch.zeros((), dtype=w.dtype, device=w.device)
+        self.bound = torch.zeros((), dtype=w.dtype, device=w.device)
         self.known = _state(self.weight.grad)
         self.weight_version = self.weight._version
         self.taps, self.accumulations = set(), set()
@@ -114,6 +139,14 @@ class _Layer:
                 prod = torch.sum((x * gx).reshape(-1, x.shape[-1]), dim=0,
                                  dtype=self.sums.dtype)
                 self.sums.add_(prod.view(self.units, -1).sum(1))
+
+    def add_bound(self, gz: torch.Tensor, x_norm: torch.Tensor) -> None:
+        """``bound += ||gz|| * ||x||`` (the output tap's backward)."""
+        if self.broken:
+            return
+        with torch.no_grad():
+            self.bound = self.bound + (torch.linalg.vector_norm(gz) * x_norm).to(
+                self.bound.dtype)
 
     def before_forward(self, x: torch.Tensor) -> bool:
         """Before a forward pass that may reach the weight's gradient: whether its input is
@@ -135,13 +168,11 @@ class _Layer:
 
     def accumulated(self) -> None:
         """After autograd accumulated into the weight's gradient (in place, or into a new
-        tensor): the gradient now known, and its sum, taken while it is in cache."""
+        tensor): the gradient now known."""
         if self.broken:
             return
         self.accumulations.add(_graph_task())
         self.known = _state(self.weight.grad)
-        with torch.no_grad():
-            self.total = self.weight.grad.sum(dtype=self.total.dtype)
 
     def _fits(self) -> bool:
         w = self.weight
@@ -193,16 +224,18 @@ class BackwardSums:
         for m, layer in zip(modules, self.layers):
             self.handles += [
                 m.register_forward_pre_hook(_Hook(layer, "forward")),
+                m.register_forward_hook(_Hook(layer, "output")),
                 m.weight.register_hook(_Hook(layer, "accumulating")),
                 m.weight.register_post_accumulate_grad_hook(_Hook(layer, "accumulated"))]
         #: how the chain's steps got their column sums: "backward", or the fallback's reason
         self.counts: Counter = Counter()
 
     def take(self, refused: str = "") -> tuple[list[torch.Tensor], torch.Tensor] | None:
-        """``(sums, total)`` if the record stands for ``W * grad`` now, else ``None``:
-        ``sums``, the column sums of layers ``2..L``; ``total``, the sum of every weight
-        gradient's entries (finite only if they are). ``refused``: the caller's reason not
-        to use them. Counted either way (:attr:`counts`).
+        """``(sums, check)`` if the record stands for ``W * grad`` now, else ``None``:
+        ``sums``, the column sums of layers ``2..L``; ``check``, 0 where every layer's bound
+        proves its gradient finite, else ``inf`` (the step then checks the gradients
+        themselves). ``refused``: the caller's reason not to use them. Counted either way
+        (:attr:`counts`).
 
         The weights are about to be written (not always through a version counter: the
         eager step writes CPU tensors through NumPy views), so the record holds no more
@@ -213,8 +246,12 @@ class BackwardSums:
             layer._break("the gradients were not cleared after a step")
         if why:
             return None
-        total = functools.reduce(operator.add, [layer.total for layer in self.layers])
-        return [layer.sums for layer in self.layers[1:]], total
+        bound = functools.reduce(operator.add, [layer.bound for layer in self.layers])
+        # far below the largest number: the bound's own rounding and the gradient's
+        # (a relative error of at most its reduction length times eps) cannot reach it
+        limit = torch.finfo(bound.dtype).max * 2.0**-16
+        check = torch.where(bound <= limit, 0.0, math.inf).to(bound.dtype)
+        return [layer.sums for layer in self.layers[1:]], check
 
     def refuse(self, why: str) -> None:
         """The gradients were changed where no version counter sees it: the record holds no
@@ -231,7 +268,7 @@ class BackwardSums:
             return
         for layer in self.layers:
             layer.sums.mul_(factor)
-            layer.total = layer.total * factor
+            layer.bound = layer.bound * factor
 
     def clear(self) -> None:
         """Restart every layer's sums at zero (after the gradients were cleared)."""
@@ -245,9 +282,10 @@ class BackwardSums:
 
 
 class _Hook:
-    """A hook of one layer's sums: before a forward pass (``pre``: the tap), before and after
-    an accumulation into the weight's gradient. A copy of the model (``copy.deepcopy``,
-    pickling) gets a hook that does nothing: the sums belong to this model's optimizer."""
+    """A hook of one layer's sums: before a forward pass (the input's tap), after it (the
+    output's, for the bound), before and after an accumulation into the weight's gradient.
+    A copy of the model (``copy.deepcopy``, pickling) gets a hook that does nothing: the
+    sums belong to this model's optimizer."""
 
     def __init__(self, layer: _Layer | None, when: str) -> None:
         self.layer, self.when = layer, when
@@ -263,16 +301,29 @@ class _Hook:
             layer.accumulating()
         elif self.when == "accumulated":
             layer.accumulated()
+        elif self.when == "output":
+            return self._bound(layer, *args)
         else:
             return self._tap(layer, *args)
         return None
 
     @staticmethod
+    def _armed(layer: _Layer, module: nn.Module, args: tuple) -> bool:
+        """Whether a forward pass of ``module`` may reach the layer's weight gradient."""
+        return (module.weight is layer.weight and torch.is_grad_enabled()
+                and layer.weight.requires_grad and bool(args)
+                and isinstance(args[0], torch.Tensor))
+
+    @staticmethod
+    def _bound(layer: _Layer, module: nn.Module, args: tuple, out):
+        if not _Hook._armed(layer, module, args) or not isinstance(out, torch.Tensor):
+            return None
+        with torch.no_grad():
+            x_norm = torch.linalg.vector_norm(args[0].detach())
+        return _Bound.apply(out, layer, x_norm)
+
+    @staticmethod
     def _tap(layer: _Layer, module: nn.Module, args: tuple):
-        if (module.weight is not layer.weight or not torch.is_grad_enabled()
-                or not layer.weight.requires_grad or not args):
+        if not _Hook._armed(layer, module, args) or not layer.before_forward(args[0]):
             return None
-        x = args[0]
-        if not isinstance(x, torch.Tensor) or not layer.before_forward(x):
-            return None
-        return (_Tap.apply(x, layer),) + tuple(args[1:])
+        return (_Tap.apply(args[0], layer),) + tuple(args[1:])

@@ -450,7 +450,7 @@ class ScaleInvariantOptimizer(Optimizer):
 
 def _sums_kwargs(sums) -> dict:
     """The step's keyword arguments of ``(column sums, gradient sum)`` (none for ``None``)."""
-    return {} if sums is None else dict(column_sums=sums[0], gradient_sum=sums[1])
+    return {} if sums is None else dict(column_sums=sums[0], gradient_check=sums[1])
 
 
 def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
