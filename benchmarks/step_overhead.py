@@ -423,10 +423,10 @@ def main(argv=None) -> int:
         size = sum(p.numel() for p in MODELS[name][0](MODELS[name][1]).parameters())
         if kind == "torch":
             rows.append(torch_rows(name, device, reps(size), not args.no_compile))
-        elif kind == "e2e":
-            rows.append(e2e_row(name, device, reps(size) + 3, not args.no_compile))
+        elif kind == "e2e":  # a whole training step: fewer, longer repetitions
+            rows.append(e2e_row(name, device, reps(size) // 3 + 3, not args.no_compile))
         elif kind == "hooks":
-            rows.append(hooks_row(name, device, reps(size) + 3))
+            rows.append(hooks_row(name, device, reps(size) // 3 + 3))
         else:
             rows.append(array_rows(name, kind, reps(size)))
     load_after = threads.load_average()

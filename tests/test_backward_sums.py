@@ -173,17 +173,27 @@ def _assign_between_forward_and_backward(model, opt, seed):
     loss.backward()
 
 
-def _detached(model, opt, seed):
-    """One backward pass through two uses of the layers, one of them with a detached input:
-    the tap sees the same graph task as the weight's accumulation, and misses that use."""
+def _detached(first):
+    """One backward pass through two uses of the layers, one of them (the ``first`` or the
+    second forward pass) with a detached input: the tap sees the same graph task as the
+    weight's accumulation, and misses that use."""
+    def play(model, opt, seed):
+        opt.zero_grad()
+        losses = []
+        for detach in (first, not first):
+            model.detach = detach
+            try:
+                losses.append(_loss(model, seed + len(losses)))
+            finally:
+                model.detach = False
+        (losses[0] + losses[1]).backward()
+    return play
+
+
+def _two_uses(model, opt, seed):
+    """The layers used twice in one loss (one backward pass, two uses of each layer)."""
     opt.zero_grad()
-    loss = _loss(model, seed)
-    model.detach = True
-    try:
-        loss = loss + _loss(model, seed + 1)
-    finally:
-        model.detach = False
-    loss.backward()
+    (_loss(model, seed) + _loss(model, seed + 1)).backward()
 
 
 def _zero_in_place(model, opt, seed):
@@ -232,6 +242,7 @@ SCENARIOS = {
     "optimizer zero_grad(set_to_none=False)": (_zero_in_place, 3),
     "accumulated micro-batches": (_micro_batches, 3),
     "retain_graph, two backward passes": (_retain_graph, 3),
+    "two uses in one backward pass": (_two_uses, 3),
     # zeroing gradients that are still None (the first step) changes nothing
     "model.zero_grad(set_to_none=False)": (_model_zero_grad_in_place, 1),
     "clip_grad_norm_": (_clip, 0),
@@ -241,7 +252,8 @@ SCENARIOS = {
     "zero_grad between forward and backward": (_zero_between_forward_and_backward, 0),
     "gradient assigned between forward and backward": (_assign_between_forward_and_backward,
                                                        0),
-    "a forward pass with a detached input": (_detached, 0),
+    "a use with a detached input, then one without": (_detached(True), 0),
+    "a use without, then one with a detached input": (_detached(False), 0),
     "torch.autograd.grad": (_autograd_grad, 0),
     "gradients not cleared": (_no_zero_grad, 1),
     "weights written after the backward pass": (_weights_written, 0),

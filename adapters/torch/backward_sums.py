@@ -20,10 +20,11 @@ detected, and the step then reads ``W * grad`` as before (a fallback, counted):
   pass, it is accounted for exactly (the sums restart at zero, as the gradient does); zeroed
   in place, or cleared or assigned between a forward pass and its backward, it is detected
   (a hook on the weight checks the gradient just before each accumulation);
-- a forward pass whose layer input does not require grad while the weight does (no_grad
-  parts, ``detach``): its backward would reach the weight and not the tap;
-- a backward pass that reaches the tap but not the weight's accumulation, or the reverse
-  (``torch.autograd.grad``): the graph tasks that each saw must be the same;
+- a use of the layer whose input does not require grad (no_grad parts, ``detach``): its
+  backward reaches the layer's output and weight but not the input's tap (per backward
+  call, the uses through the output's tap and through the input's must be as many);
+- a backward pass through the layer that does not accumulate into the weight's gradient
+  (``torch.autograd.grad``), or the reverse: the graph tasks that each saw must be the same;
 - weights written since the sums began (the version counter of each weight), and a step
   taken since (the optimizer's step writes CPU weights through NumPy views, out of sight of
   version counters: the record holds nothing more until the gradients are cleared);
@@ -122,14 +123,16 @@ class _Layer:
         self.bound = torch.zeros((), dtype=w.dtype, device=w.device)
         self.known = _state(self.weight.grad)
         self.weight_version = self.weight._version
-        self.taps, self.accumulations = set(), set()
+        # per graph task (one backward call): the uses of the layer it went through (the
+        # output's tap), those that reached the input's tap, and whether it accumulated
+        self.uses, self.taps, self.accumulations = Counter(), Counter(), set()
         self.broken = ""
 
     def add_(self, x: torch.Tensor, gx: torch.Tensor) -> None:
         """``sums += sum(x * gx)`` per input unit (the tap's backward)."""
         if self.broken:  # nothing to keep until the record restarts
             return
-        self.taps.add(_graph_task())
+        self.taps[_graph_task()] += 1
         with torch.no_grad():
             if self.conv:
                 unbatched = x.ndim == self.weight.ndim - 1
@@ -144,21 +147,20 @@ class _Layer:
         """``bound += ||gz|| * ||x||`` (the output tap's backward)."""
         if self.broken:
             return
+        self.uses[_graph_task()] += 1
         with torch.no_grad():
             self.bound = self.bound + (torch.linalg.vector_norm(gz) * x_norm).to(
                 self.bound.dtype)
 
     def before_forward(self, x: torch.Tensor) -> bool:
         """Before a forward pass that may reach the weight's gradient: whether its input is
-        to be tapped."""
+        to be tapped (an input that needs no grad is not: that use's backward will reach the
+        output's tap and not the input's, and :meth:`why_invalid` says so)."""
         if self.weight.grad is None:
-            self.reset()  # exact: the gradient is zero (cleared by anyone), so are the sums
-        if not self.tap:
-            return False
-        if not x.requires_grad:
-            self._break("a forward pass reached the layer with an input that needs no grad")
-            return False
-        return True
+            # exact: the gradient is zero (cleared by anyone), and so are the sums; what
+            # pending graphs will add is recorded when they are backpropagated
+            self.reset()
+        return self.tap and x.requires_grad
 
     def accumulating(self) -> None:
         """Before autograd accumulates into the weight's gradient: it must be as known (a
@@ -190,8 +192,10 @@ class _Layer:
             return "the gradient was changed after a backward pass"
         if self.weight._version != self.weight_version:
             return "the weights were written after a backward pass"
-        if self.tap and self.taps != self.accumulations:
-            return "a backward pass reached the gradient without the layer's input, or back"
+        if set(self.uses) != self.accumulations:
+            return "a backward pass went through the layer and not into its gradient, or back"
+        if self.tap and self.taps != self.uses:
+            return "a backward pass went through the layer but not through its input"
         return ""
 
 
