@@ -8,7 +8,8 @@ to ``--out``.
 
 - torch (CPU float32, or CUDA when available): ``torch.optim.SGD(foreach=True)`` against
   ``GSGD`` (eager fast path), ``GSGD(compile=True)``, and both with momentum 0.9 against
-  ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` against ``torch.optim.Adam(foreach=True)``;
+  ``SGD(momentum=0.9, foreach=True)``; ``GAdam`` (eager and compiled) against
+  ``torch.optim.Adam(foreach=True)``;
   ResNet-18 with batch norm, where ``GSGD`` is PSI-SGD(M) on every conv weight. Every step
   follows a real backward pass (untimed) on a batch of 32, so that G-SGD's steps take their
   column sums from it (DESIGN §12); beside them, ``GSGD(backward_sums=False)``, whose step
@@ -166,7 +167,7 @@ def _variants(times: dict, spec) -> dict:
 def torch_rows(name, device, reps, compile_):
     build, arg = MODELS[name]
     kinds = ("sgd", "gsgd", "product", "sgdm", "gsgdm", "adam", "gadam") + (
-        ("gsgdc", "gsgdmc") if compile_ else ())
+        ("gsgdc", "gsgdmc", "gadamc") if compile_ else ())
     copies, m = _copies(lambda: build(arg), kinds, device)
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
             "gsgd": GSGD(copies["gsgd"], lr=LR),
@@ -179,20 +180,22 @@ def torch_rows(name, device, reps, compile_):
     if compile_:
         opts["gsgdc"] = GSGD(copies["gsgdc"], lr=LR, compile=True)
         opts["gsgdmc"] = GSGD(copies["gsgdmc"], lr=LR, momentum=0.9, compile=True)
+        opts["gadamc"] = GAdam(copies["gadamc"], lr=LR, compile=True)
     batch = _batch(name, device)
     steppers = {k: _stepper(o, device, _backward(copies[k], o, batch)) for k, o in opts.items()}
     # Plain and momentum steps interleave within their own group: each ratio compares
     # optimizers that ran in turn, on equally warm caches.
     t = {}
     for group in (("sgd", "gsgd", "gsgdc", "product"), ("sgdm", "gsgdm", "gsgdmc"),
-                  ("adam", "gadam")):
+                  ("adam", "gadam", "gadamc")):
         t.update(interleaved({k: steppers[k] for k in group if k in opts}, reps))
     return Row(f"torch {device.type}", name, m, _variants(t, [
         ("G-SGD", SGD, "sgd", "gsgd"), ("G-SGD compiled", SGD, "sgd", "gsgdc"),
         (PRODUCT, SGD, "sgd", "product"),
         ("momentum 0.9", SGDM, "sgdm", "gsgdm"),
         ("momentum 0.9 compiled", SGDM, "sgdm", "gsgdmc"),
-        ("G-Adam", "Adam(foreach)", "adam", "gadam")]))
+        ("G-Adam", "Adam(foreach)", "adam", "gadam"),
+        ("G-Adam compiled", "Adam(foreach)", "adam", "gadamc")]))
 
 
 def psi_row(device, reps, compile_):

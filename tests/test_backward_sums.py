@@ -460,3 +460,24 @@ def test_grad_scaler_unscales_the_sums_exactly_or_refuses_them(init_scale, unsca
         plain_opt.step()
     for p, q in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_an_in_place_relu_after_a_layer_keeps_the_sums_exact():
+    """``nn.ReLU(inplace=True)`` rewrites a layer's output: the bound's hook on that output
+    still gets the gradient of the output as the layer wrote it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, dtype=F64), nn.ReLU(inplace=True),
+                          nn.Conv2d(4, 5, 3, padding=1, dtype=F64), nn.ReLU(inplace=True),
+                          nn.Flatten(), nn.Linear(5 * 36, 3, dtype=F64))
+    skeleton_init_(model)
+    twin = copy.deepcopy(model)
+    opt, ref = GSGD(model, lr=0.05), GSGD(twin, lr=0.05, backward_sums=False)
+    for seed in range(2):
+        x = torch.randn(4, 3, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(seed))
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert opt.describe().column_sums == {"backward": 2}

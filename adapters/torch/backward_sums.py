@@ -8,7 +8,9 @@ and its input, so (DESIGN §12)::
 
 exactly, where ``x_l`` is the layer's input. :class:`BackwardSums` wraps that input in an
 identity autograd function (:class:`_Tap`) whose backward accumulates ``x * dL/dx`` per
-input unit: one reduction over activations, whose two factors autograd holds anyway.
+input unit: one reduction over activations, whose two factors autograd holds anyway. A
+hook on the layer's output bounds the weight gradient's entries (:class:`_Layer`), which
+proves them finite without reading them.
 
 The sums stand for ``W * grad`` only while each weight's ``.grad`` is exactly the
 accumulation of the backward passes they saw, with the weights they saw. Everything else is
@@ -50,7 +52,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-__all__ = ["BackwardSums"]
+__all__ = ["BackwardSums", "step_arguments"]
 
 
 def _graph_task() -> int:
@@ -72,22 +74,6 @@ class _Tap(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         ctx.layer.add_(x, gx)
         return gx, None
-
-
-class _Bound(torch.autograd.Function):
-    """The identity on a layer's output; its backward adds ``||dL/dz|| * ||x||`` (``x`` the
-    layer's input, its norm taken in the forward pass) into ``layer``'s bound on the
-    gradient's entries."""
-
-    @staticmethod
-    def forward(ctx, z, layer, x_norm):
-        ctx.layer, ctx.x_norm = layer, x_norm
-        return z.view_as(z)
-
-    @staticmethod
-    def backward(ctx, gz):
-        ctx.layer.add_bound(gz, ctx.x_norm)
-        return gz, None, None
 
 
 class _Layer:
@@ -144,7 +130,8 @@ class _Layer:
                 self.sums.add_(prod.view(self.units, -1).sum(1))
 
     def add_bound(self, gz: torch.Tensor, x_norm: torch.Tensor) -> None:
-        """``bound += ||gz|| * ||x||`` (the output tap's backward)."""
+        """``bound += ||gz|| * ||x||`` (a hook on the layer's output, which gets ``gz`` before
+        any in-place operation on the output has changed it: an ``inplace=True`` ReLU)."""
         if self.broken:
             return
         self.uses[_graph_task()] += 1
@@ -207,6 +194,12 @@ def _same(known, grad) -> bool:
     if known is None or grad is None:
         return known is None and grad is None
     return known[0]() is grad and grad._version == known[1]
+
+
+def step_arguments(taken) -> dict:
+    """The step's keyword arguments (:func:`gsgd_backends.gsgd_update_`) of what
+    :meth:`BackwardSums.take` returned: none for ``None``."""
+    return {} if taken is None else dict(column_sums=taken[0], gradient_check=taken[1])
 
 
 class BackwardSums:
@@ -306,7 +299,7 @@ class _Hook:
         elif self.when == "accumulated":
             layer.accumulated()
         elif self.when == "output":
-            return self._bound(layer, *args)
+            self._bound(layer, *args)
         else:
             return self._tap(layer, *args)
         return None
@@ -319,12 +312,12 @@ class _Hook:
                 and isinstance(args[0], torch.Tensor))
 
     @staticmethod
-    def _bound(layer: _Layer, module: nn.Module, args: tuple, out):
-        if not _Hook._armed(layer, module, args) or not isinstance(out, torch.Tensor):
-            return None
-        with torch.no_grad():
-            x_norm = torch.linalg.vector_norm(args[0].detach())
-        return _Bound.apply(out, layer, x_norm)
+    def _bound(layer: _Layer, module: nn.Module, args: tuple, out) -> None:
+        if (_Hook._armed(layer, module, args) and isinstance(out, torch.Tensor)
+                and out.requires_grad):
+            with torch.no_grad():
+                x_norm = torch.linalg.vector_norm(args[0].detach())
+            out.register_hook(functools.partial(layer.add_bound, x_norm=x_norm))
 
     @staticmethod
     def _tap(layer: _Layer, module: nn.Module, args: tuple):

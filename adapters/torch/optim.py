@@ -25,7 +25,7 @@ from gsgd_backends.psi import PSIPlan
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
-from .backward_sums import BackwardSums
+from .backward_sums import BackwardSums, step_arguments
 from .discovery import unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
@@ -448,11 +448,6 @@ class ScaleInvariantOptimizer(Optimizer):
                 stacklevel=user_stacklevel())
 
 
-def _sums_kwargs(sums) -> dict:
-    """The step's keyword arguments of ``(column sums, gradient sum)`` (none for ``None``)."""
-    return {} if sums is None else dict(column_sums=sums[0], gradient_check=sums[1])
-
-
 def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
     """``state["momentum_buffer"]``, zeros like ``p`` when missing (allocated only then:
     ``setdefault`` would build a full-size default every step)."""
@@ -588,7 +583,7 @@ class GSGD(ScaleInvariantOptimizer):
                      weight_decay=hyper_value(group["weight_decay"]))
         if not is_sharded(W[0]):
             return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper,
-                                **_sums_kwargs(sums))
+                                **step_arguments(sums))
 
         def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
             done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, stepper, *a, **hyper)
