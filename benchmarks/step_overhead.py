@@ -205,6 +205,12 @@ def psi_row(device, reps, compile_):
     the CPU, torch's default is one tensor at a time)."""
     kinds = ("sgd", "psi", "sgdm", "psim") + (("psic", "psimc") if compile_ else ())
     copies, m = _copies(resnet18, kinds, device)
+    # gradients held fixed: PSI-SGD(M) reads no column sums, so no backward pass is timed
+    torch.manual_seed(1)
+    grads = [torch.randn_like(p) * 1e-3 for p in copies["sgd"].parameters()]
+    for model in copies.values():
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
     opts = {"sgd": torch.optim.SGD(copies["sgd"].parameters(), lr=LR, foreach=True),
             "psi": GSGD(copies["psi"], lr=LR, foreach=True),
             "sgdm": torch.optim.SGD(copies["sgdm"].parameters(), lr=LR, momentum=0.9,

@@ -105,8 +105,10 @@ class _Layer:
         if not self._fits():
             self.sums = torch.zeros(self.units if self.tap else 0, dtype=w.dtype,
                                     device=w.device)
+            self.bound = torch.zeros((), dtype=w.dtype, device=w.device)
         self.sums.zero_()
-        self.bound = torch.zeros((), dtype=w.dtype, device=w.device)
+        self.bound.zero_()
+        self.clean = True  # nothing recorded since (a forward pass need not reset again)
         self.known = _state(self.weight.grad)
         self.weight_version = self.weight._version
         # per graph task (one backward call): the uses of the layer it went through (the
@@ -118,32 +120,36 @@ class _Layer:
         """``sums += sum(x * gx)`` per input unit (the tap's backward)."""
         if self.broken:  # nothing to keep until the record restarts
             return
+        self.clean = False
         self.taps[_graph_task()] += 1
         with torch.no_grad():
-            if self.conv:
-                unbatched = x.ndim == self.weight.ndim - 1
-                dims = [d for d in range(x.ndim) if d != (0 if unbatched else 1)]
-                self.sums.add_(torch.sum(x * gx, dim=dims, dtype=self.sums.dtype))
+            prod = x * gx
+            if self.conv:  # (batch, units, positions...): positions first, contiguous
+                batched = x.ndim == self.weight.ndim
+                prod = prod.reshape(prod.shape[:2 if batched else 1] + (-1,))
+                prod = prod.sum(-1, dtype=self.sums.dtype)
+                self.sums.add_(prod.sum(0) if batched else prod)
             else:
-                prod = torch.sum((x * gx).reshape(-1, x.shape[-1]), dim=0,
-                                 dtype=self.sums.dtype)
-                self.sums.add_(prod.view(self.units, -1).sum(1))
+                prod = prod.reshape(-1, x.shape[-1]).sum(0, dtype=self.sums.dtype)
+                self.sums.add_(prod if prod.shape[0] == self.units else
+                               prod.view(self.units, -1).sum(1))
 
     def add_bound(self, gz: torch.Tensor, x_norm: torch.Tensor) -> None:
         """``bound += ||gz|| * ||x||`` (a hook on the layer's output, which gets ``gz`` before
         any in-place operation on the output has changed it: an ``inplace=True`` ReLU)."""
         if self.broken:
             return
+        self.clean = False
         self.uses[_graph_task()] += 1
         with torch.no_grad():
-            self.bound = self.bound + (torch.linalg.vector_norm(gz) * x_norm).to(
-                self.bound.dtype)
+            self.bound.add_(torch.linalg.vector_norm(gz) * x_norm)
 
     def before_forward(self, x: torch.Tensor) -> bool:
         """Before a forward pass that may reach the weight's gradient: whether its input is
         to be tapped (an input that needs no grad is not: that use's backward will reach the
         output's tap and not the input's, and :meth:`why_invalid` says so)."""
-        if self.weight.grad is None:
+        if self.weight.grad is None and not (
+                self.clean and self.weight._version == self.weight_version):
             # exact: the gradient is zero (cleared by anyone), and so are the sums; what
             # pending graphs will add is recorded when they are backpropagated
             self.reset()
@@ -160,6 +166,7 @@ class _Layer:
         tensor): the gradient now known."""
         if self.broken:
             return
+        self.clean = False
         self.accumulations.add(_graph_task())
         self.known = _state(self.weight.grad)
 
@@ -169,6 +176,7 @@ class _Layer:
 
     def _break(self, why: str) -> None:
         self.broken = self.broken or why
+        self.clean = False
 
     def why_invalid(self) -> str:
         """Why this record does not stand for the layer's ``W * grad`` now (``""``: it
@@ -265,7 +273,7 @@ class BackwardSums:
             return
         for layer in self.layers:
             layer.sums.mul_(factor)
-            layer.bound = layer.bound * factor
+            layer.bound.mul_(factor)
 
     def clear(self) -> None:
         """Restart every layer's sums at zero (after the gradients were cleared)."""
