@@ -272,3 +272,28 @@ def test_a_tensor_hyperparameter_of_several_elements_is_refused_by_name(name):
     kwargs = {"lr": value} if name == "lr" else {"betas": (value, value)}
     with pytest.raises(ValueError, match=f"^{name} as a tensor must have one element"):
         GAdam(Net(), **kwargs)  # refused before the skeleton is looked at
+
+
+@pytest.mark.parametrize("cls, kw", [(GAdam, dict(lr=1e-2)),
+                                     (GAdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True))])
+def test_compiled_g_adam_steps_like_the_eager_one(cls, kw):
+    """``compile=True`` runs the update of every edge as one compiled loop per layer (a
+    conv chain with a flatten, float64): the same steps to rounding, sums from the
+    backward pass in both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(4, 5, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(5 * 16, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+    skeleton_init_(model)
+    twin = copy.deepcopy(model)
+    fast, eager = cls(model, compile=True, **kw), cls(twin, **kw)
+    for seed in range(3):
+        x = torch.randn(6, 3, 8, 8, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed))
+        for m, o in ((model, fast), (twin, eager)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert fast.describe().column_sums == {"backward": 3}
