@@ -224,6 +224,15 @@ def _functional_call(model, opt, seed):
     torch.func.functional_call(model, other, (x,)).square().sum().backward()
 
 
+def _weights_written_first(model, opt, seed):
+    """Weights written after the gradients were cleared and before the forward pass (a
+    skeleton re-initialisation, a projection): the sums are those of the new weights."""
+    opt.zero_grad()
+    with torch.no_grad():
+        model.l2.weight.mul_(1.0)
+    _loss(model, seed).backward()
+
+
 def _checkpointed(reentrant):
     def play(model, opt, seed):
         model.checkpoint = reentrant
@@ -257,6 +266,7 @@ SCENARIOS = {
     "torch.autograd.grad": (_autograd_grad, 0),
     "gradients not cleared": (_no_zero_grad, 1),
     "weights written after the backward pass": (_weights_written, 0),
+    "weights written before the forward pass": (_weights_written_first, 3),
     "torch.func.functional_call with other parameters": (_functional_call, 3),
     "checkpoint (non-reentrant)": (_checkpointed(False), 3),
     "checkpoint (reentrant)": (_checkpointed(True), 3),
