@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 from _helpers import DEFAULT_INIT
+from _twins import assert_same_parameters, step_twins
 from gsgd_adapters.torch import GAdam, GSGD, skeleton_init_
 from gsgd_adapters.torch.backward_sums import BackwardSums
 from gsgd_adapters.torch.discovery import chain_of
@@ -293,8 +294,7 @@ def test_every_way_of_touching_the_gradients_steps_like_w_times_grad(name, make_
         for m, o in ((model, opt), (twin, ref)):
             play(m, o, seed)
             o.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert_same_parameters(model, twin)
     counts = opt.describe().column_sums
     assert sum(counts.values()) == 3 and ref.describe().column_sums == {}
     if from_backward is not None:
@@ -362,8 +362,7 @@ def test_a_copy_of_the_model_neither_feeds_the_sums_nor_breaks_pickling():
     _loss(clone, 5).backward()  # its forward hooks are the original's, disarmed
     opt.step()
     ref.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert_same_parameters(model, twin)
     assert opt.describe().column_sums == {"backward": 1}
 
 
@@ -377,8 +376,7 @@ def test_a_compiled_model_steps_like_w_times_grad():
         opt.step()
         _plain(twin, ref, seed)
         ref.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert_same_parameters(model, twin)
 
 
 @pytest.mark.parametrize("update", ["gsgd", "adam"])
@@ -459,8 +457,7 @@ def test_grad_scaler_unscales_the_sums_exactly_or_refuses_them(init_scale, unsca
                 scaler.unscale_(o)
             scaler.step(o)
             scaler.update()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert_same_parameters(model, twin)
     assert opt.describe().column_sums.get("backward", 0) == from_backward
     if init_scale != 2.0**10:
         return  # GradScaler unscales by a float32 reciprocal: exact for powers of two only
@@ -468,8 +465,7 @@ def test_grad_scaler_unscales_the_sums_exactly_or_refuses_them(init_scale, unsca
     for seed in range(3):
         _plain(plain, plain_opt, seed)
         plain_opt.step()
-    for p, q in zip(model.parameters(), plain.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    assert_same_parameters(model, plain)
 
 
 def test_an_in_place_relu_after_a_layer_keeps_the_sums_exact():
@@ -482,12 +478,8 @@ def test_an_in_place_relu_after_a_layer_keeps_the_sums_exact():
     skeleton_init_(model)
     twin = copy.deepcopy(model)
     opt, ref = GSGD(model, lr=0.05), GSGD(twin, lr=0.05, backward_sums=False)
-    for seed in range(2):
-        x = torch.randn(4, 3, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(seed))
-        for m, o in ((model, opt), (twin, ref)):
-            o.zero_grad()
-            m(x).square().sum().backward()
-            o.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    step_twins([(model, opt), (twin, ref)],
+               [torch.randn(4, 3, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(seed))
+                for seed in range(2)])
+    assert_same_parameters(model, twin)
     assert opt.describe().column_sums == {"backward": 2}

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import gsgd_core as gc
 from _helpers import assert_close
+from _twins import assert_same_parameters, step_twins
 from test_torch_adapter import float64_default, loss_of, train  # noqa: F401 (autouse)
 from gsgd_adapters.torch import (GAdam, GAdamW, SkeletonWarning, SkippedStepWarning, discover,
                                  random_rescale_, skeleton_init_)
@@ -287,13 +288,8 @@ def test_compiled_g_adam_steps_like_the_eager_one(cls, kw):
     skeleton_init_(model)
     twin = copy.deepcopy(model)
     fast, eager = cls(model, compile=True, **kw), cls(twin, **kw)
-    for seed in range(3):
-        x = torch.randn(6, 3, 8, 8, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(seed))
-        for m, o in ((model, fast), (twin, eager)):
-            o.zero_grad()
-            m(x).square().sum().backward()
-            o.step()
-    for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    step_twins([(model, fast), (twin, eager)],
+               [torch.randn(6, 3, 8, 8, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(seed)) for seed in range(3)])
+    assert_same_parameters(model, twin)
     assert fast.describe().column_sums == {"backward": 3}
