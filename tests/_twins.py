@@ -13,7 +13,8 @@ def step_twins(pairs, inputs) -> None:
             opt.step()
 
 
-def assert_same_parameters(a, b) -> None:
-    """Every parameter of model ``a`` equals model ``b``'s to float64 rounding."""
+def assert_same_parameters(a, b, rtol: float = 1e-12, atol: float = 1e-14) -> None:
+    """Every parameter of model ``a`` equals model ``b``'s (to float64 rounding unless told
+    otherwise)."""
     for p, q in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol)

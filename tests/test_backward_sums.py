@@ -11,6 +11,7 @@ float64 rounding, and ``describe()`` must say which source each step used.
 """
 
 import copy
+import math
 import pickle
 
 import pytest
@@ -234,6 +235,28 @@ def _weights_written_first(model, opt, seed):
     _loss(model, seed).backward()
 
 
+def _input_requires_grad(model, opt, seed):
+    """A loss whose input requires grad (an input gradient taken with the weights')."""
+    opt.zero_grad()
+    x = torch.randn(4, 5, dtype=F64, generator=torch.Generator().manual_seed(seed))
+    model(x.requires_grad_()).square().mean().backward()
+
+
+def _discarded_batch(model, opt, seed):
+    """A batch backpropagated, then its gradients dropped by the model's ``zero_grad``."""
+    _plain(model, opt, seed + 100)
+    model.zero_grad()
+    _loss(model, seed).backward()
+
+
+def _autograd_grad_first(model, opt, seed):
+    """``torch.autograd.grad`` through the layers while the gradients are cleared, then the
+    batch whose gradients the step takes."""
+    opt.zero_grad()
+    torch.autograd.grad(_loss(model, seed + 100), list(model.parameters()))
+    _loss(model, seed).backward()
+
+
 def _checkpointed(reentrant):
     def play(model, opt, seed):
         model.checkpoint = reentrant
@@ -244,33 +267,46 @@ def _checkpointed(reentrant):
     return play
 
 
-# scenario -> how many of its 3 steps take their sums from the backward pass (the others
-# read W * grad); None: either, only agreement is asserted
+# the reasons ``describe()`` gives for a step that read W * grad
+CHANGED = "the gradient was changed after a backward pass"
+NOT_CLEARED = "the gradients were not cleared after a step"
+WRITTEN = "the weights were written after a backward pass"
+NOT_INTO_GRAD = "a backward pass went through the layer and not into its gradient, or back"
+NOT_INPUT = "a backward pass went through the layer but not through its input"
+BACKWARD = {"backward": 3}
+
+# scenario -> where each of its 3 steps took its column sums from ("backward", or the
+# reason it read W * grad instead)
 SCENARIOS = {
-    "optimizer zero_grad": (_plain, 3),
-    "model.zero_grad()": (_model_zero_grad, 3),
-    "optimizer zero_grad(set_to_none=False)": (_zero_in_place, 3),
-    "accumulated micro-batches": (_micro_batches, 3),
-    "retain_graph, two backward passes": (_retain_graph, 3),
-    "two uses in one backward pass": (_two_uses, 3),
+    "optimizer zero_grad": (_plain, BACKWARD),
+    "model.zero_grad()": (_model_zero_grad, BACKWARD),
+    "optimizer zero_grad(set_to_none=False)": (_zero_in_place, BACKWARD),
+    "accumulated micro-batches": (_micro_batches, BACKWARD),
+    "retain_graph, two backward passes": (_retain_graph, BACKWARD),
+    "two uses in one backward pass": (_two_uses, BACKWARD),
+    "an input that requires grad": (_input_requires_grad, BACKWARD),
+    "a batch discarded by model.zero_grad()": (_discarded_batch, BACKWARD),
+    "torch.autograd.grad before the backward pass": (_autograd_grad_first, BACKWARD),
     # zeroing gradients that are still None (the first step) changes nothing
-    "model.zero_grad(set_to_none=False)": (_model_zero_grad_in_place, 1),
-    "clip_grad_norm_": (_clip, 0),
-    "gradient scaled in place": (_scale_in_place, 0),
-    "gradient replaced": (_replace, 0),
-    "layer 1's gradient scaled": (_unscale_first_layer, 0),
-    "zero_grad between forward and backward": (_zero_between_forward_and_backward, 0),
+    "model.zero_grad(set_to_none=False)": (_model_zero_grad_in_place,
+                                           {"backward": 1, NOT_CLEARED: 2}),
+    "clip_grad_norm_": (_clip, {CHANGED: 3}),
+    "gradient scaled in place": (_scale_in_place, {CHANGED: 3}),
+    "gradient replaced": (_replace, {CHANGED: 3}),
+    "layer 1's gradient scaled": (_unscale_first_layer, {CHANGED: 3}),
+    "zero_grad between forward and backward": (_zero_between_forward_and_backward,
+                                               {CHANGED: 3}),
     "gradient assigned between forward and backward": (_assign_between_forward_and_backward,
-                                                       0),
-    "a use with a detached input, then one without": (_detached(True), 0),
-    "a use without, then one with a detached input": (_detached(False), 0),
-    "torch.autograd.grad": (_autograd_grad, 0),
-    "gradients not cleared": (_no_zero_grad, 1),
-    "weights written after the backward pass": (_weights_written, 0),
-    "weights written before the forward pass": (_weights_written_first, 3),
-    "torch.func.functional_call with other parameters": (_functional_call, 3),
-    "checkpoint (non-reentrant)": (_checkpointed(False), 3),
-    "checkpoint (reentrant)": (_checkpointed(True), 3),
+                                                       {CHANGED: 3}),
+    "a use with a detached input, then one without": (_detached(True), {NOT_INPUT: 3}),
+    "a use without, then one with a detached input": (_detached(False), {NOT_INPUT: 3}),
+    "torch.autograd.grad": (_autograd_grad, {NOT_INTO_GRAD: 3}),
+    "gradients not cleared": (_no_zero_grad, {"backward": 1, NOT_CLEARED: 2}),
+    "weights written after the backward pass": (_weights_written, {WRITTEN: 3}),
+    "weights written before the forward pass": (_weights_written_first, BACKWARD),
+    "torch.func.functional_call with other parameters": (_functional_call, BACKWARD),
+    "checkpoint (non-reentrant)": (_checkpointed(False), BACKWARD),
+    "checkpoint (reentrant)": (_checkpointed(True), BACKWARD),
 }
 
 
@@ -288,17 +324,14 @@ def _pair(make_opt, **kw):
     (GSGD, dict(lr=0.05, maximize=True)), (GAdam, dict(lr=1e-2))],
     ids=["gsgd", "gsgd-momentum", "gsgd-maximize", "gadam"])
 def test_every_way_of_touching_the_gradients_steps_like_w_times_grad(name, make_opt, kw):
-    play, from_backward = SCENARIOS[name]
+    play, sources = SCENARIOS[name]
     (model, opt), (twin, ref) = _pair(make_opt, **kw)
     for seed in range(3):
         for m, o in ((model, opt), (twin, ref)):
             play(m, o, seed)
             o.step()
     assert_same_parameters(model, twin)
-    counts = opt.describe().column_sums
-    assert sum(counts.values()) == 3 and ref.describe().column_sums == {}
-    if from_backward is not None:
-        assert counts.get("backward", 0) == from_backward, counts
+    assert opt.describe().column_sums == sources and ref.describe().column_sums == {}
 
 
 def test_fallbacks_are_counted_with_their_reason_and_described():
@@ -439,11 +472,13 @@ def test_bad_column_sums_are_refused_before_anything_is_written(bad, match):
     assert all(torch.equal(w, v) for w, v in zip(W, before))
 
 
-@pytest.mark.parametrize("init_scale, unscale_first, from_backward", [
-    (2.0**10, False, 3), (1000.0, False, 0), (2.0**10, True, 0)],
+@pytest.mark.parametrize("init_scale, unscale_first, sources", [
+    (2.0**10, False, BACKWARD),
+    (1000.0, False, {"the gradients were unscaled by a factor that is not a power of two": 3}),
+    (2.0**10, True, {"GradScaler.unscale_ changed the gradients in place": 3})],
     ids=["power-of-two", "other-scale", "unscale_-first"])
 def test_grad_scaler_unscales_the_sums_exactly_or_refuses_them(init_scale, unscale_first,
-                                                               from_backward):
+                                                               sources):
     """``GradScaler.step`` hands GSGD its scale: the gradients are unscaled and the sums by
     the same factor (exact for a power of two; any other scale, or gradients that
     ``scaler.unscale_`` changed out of sight of version counters, refuse the sums)."""
@@ -458,7 +493,7 @@ def test_grad_scaler_unscales_the_sums_exactly_or_refuses_them(init_scale, unsca
             scaler.step(o)
             scaler.update()
     assert_same_parameters(model, twin)
-    assert opt.describe().column_sums.get("backward", 0) == from_backward
+    assert opt.describe().column_sums == sources
     if init_scale != 2.0**10:
         return  # GradScaler unscales by a float32 reciprocal: exact for powers of two only
     (plain, plain_opt), _ = _pair(GSGD, lr=0.05, momentum=0.9)
@@ -483,3 +518,231 @@ def test_an_in_place_relu_after_a_layer_keeps_the_sums_exact():
                 for seed in range(2)])
     assert_same_parameters(model, twin)
     assert opt.describe().column_sums == {"backward": 2}
+
+
+def _chain_modules(net):
+    return [m for m in net if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))]
+
+
+@pytest.mark.parametrize("make_opt, backend", [
+    (GSGD, "gsgd_adapters.torch.optim.gsgd_update_"),
+    (GAdam, "gsgd_adapters.torch.adam.path_update_")], ids=["gsgd", "gadam"])
+def test_the_step_hands_the_backend_the_sums_from_the_backward_pass(make_opt, backend,
+                                                                    monkeypatch):
+    """A step whose record stands hands the backend the column sums of ``W * grad`` and a
+    gradient check of zero (the bound proves every gradient entry finite), so that the
+    step need not form them; a step that reads ``W * grad`` instead hands it neither."""
+    real = {"gsgd": gsgd_update_, "gadam": path_update_}[make_opt.__name__.lower()]
+    calls = []
+
+    def spy(*args, **kw):  # a copy: the record's buffers restart at the next zero_grad
+        calls.append({k: [t.clone() for t in v] if k == "column_sums" else
+                      v if v is None else v.clone()
+                      for k, v in kw.items() if k in ("column_sums", "gradient_check")})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(backend, spy)
+    (model, opt), _ = _pair(make_opt, lr=1e-2)
+    _plain(model, opt, 0)
+    with torch.no_grad():
+        want = _colsums([model.l1, model.l2, model.l3], (5, 6, 7, 3))
+    opt.step()
+    _clip(model, opt, 1)
+    opt.step()
+    given, read = calls
+    for g, w in zip(given["column_sums"], want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-14)
+    check = given["gradient_check"]
+    assert isinstance(check, torch.Tensor) and check.shape == () and check.dtype == F64
+    assert float(check) == 0.0
+    assert "column_sums" not in read and "gradient_check" not in read
+
+
+@pytest.mark.parametrize("above", [False, True], ids=["at-the-limit", "above-it"])
+def test_the_gradient_check_is_zero_up_to_its_limit_and_inf_above(above):
+    """``take``'s check proves the gradients finite (0) while the bound, the sum over layers
+    of ``||dL/dz|| * ||x||``, is at most the dtype's largest number times ``2**-16``, and is
+    ``inf`` above that (the step then checks the gradients themselves). A one-unit chain
+    whose second layer has a zero weight puts the whole bound on that layer, exactly."""
+    limit = torch.finfo(F64).max * 2.0**-16
+    model = nn.Sequential(nn.Linear(1, 1, bias=False, dtype=F64), nn.ReLU(),
+                          nn.Linear(1, 1, bias=False, dtype=F64))
+    with torch.no_grad():
+        model[0].weight.fill_(2.0**504)  # x_2 = 2**504
+        model[2].weight.zero_()  # dL/dz_1 = 0: layer 1 adds nothing to the bound
+    sums = BackwardSums(_chain_modules(model), (1, 1, 1))
+    gz = limit / 2.0**504
+    if above:
+        gz = math.nextafter(gz, math.inf)
+    (model(torch.ones(1, 1, dtype=F64)) * gz).sum().backward()
+    bound = sum(float(layer.bound) for layer in sums.layers)
+    assert bound == gz * 2.0**504 and (bound > limit) == above
+    _, check = sums.take()
+    assert float(check) == (math.inf if above else 0.0)
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_an_unbatched_input_gives_the_column_sums_of_w_times_grad(conv):
+    """One sample without its batch axis (``(features,)`` for a Linear, ``(C, H, W)`` for a
+    convolution): the sums are still those of ``W * grad``."""
+    torch.manual_seed(0)
+    if conv:
+        net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, dtype=F64), nn.ReLU(),
+                            nn.Conv2d(3, 4, 3, padding=1, dtype=F64), nn.ReLU(),
+                            nn.Flatten(0), nn.Linear(4 * 36, 2, dtype=F64))
+        x = torch.randn(2, 6, 6, dtype=F64)
+    else:
+        net = _net(False, [3, 4, 5, 2], pool=False, dropout=False, bias=True)
+        x = torch.randn(3, dtype=F64)
+    modules = _chain_modules(net)
+    sizes = chain_of(modules).sizes
+    sums = BackwardSums(modules, sizes)
+    net(x).square().sum().backward()
+    got, _ = sums.take()
+    with torch.no_grad():
+        want = _colsums(modules, sizes)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+class _UpcastLinear(nn.Linear):
+    """A Linear that casts its input to its weights' dtype."""
+
+    def forward(self, x):
+        return super().forward(x.to(self.weight.dtype))
+
+
+class _UpcastConv1d(nn.Conv1d):
+    """A Conv1d that casts its input to its weights' dtype."""
+
+    def forward(self, x):
+        return super().forward(x.to(self.weight.dtype))
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["linear", "conv"])
+def test_the_sums_are_summed_in_the_weights_dtype(conv):
+    """A float64 layer fed a float32 input that it casts up: the products ``x * dL/dx``
+    are float32 but their sum is taken in float64, as ``W * grad`` is. The two products,
+    ``2**24`` and ``1``, sum to ``2**24 + 1``, exact in float64 and not in float32; they are
+    a batch's two rows for a Linear, a position's two positions for a convolution."""
+    big = 4096.0  # 2**12: its square is 2**24
+    if conv:
+        first = nn.Conv1d(1, 1, 1, bias=False)
+        second = _UpcastConv1d(1, 1, 1, bias=False, dtype=F64)
+        x, scale = torch.tensor([[[big, 1.0]]]), torch.tensor([[[big, 1.0]]], dtype=F64)
+    else:
+        first = nn.Linear(1, 1, bias=False)
+        second = _UpcastLinear(1, 1, bias=False, dtype=F64)
+        x, scale = torch.tensor([[big], [1.0]]), torch.tensor([[big], [1.0]], dtype=F64)
+    with torch.no_grad():
+        first.weight.fill_(1.0)
+        second.weight.fill_(1.0)
+    sums = BackwardSums([first, second], (1, 1, 1))
+    (second(torch.relu(first(x))) * scale).sum().backward()
+    got, _ = sums.take()
+    with torch.no_grad():
+        want = _colsums([first, second], (1, 1, 1))
+    assert float(want[0]) == 2.0**24 + 1
+    assert got[0].dtype == F64 and torch.equal(got[0], want[0])
+
+
+class _Scaled(nn.Linear):
+    """A Linear whose output is multiplied by a second argument of its forward."""
+
+    def forward(self, x, scale):
+        return super().forward(x) * scale
+
+
+def test_a_layer_called_with_more_arguments_gets_them_all():
+    """The input's tap takes the place of the first argument only: a layer whose forward
+    takes more arguments gets them, and the sums are still those of ``W * grad``."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 4, dtype=F64), _Scaled(4, 2, dtype=F64)
+    sums = BackwardSums([first, second], (3, 4, 2))
+    second(torch.relu(first(torch.randn(5, 3, dtype=F64))), 3.0).square().sum().backward()
+    got, _ = sums.take()
+    with torch.no_grad():
+        want = _colsums([first, second], (3, 4, 2))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+
+
+def test_remove_takes_every_layers_hooks_off():
+    """After ``remove`` no layer feeds the record: a backward pass leaves every layer's sums
+    and bound at zero."""
+    torch.manual_seed(0)
+    net = _net(False, [3, 4, 5, 2], pool=False, dropout=False, bias=True)
+    modules = _chain_modules(net)
+    sums = BackwardSums(modules, chain_of(modules).sizes)
+    sums.remove()
+    net(torch.randn(4, 3, dtype=F64)).square().sum().backward()
+    for layer in sums.layers:
+        assert float(layer.bound) == 0.0 and not layer.sums.any()
+        assert not layer.uses and not layer.taps and not layer.accumulations
+
+
+def test_the_record_is_on_the_weights_device():
+    """Weights on another device (``meta`` here: shapes without values) get their sums and
+    their gradient check on that device."""
+    net = nn.Sequential(nn.Linear(5, 6, device="meta"), nn.ReLU(),
+                        nn.Linear(6, 7, device="meta"), nn.ReLU(),
+                        nn.Linear(7, 3, device="meta"))
+    modules = _chain_modules(net)
+    sums = BackwardSums(modules, chain_of(modules).sizes)
+    net(torch.empty(4, 5, device="meta")).square().sum().backward()
+    got, check = sums.take()
+    assert [s.device.type for s in got] == ["meta", "meta"] and check.device.type == "meta"
+    assert [tuple(s.shape) for s in got] == [(6,), (7,)]
+
+
+def test_clear_keeps_the_buffers_until_the_weights_change_dtype():
+    """``clear`` zeroes the record's buffers in place while the weights keep their dtype and
+    device (a step allocates nothing for its sums), and makes them anew in the weights'
+    dtype after ``model.float()``; the sums are those of ``W * grad`` throughout."""
+    torch.manual_seed(0)
+    net = _net(False, [3, 4, 5, 2], pool=False, dropout=False, bias=True)
+    modules = _chain_modules(net)
+    sizes = chain_of(modules).sizes
+    sums = BackwardSums(modules, sizes)
+
+    def step(dtype):
+        net.zero_grad()
+        net.to(dtype)
+        sums.clear()
+        net(torch.randn(4, 3, dtype=dtype)).square().sum().backward()
+        got, _ = sums.take()
+        with torch.no_grad():
+            want = _colsums(modules, sizes)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == dtype
+            torch.testing.assert_close(g, w)
+        return [t for layer in sums.layers for t in (layer.sums, layer.bound)]
+
+    first, again, cast = step(F64), step(F64), step(torch.float32)
+    assert all(a is b for a, b in zip(first, again))
+    assert not any(a is c for a, c in zip(first, cast))
+
+
+@pytest.mark.parametrize("name", ["gsgd", "gadam"])
+@pytest.mark.parametrize("first_step", [False, True])
+def test_a_dtype_change_after_zero_grad_steps_like_w_times_grad(name, first_step):
+    """``zero_grad``, then ``model.float()`` (which leaves the weights' version counters
+    as they were), then forward, backward and step: the sums restart in the new dtype and
+    the steps equal those from ``W * grad``, on a new optimizer or after a step."""
+    torch.manual_seed(0)
+    net = _net(False, [3, 4, 5, 2], pool=False, dropout=False, bias=True)
+    twin = copy.deepcopy(net)
+    make = GSGD if name == "gsgd" else GAdam
+    pairs = [(net, make(net, lr=0.01)), (twin, make(twin, lr=0.01, backward_sums=False))]
+    x = torch.randn(6, 3, dtype=torch.float64)
+    if first_step:
+        step_twins(pairs, [x])
+    for model, opt in pairs:
+        opt.zero_grad()
+        model.float()
+    for _ in range(2):
+        for model, opt in pairs:
+            model(x.float()).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_parameters(net, twin, rtol=1e-5, atol=1e-6)  # float32 sums, summed otherwise
+    assert pairs[0][1].describe().column_sums["backward"] == 2 + first_step

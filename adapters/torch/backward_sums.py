@@ -149,9 +149,10 @@ class _Layer:
         to be tapped (an input that needs no grad is not: that use's backward will reach the
         output's tap and not the input's, and :meth:`why_invalid` says so)."""
         if self.weight.grad is None and not (
-                self.clean and self.weight._version == self.weight_version):
+                self.clean and self.weight._version == self.weight_version and self._fits()):
             # exact: the gradient is zero (cleared by anyone), and so are the sums; what
-            # pending graphs will add is recorded when they are backpropagated
+            # pending graphs will add is recorded when they are backpropagated. ``model.to``
+            # swaps the weight's data without a version bump: hence the dtype/device test
             self.reset()
         return self.tap and x.requires_grad
 
