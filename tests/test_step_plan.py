@@ -432,3 +432,40 @@ def test_traced_plan_run_eagerly_equals_the_core(chain, seed, lr, scale, dtype):
     tol, _ = gsgd_tolerance(chain, {}, lr, 0, *old, *grads, gc.gsgd_init(chain, *old))
     units = torch.finfo(dt).eps / torch.finfo(torch.float64).eps
     assert_step_close(chain, old, (host(W), host(b)), want, rtol, [t * units for t in tol])
+
+
+def _sums(chain, dtype=np.float64):
+    return [np.ones(chain.sizes[l - 1], dtype=dtype) for l in range(2, chain.L + 1)]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda s, t: (None, t), "gradient_check is the check of column_sums: pass both"),
+    (lambda s, t: (s[:-1], t), "column_sums: a chain of 4 layers takes 3 vectors "
+                               r"\(layers 2..4\), got 2"),
+    (lambda s, t: (s + s[:1], t), "takes 3 vectors .* got 4"),
+    (lambda s, t: ([s[0], s[1][:-1], s[2]], t), r"column_sums of layer 3: expected shape "
+                                                r"\(5,\) and dtype float64, got \(4,\) "
+                                                "and float64"),
+    (lambda s, t: ([s[0].reshape(1, -1), s[1], s[2]], t), r"layer 2: .* got \(1, 4\)"),
+    (lambda s, t: ([s[0], s[1], s[2].astype(np.float32)], t),
+     r"column_sums of layer 4: expected shape \(6,\) and dtype float64, got \(6,\) and "
+     "float32"),
+    (lambda s, t: (s, t.reshape(1)), r"gradient_check: expected a 0-d array of dtype "
+                                     r"float64, got shape \(1,\) and dtype float64"),
+    (lambda s, t: (s, t.astype(np.float32)), "gradient_check: .* got shape \\(\\) and "
+                                             "dtype float32"),
+])
+def test_given_column_sums_are_checked_layer_by_layer(bad, message):
+    """What a caller hands a step as column sums: one vector per layer 2..L with one entry
+    per input unit of the step's dtype, and a 0-d check of that dtype; anything else is a
+    ``ValueError`` naming the layer, the expected and the given shape and dtype."""
+    sums, check = bad(_sums(CHAIN), np.zeros((), dtype=np.float64))
+    with pytest.raises(ValueError, match=message):
+        gb.plan.check_column_sums(CHAIN, sums, np.dtype(np.float64), check)
+
+
+@pytest.mark.parametrize("check", [None, np.zeros((), dtype=np.float32)])
+def test_well_formed_column_sums_pass_the_check(check):
+    """Sums of the right shapes and dtype pass, with or without their check."""
+    assert gb.plan.check_column_sums(CHAIN, _sums(CHAIN, np.float32), np.dtype(np.float32),
+                                       check) is None
