@@ -5,6 +5,7 @@ Usage, from the repository root (``pip install -e .[test,torch,jax,jax-test,muta
     python tests/mutation.py backends/plan.py              # one module
     python tests/mutation.py backends/plan.py adapters/optax.py --jobs 2
     python tests/mutation.py --all                         # every module of the table
+    python tests/mutation.py backends/plan.py --again      # its survivors, with new tests
     python tests/mutation.py --report                      # docs/mutation.md from results/
 
 mutmut names a mutant by its file's path (``backends/plan.py`` gives ``backends.plan.*``)
@@ -54,12 +55,15 @@ def import_path(module: str) -> str:
     return f"{PACKAGES[top]}/{rest}"
 
 
-def stage(module: str, tests: list[str], conf: dict) -> Path:
+def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path:
     """A copy of the packages under their import names, the tests and the benchmarks they
-    import, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone."""
+    import, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone;
+    ``keep`` keeps mutmut's folder of an earlier run (its mutants and their verdicts)."""
     dest = BUILD / module.replace("/", ".")
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
+    for old in (dest.iterdir() if dest.exists() else []):
+        if not (keep and old.name == "mutants"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    dest.mkdir(parents=True, exist_ok=True)
     for folder, name in PACKAGES.items():
         shutil.copytree(ROOT / folder, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     for folder in ("tests", "benchmarks"):
@@ -90,27 +94,56 @@ def statuses(dest: Path, module: str) -> dict[str, str]:
     return {k: status_by_exit_code[v] for k, v in sorted(meta["exit_code_by_key"].items())}
 
 
-def run(module: str, jobs: int, conf: dict) -> dict:
-    """mutmut over ``module`` with its tests; the result as written to ``results/``."""
+def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) -> None:
+    """``mutmut run`` in ``dest``: the mutants without a verdict, or ``names`` again."""
+    mutmut = Path(sys.executable).with_name("mutmut")
+    done = subprocess.run([str(mutmut), "run", "--max-children", str(jobs), *names], cwd=dest,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
+
+
+def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
+    """mutmut over ``module`` with its tests; the result as written to ``results/``.
+
+    ``again``: keep the verdicts of the last run, run the mutants of the functions changed
+    since (mutmut regenerates those), then run that run's survivors with today's tests."""
     tests = conf["tests"][module]
-    dest = stage(module, tests, conf)
+    saved = RESULTS / (module.replace("/", ".") + ".json")
+    before = json.loads(saved.read_text()) if again else None
+    dest = stage(module, tests, conf, keep=again)
     mutmut = Path(sys.executable).with_name("mutmut")
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
-    done = subprocess.run([str(mutmut), "run", "--max-children", str(jobs)], cwd=dest,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    mutmut_run(dest, module, jobs, [], env)
+    if again:
+        known = statuses(dest, module)
+        mutmut_run(dest, module, jobs, [n for n in before["survivors"] if n in known], env)
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
     status = statuses(dest, module)
     survivors = {name: subprocess.run([str(mutmut), "show", name], cwd=dest, env=env,
                                       capture_output=True, text=True).stdout
                  for name, s in status.items() if s == "survived"}
     result = {"module": module, "tests": tests, "seconds": round(seconds, 1), "jobs": jobs,
-              "date": time.strftime("%Y-%m-%d"), "status": status, "survivors": survivors}
+              "date": time.strftime("%Y-%m-%d"), "status": status, "survivors": survivors,
+              "again": []}
+    if again:
+        result |= {k: before[k] for k in ("seconds", "jobs", "date")} | {
+            "again": before.get("again", []) + [
+                {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
+                 "survivors": len(before["survivors"])}]}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
+    saved.write_text(json.dumps(result, indent=1))
     return result
+
+
+def run_time(r: dict) -> str:
+    """The full run's time, and each later run of its survivors (``--again``)."""
+    def took(run: dict) -> str:
+        return f"{run['seconds'] / 60:.1f} min, {run['jobs']} job{'s' * (run['jobs'] > 1)}, " \
+               f"{run['date']}"
+    return "; ".join([took(r)] + [f"{a['survivors']} survivors again: {took(a)}"
+                                  for a in r.get("again", [])])
 
 
 def score(result: dict) -> tuple[int, int]:
@@ -142,8 +175,7 @@ def report(conf: dict) -> str:
                    f"| {100 * killed / counted:.1f}% | {same} "
                    f"| {100 * killed / max(counted - same, 1):.1f}% "
                    f"| {len(r['survivors']) - same} "
-                   f"| {r['seconds'] / 60:.1f} min, {r['jobs']} job{'s' * (r['jobs'] > 1)}, "
-                   f"{r['date']} |")
+                   f"| {run_time(r)} |")
     missing = sorted(set(conf["tests"]) - {r["module"] for r in results})
     out += ["", "Not run yet: " + (", ".join(f"`{m}`" for m in missing) or "none") + ".",
             "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + "."]
@@ -161,6 +193,9 @@ def main(argv=None) -> int:
     parser.add_argument("modules", nargs="*", help="e.g. backends/plan.py")
     parser.add_argument("--all", action="store_true", help="every module of the table")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--again", action="store_true",
+                        help="keep the last run's verdicts; run its survivors and the mutants "
+                             "of changed functions again")
     parser.add_argument("--report", action="store_true", help="write docs/mutation.md")
     args = parser.parse_args(argv)
     conf = settings()
@@ -169,7 +204,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"not in [tool.gsgd.mutation.tests]: {unknown}")
     for module in modules:
-        r = run(module, args.jobs, conf)
+        r = run(module, args.jobs, conf, again=args.again)
         killed, counted = score(r)
         print(f"{module}: {killed}/{counted} killed ({100 * killed / counted:.1f}%), "
               f"{len(r['survivors'])} survivors, {r['seconds'] / 60:.1f} min", flush=True)

@@ -81,3 +81,31 @@ def test_the_page_gives_every_score_and_every_survivor_with_its_reason(tmp_path,
     assert "**`m3`**: open" in page and "+x <= 1" in page
     assert "Not run yet: `adapters/optax.py`." in page
     assert "GPU only, excluded: `backends/cupy.py`." in page
+
+
+def test_staging_again_keeps_the_verdicts_and_replaces_the_rest(tmp_path, monkeypatch):
+    """``--again`` restages the sources and tests beside mutmut's folder of the last run
+    (its mutants and verdicts); a first run starts from nothing."""
+    monkeypatch.setattr(mutation, "BUILD", tmp_path)
+    conf = mutation.settings()
+    dest = mutation.stage("backends/plan.py", ["tests/test_step_plan.py"], conf)
+    for stale in (dest / "mutants" / "verdicts.meta", dest / "tests" / "test_gone.py"):
+        stale.parent.mkdir(exist_ok=True)
+        stale.write_text("x")
+    mutation.stage("backends/plan.py", ["tests/test_step_plan.py"], conf, keep=True)
+    assert (dest / "mutants" / "verdicts.meta").is_file()
+    assert not (dest / "tests" / "test_gone.py").exists()
+    assert (dest / "gsgd_backends" / "plan.py").is_file()
+    mutation.stage("backends/plan.py", ["tests/test_step_plan.py"], conf)
+    assert not (dest / "mutants").exists()
+
+
+def test_the_page_gives_each_run_of_the_survivors_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(mutation, "RESULTS", tmp_path)
+    r = _result(tmp_path, "backends/plan.py", {"m1": "killed", "m2": "survived"},
+                {"m2": "-y\n+z"})
+    r["again"] = [{"seconds": 30.0, "jobs": 1, "date": "2026-11-26", "survivors": 5}]
+    (tmp_path / "backends.plan.py.json").write_text(json.dumps(r))
+    page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": []})
+    assert ("| 1.5 min, 2 jobs, 2026-11-25; 5 survivors again: 0.5 min, 1 job, 2026-11-26 |"
+            in page)
