@@ -229,7 +229,7 @@ class BackwardSums:
         self.handles = []
         for m, layer in zip(modules, self.layers):
             self.handles += [
-                m.register_forward_pre_hook(_Hook(layer, "forward")),
+                m.register_forward_pre_hook(_Hook(layer, "tap")),
                 m.register_forward_hook(_Hook(layer, "output")),
                 m.weight.register_hook(_Hook(layer, "accumulating")),
                 m.weight.register_post_accumulate_grad_hook(_Hook(layer, "accumulated"))]
@@ -300,18 +300,17 @@ class _Hook:
         return (_Hook, (None, self.when))
 
     def __call__(self, *args):
-        layer = self.layer
-        if layer is None:
+        if self.layer is None:
             return None
-        if self.when == "accumulating":
-            layer.accumulating()
-        elif self.when == "accumulated":
-            layer.accumulated()
-        elif self.when == "output":
-            self._bound(layer, *args)
-        else:
-            return self._tap(layer, *args)
-        return None
+        return getattr(self, "_" + self.when)(self.layer, *args)
+
+    @staticmethod
+    def _accumulating(layer: _Layer, grad: torch.Tensor) -> None:
+        layer.accumulating()
+
+    @staticmethod
+    def _accumulated(layer: _Layer, weight: torch.Tensor) -> None:
+        layer.accumulated()
 
     @staticmethod
     def _armed(layer: _Layer, module: nn.Module, args: tuple) -> bool:
@@ -321,7 +320,7 @@ class _Hook:
                 and isinstance(args[0], torch.Tensor))
 
     @staticmethod
-    def _bound(layer: _Layer, module: nn.Module, args: tuple, out) -> None:
+    def _output(layer: _Layer, module: nn.Module, args: tuple, out) -> None:
         if (_Hook._armed(layer, module, args) and isinstance(out, torch.Tensor)
                 and out.requires_grad):
             with torch.no_grad():
