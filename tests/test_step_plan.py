@@ -469,3 +469,40 @@ def test_well_formed_column_sums_pass_the_check(check):
     """Sums of the right shapes and dtype pass, with or without their check."""
     assert gb.plan.check_column_sums(CHAIN, _sums(CHAIN, np.float32), np.dtype(np.float32),
                                        check) is None
+
+
+class _OtherLibrary:
+    """Another library's array of NumPy's dtype on NumPy's device (as CuPy's have)."""
+
+    dtype, device = np.dtype(np.float64), "cpu"
+
+
+class _Deviceless:
+    """An array-like with a NumPy dtype and no ``device``."""
+
+    dtype = np.dtype(np.float64)
+
+
+def test_scratch_buffers_are_reused_per_library_dtype_and_device():
+    """``Scratch.get`` hands back one buffer per (array type, dtype, device) for every size
+    it holds, and a larger one only when asked for more; arrays of another type, dtype or
+    device (or of none) never share one."""
+    scratch = gb.plan.Scratch()
+    made = []
+
+    def empty(n):
+        made.append(n)
+        return np.empty(n)
+
+    like = np.zeros(1)
+    first = scratch.get(like, 8, empty)
+    assert scratch.get(like, 8, empty) is first and scratch.get(like, 3, empty) is first
+    assert made == [8]
+    larger = scratch.get(like, 9, empty)
+    assert larger is not first and made == [8, 9] and scratch.get(like, 9, empty) is larger
+    others = [np.zeros(1, dtype=np.float32), _OtherLibrary(), _Deviceless(),
+              torch.zeros(1, dtype=torch.float64),
+              torch.zeros(1, dtype=torch.float64, device="meta")]
+    bufs = [scratch.get(o, 4, empty) for o in others]
+    assert len({id(b) for b in [larger] + bufs}) == 6 and made == [8, 9, 4, 4, 4, 4, 4]
+    assert all(scratch.get(o, 4, empty) is b for o, b in zip(others, bufs)) and len(made) == 7
