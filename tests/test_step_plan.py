@@ -506,3 +506,46 @@ def test_scratch_buffers_are_reused_per_library_dtype_and_device():
     bufs = [scratch.get(o, 4, empty) for o in others]
     assert len({id(b) for b in [larger] + bufs}) == 6 and made == [8, 9, 4, 4, 4, 4, 4]
     assert all(scratch.get(o, 4, empty) is b for o, b in zip(others, bufs)) and len(made) == 7
+
+
+def test_a_plan_validates_each_signature_of_arrays_once(monkeypatch):
+    """``StepPlan.prepared`` validates a call's arrays as the core does, once per signature
+    (types, shapes, dtypes, devices; missing gradients included): a training loop's steps
+    after the first validate nothing."""
+    chain = gc.Chain.mlp([3, 4, 2], bias=[False, True])
+    pb = Problem(chain, 0)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    G, Gb = _grads(pb)
+    calls = []
+    real = gb.plan.prepare
+    monkeypatch.setattr(gb.plan, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plan = gbt.KERNELS.plan(chain, W[0])
+    for _ in range(3):
+        got = plan.prepared(W, b, G, Gb)
+        plan.prepared(W, b, G, Gb)
+    assert len(calls) == 1 and len(got.meta) == chain.L
+    plan.prepared(W, b, None, None)
+    plan.prepared(W, b, None, None)
+    assert len(calls) == 2
+    plan.prepared([w.double() for w in W], b, G, Gb)
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("args", [
+    lambda W, b, G, Gb: (W[0], b, G, Gb), lambda W, b, G, Gb: (W, b[1], G, Gb),
+    lambda W, b, G, Gb: (W, b, iter(G), Gb), lambda W, b, G, Gb: (W, b, G, {0: Gb[1]})])
+def test_arguments_that_are_not_lists_get_the_cores_error(args):
+    """A weight, bias or gradient argument that is not a list (or tuple) of arrays is
+    refused with the core's ``ValueError``, word for word, and never memoised."""
+    chain = gc.Chain.mlp([3, 4, 2], bias=[False, True])
+    pb = Problem(chain, 0)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    G, Gb = _grads(pb)
+    plan = gbt.KERNELS.plan(chain, W[0])
+    with pytest.raises(ValueError) as want:
+        w, bb, g, gbias = args(W, b, G, Gb)
+        gc.arrays.prepare(chain, w, bb, grads=g, bias_grads=gbias)
+    for _ in range(2):
+        with pytest.raises(ValueError) as got:
+            plan.prepared(*args(W, b, G, Gb))
+        assert str(got.value) == str(want.value)
