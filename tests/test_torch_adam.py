@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.utils as dynamo_utils
 import torch.nn as nn
 
 import gsgd_core as gc
@@ -288,8 +289,161 @@ def test_compiled_g_adam_steps_like_the_eager_one(cls, kw):
     skeleton_init_(model)
     twin = copy.deepcopy(model)
     fast, eager = cls(model, compile=True, **kw), cls(twin, **kw)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     step_twins([(model, fast), (twin, eager)],
                [torch.randn(6, 3, 8, 8, dtype=torch.float64,
                             generator=torch.Generator().manual_seed(seed)) for seed in range(3)])
     assert_same_parameters(model, twin)
     assert fast.describe().column_sums == {"backward": 3}
+    # each optimizer compiles its own copy of the stages: its steps ran compiled graphs
+    assert dynamo_utils.counters["stats"]["unique_graphs"] > graphs
+
+
+def _mlp(dtype=torch.float64):
+    """A seeded 6 -> 8 -> 7 -> 3 ReLU MLP (one chain) in ``dtype``, skeleton-initialised."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 7), nn.ReLU(),
+                          nn.Linear(7, 3)).to(dtype)
+    skeleton_init_(model)
+    return model
+
+
+def test_a_half_precision_chain_keeps_its_moments_in_float32_as_the_core_does():
+    """bfloat16 weights: the chain's moments are the core's float32 moments (not rounded to
+    half precision), and its weights the core's, step after step."""
+    model = _mlp(torch.bfloat16)
+    found = discover(model).chains[0]
+    chain = found.chain.with_skeleton_scale(found.chain.he_skeleton_scale())
+    rule = gc.adam_rule(lr=1e-2)
+    W, b = [m.weight for m in found.modules], [m.bias for m in found.modules]
+    state = gc.path_init(chain, rule, [w.detach() for w in W], [v.detach() for v in b])
+    opt = GAdam(model, lr=1e-2)
+    x, y = (t.to(torch.bfloat16) for t in data(12))
+    for _ in range(3):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        W2, b2, state = gc.path_update(chain, rule, state, [w.detach().clone() for w in W],
+                                       [v.detach().clone() for v in b], [w.grad for w in W],
+                                       [v.grad for v in b])
+        opt.step()
+        for p, q in zip(W + b, W2 + b2):
+            assert torch.equal(p, q)
+    for name, buffers in zip(rule.buffers, state.buffers):
+        for p, want in zip(W + b, buffers):
+            assert opt.state[p][name].dtype == want.dtype == torch.float32, name
+            assert torch.equal(opt.state[p][name], want), name
+
+
+def test_the_chains_step_count_stays_exact_past_two_to_the_24():
+    """A long run's step count (Adam's bias correction reads it) keeps counting where a
+    count in torch's default float32 would stop: 2**24 + 1 is not a float32."""
+    model = _mlp()
+    x, y = data()
+    opt = GAdam(model, lr=1e-2)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # the user's default, where the count is made
+    try:
+        train(model, opt, x, y, 1)
+    finally:
+        torch.set_default_dtype(default)
+    count = opt.state[model[0].weight]["step"]
+    count.fill_(2 ** 24)  # where a long run gets to
+    train(model, opt, x, y, 1)
+    assert int(count) == 2 ** 24 + 1
+
+
+def test_the_skeleton_warning_names_the_skeleton_asked_for():
+    """The warning for a chain whose skeleton is not initialised says which skeleton."""
+    for skeleton in ("he", "paper"):
+        with pytest.warns(SkeletonWarning, match=f"skeleton={skeleton!r}"):
+            GAdam(Net(), skeleton=skeleton)
+
+
+def test_the_self_check_runs_on_the_model_given_beside_its_parameters():
+    """``GAdam(params, model=model, example_input=x)`` checks the chains on ``model``: the
+    chain it finds passes, and layers around a tanh given as a chain are refused."""
+    model = _mlp()
+    x, _ = data()
+    GAdam(list(model.parameters()), model=model, example_input=x)
+    model[1] = nn.Tanh()  # not positively homogeneous: rescaling its inputs changes the output
+    with pytest.raises(ValueError, match="0 -> 2 is not a chain of this model"):
+        GAdam(list(model.parameters()), model=model, chains=[[model[0], model[2]]],
+              example_input=x)
+
+
+def test_betas_of_a_number_and_a_tensor_are_refused_as_torch_refuses_them():
+    """One beta a tensor and the other a number: refused, with torch's reason."""
+    with pytest.raises(ValueError, match=r"^betas must be both numbers or both tensors \(as "
+                                         r"torch.optim.Adam requires\), got \("):
+        GAdam(Net(), betas=(torch.tensor(0.9), 0.999))
+
+
+@pytest.fixture
+def one_process_mesh(tmp_path):
+    """A one-process gloo group and its 1-D device mesh, for FSDP2 in this process (the
+    runs over several processes are in test_fsdp.py)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed missing")
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_twins(mesh, dtype):
+    """An MLP sharded by FSDP2 (``fully_shard`` per layer and at the root) and its plain
+    twin, each with its G-Adam (AMSGrad: every buffer)."""
+    from torch.distributed.fsdp import fully_shard
+    twin = _mlp(dtype)
+    model = copy.deepcopy(twin)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return [(m, GAdam(m, lr=1e-2, amsgrad=True)) for m in (model, twin)]
+
+
+def _assert_same_run(pairs, rtol):
+    """The sharded run's parameters and optimizer state equal the plain run's."""
+    (model, opt), (twin, ref) = pairs
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=rtol, atol=rtol, msg=name)
+        for key, want in ref.state[q].items():
+            got = opt.state[p][key]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            assert got.dtype == want.dtype, (name, key)
+            torch.testing.assert_close(got, want, rtol=rtol, atol=rtol, msg=f"{name} {key}")
+
+
+def test_a_sharded_chain_steps_its_local_rows_as_one_process_does(one_process_mesh,
+                                                                   monkeypatch):
+    """FSDP2: the chain steps the rows each process holds, with no parameter, gradient or
+    moment gathered whole, and takes the plain model's steps (moments and count too)."""
+    from torch.distributed.tensor import DTensor
+    pairs = _sharded_twins(one_process_mesh, torch.float64)
+    (model, opt), _ = pairs
+    assert isinstance(model[0].weight, DTensor)
+    gathered = []
+    full_tensor = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor",
+                        lambda t, *a, **k: gathered.append(t) or full_tensor(t, *a, **k))
+    step_twins(pairs, [data(12, seed)[0] for seed in range(3)])
+    assert not gathered
+    monkeypatch.undo()
+    _assert_same_run(pairs, 1e-12)
+    assert int(opt.state[model[0].weight]["step"]) == 3
+
+
+def test_a_sharded_half_precision_chain_steps_on_gathered_arrays(one_process_mesh):
+    """FSDP2 with bfloat16 weights: the core computes half precision in float32, on the
+    arrays gathered whole, and each process keeps its rows of the result: the plain
+    model's steps, float32 moments included."""
+    pairs = _sharded_twins(one_process_mesh, torch.bfloat16)
+    step_twins(pairs, [data(12, seed)[0].to(torch.bfloat16) for seed in range(3)])
+    _assert_same_run(pairs, 0.0)
+    model = pairs[0][0]
+    assert not torch.equal(model[0].weight.full_tensor(), _mlp(torch.bfloat16)[0].weight)

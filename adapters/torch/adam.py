@@ -152,7 +152,7 @@ class GAdam(ScaleInvariantOptimizer):
                 st["step"] = torch.tensor(0.0)
             for name in names:
                 if name not in st:
-                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st[name] = torch.zeros_like(p)
         beta1, beta2 = (hyper_value(x) for x in group["betas"])
         adam_update(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
                     [s["exp_avg_sq"] for s in sts],
