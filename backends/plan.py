@@ -107,8 +107,8 @@ def stack_plan(chain: Chain) -> Stack:
     up = stacked(nodes[l + 1] + meta[l].sigma for l in hidden)
     layer = stacked(np.full(sizes[l], l) for l in hidden)
     tau_free = stacked((meta[l - 1].tau_free for l in hidden), bool)
-    b_path = np.zeros((max(L - 1, 0), nodes[L]), np.int64)
-    f_path = np.zeros((max(L - 1, 0), nodes[L + 1] - first), np.int64)
+    b_path = np.zeros((L - 1, nodes[L]), np.int64)  # a chain has L >= 2 layers
+    f_path = np.zeros((L - 1, nodes[L + 1] - first), np.int64)
     rho_from = np.zeros(nodes[L], np.int64)
     carry = []
     # Every inner node walks down its tau chain (B's factors, the ratio that is its rho, the

@@ -16,7 +16,7 @@ import gsgd_core as gc
 from gsgd_backends import fast, rule_step
 from _conditioning import assert_step_close, gsgd_tolerance, synced_gsgd_steps
 from _helpers import Problem, assert_close, from_repository, reverse_axes
-from _strategies import chains, examples, seeds
+from _strategies import chains, examples, random_params, seeds
 
 torch = pytest.importorskip("torch")
 gbt = pytest.importorskip("gsgd_backends.torch")
@@ -549,3 +549,37 @@ def test_arguments_that_are_not_lists_get_the_cores_error(args):
         with pytest.raises(ValueError) as got:
             plan.prepared(*args(W, b, G, Gb))
         assert str(got.value) == str(want.value)
+
+
+@settings(max_examples=examples(25))
+@given(chain=chains(max_depth=6), seed=seeds)
+@example(chain=gc.Chain((3, 4, 2, 5, 3, 2), (1, 2, 1, 3, 1)), seed=0)
+def test_stacked_chain_products_are_the_cores_bit_for_bit(chain, seed):
+    """The plan's gathered paths (``b_path``, ``f_path``) give ``B`` at every node of layers
+    ``0..L-1`` and ``F`` at every node of layers ``1..L`` with each node's factors multiplied
+    in the core's order: equal to :func:`gsgd_core.sweeps.chain_products` bit for bit, at
+    any depth, skeleton scales included."""
+    import array_api_compat.numpy as npc
+
+    from gsgd_core.arrays import layer_meta
+    from gsgd_core.sweeps import chain_products
+
+    W, _ = random_params(chain, np.random.default_rng(seed), low=0.3, high=3.0)
+    st = gb.plan.stack_in(gb.plan.stack_plan(chain), npc, "cpu", np.float64)
+    ws = np.concatenate([w.reshape(-1)[s] for w, s in zip(W, st.spec)])
+    B, F = fast.chain_products(npc, st, ws, np.ones(1))
+    Bc, Fc = chain_products(npc, chain, layer_meta(chain, npc, "cpu"), W, np.float64, "cpu")
+    assert np.array_equal(B, np.concatenate(Bc[:chain.L]))
+    assert np.array_equal(F, np.concatenate(Fc[1:]))
+
+
+@pytest.mark.parametrize("chain", [gc.Chain.mlp([3, 4, 2]),
+                                   gc.Chain((2, 3, 1, 4), (1, 4, 2))], ids=str)
+def test_a_stack_numbers_nodes_layer_by_layer_from_zero(chain):
+    """``nodes[l]`` is where layer ``l`` starts (layer 0 at 0), ``edges`` where each layer's
+    special edges start, and the path tables hold ``L - 1`` rows of nodes."""
+    st = gb.plan.stack_plan(chain)
+    assert st.nodes == tuple(int(n) for n in np.cumsum((0,) + chain.sizes))
+    assert st.edges == tuple(int(n) for n in np.cumsum([0] + [s.size for s in st.spec]))
+    assert st.b_path.size == (chain.L - 1) * st.nodes[chain.L]
+    assert st.f_path.size == (chain.L - 1) * (st.nodes[chain.L + 1] - st.nodes[1])
