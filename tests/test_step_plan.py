@@ -583,3 +583,16 @@ def test_a_stack_numbers_nodes_layer_by_layer_from_zero(chain):
     assert st.edges == tuple(int(n) for n in np.cumsum([0] + [s.size for s in st.spec]))
     assert st.b_path.size == (chain.L - 1) * st.nodes[chain.L]
     assert st.f_path.size == (chain.L - 1) * (st.nodes[chain.L + 1] - st.nodes[1])
+
+
+def test_a_stack_goes_to_the_device_and_dtype_asked_for():
+    """``stack_in`` puts every index table on the step's device (``meta`` here: any device
+    other than the default) and the skeleton scales in the step's dtype as well."""
+    import array_api_compat.torch as tc
+
+    chain = gc.Chain.mlp([3, 4, 5, 2]).with_skeleton_scale([0.5, 2.0, 3.0])
+    st = gb.plan.stack_in(gb.plan.stack_plan(chain), tc, "meta", torch.float32)
+    tables = [a for a in st if isinstance(a, torch.Tensor)] + list(st.spec)
+    assert len(tables) == 15 and {a.device.type for a in tables} == {"meta"}
+    assert st.b_unit.dtype == st.f_unit.dtype == torch.float32
+    assert st.tau.dtype == torch.int64 and st.moved.dtype == torch.bool
