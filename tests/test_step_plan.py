@@ -596,3 +596,53 @@ def test_a_stack_goes_to_the_device_and_dtype_asked_for():
     assert len(tables) == 15 and {a.device.type for a in tables} == {"meta"}
     assert st.b_unit.dtype == st.f_unit.dtype == torch.float32
     assert st.tau.dtype == torch.int64 and st.moved.dtype == torch.bool
+
+
+def _plan_arrays(device="cpu"):
+    chain = gc.Chain.mlp([3, 4, 2], bias=[False, True])
+    pb = Problem(chain, 0)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    G, Gb = _grads(pb)
+    if device != "cpu":
+        W, b, G, Gb = ([None if t is None else t.to(device) for t in v] for v in (W, b, G, Gb))
+    return chain, W, b, G, Gb
+
+
+class _NotAnArray:
+    """Shape, dtype and device of a tensor, and nothing else."""
+
+    def __init__(self, like):
+        self.shape, self.dtype, self.device = like.shape, like.dtype, like.device
+
+
+def test_a_plan_validates_anew_whatever_differs_from_the_last_call():
+    """The memo of ``StepPlan.prepared`` holds for the very same signature only: another
+    device, another type (not an array at all), lists cut at other places, or bad
+    gradients or extra lists are each validated as the core validates them."""
+    chain, W, b, G, Gb = _plan_arrays()
+    plan = gbt.KERNELS.plan(chain, W[0])
+    assert plan.prepared(W, b, G, Gb).device == torch.device("cpu")
+    _, Wm, bm, Gm, Gbm = _plan_arrays("meta")
+    assert plan.prepared(Wm, bm, Gm, Gbm).device == torch.device("meta")
+    plan.prepared(W, b, G, Gb)
+    with pytest.raises(ValueError, match="layer 1: weight is a _NotAnArray, not an array"):
+        plan.prepared([_NotAnArray(w) for w in W], b, G, Gb)
+    plan.prepared(W, b, G, Gb)
+    with pytest.raises(ValueError, match="2 layers"):  # the same arrays, other lists
+        plan.prepared(W + [None], b[1:], G + [None], Gb[1:])
+    bad = [G[0], G[1][:1]]
+    for args, extra in [((W, b, bad, Gb), ()), ((W, b, G, [None, Gb[1][:1]]), ()),
+                        ((W, b, G, Gb), (("momentum", [W[0], W[0]]),))]:
+        with pytest.raises(ValueError, match="layer 2") as got:
+            plan.prepared(*args, extra=extra)
+        with pytest.raises(ValueError) as want:
+            gc.arrays.prepare(chain, *args[:2], grads=args[2], bias_grads=args[3],
+                              extra=extra)
+        assert str(got.value) == str(want.value)
+
+
+def test_a_plans_tables_are_on_its_arrays_device():
+    """A plan made for arrays on a device keeps its index tables there (``meta`` here)."""
+    chain, Wm, *_ = _plan_arrays("meta")
+    plan = gbt.ON_DEVICE.plan(chain, Wm[0])
+    assert plan.stack.tau.device.type == "meta" and plan.stack.b_path.device.type == "meta"
