@@ -299,6 +299,16 @@ def test_compiled_g_adam_steps_like_the_eager_one(cls, kw):
     assert dynamo_utils.counters["stats"]["unique_graphs"] > graphs
 
 
+def test_g_adam_compiles_nothing_unless_asked():
+    """``compile`` is off by default: G-Adam's steps run eagerly and compile no graph."""
+    model = _mlp()
+    opt = GAdam(model, lr=1e-2)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    step_twins([(model, opt)], [torch.randn(4, 6, dtype=torch.float64)] * 2)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+    assert opt.describe().column_sums == {"backward": 2}
+
+
 def _mlp(dtype=torch.float64):
     """A seeded 6 -> 8 -> 7 -> 3 ReLU MLP (one chain) in ``dtype``, skeleton-initialised."""
     torch.manual_seed(0)
