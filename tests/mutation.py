@@ -163,8 +163,9 @@ def report(conf: dict) -> str:
            "`python tests/mutation.py MODULE` (see [Testing](testing.md)). A mutant counts",
            "as killed when a test fails or times out on it; an equivalent mutant (no test",
            "can tell it from the original, for the reason given below) is left out of the",
-           "score of the others.", "",
-           "| module | mutants | killed | of which timeouts | score | equivalent "
+           "score of the others, and so is one that only a GPU could tell (its reason says",
+           "\"GPU only\").", "",
+           "| module | mutants | killed | of which timeouts | score | equivalent or GPU only "
            "| score of the others | open survivors | run time |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
