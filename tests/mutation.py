@@ -107,7 +107,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     """mutmut over ``module`` with its tests; the result as written to ``results/``.
 
     ``again``: keep the verdicts of the last run, run the mutants of the functions changed
-    since (mutmut regenerates those), then run that run's survivors with today's tests."""
+    since (mutmut regenerates those), then run that run's survivors (and those no test
+    reached) with today's tests."""
     tests = conf["tests"][module]
     saved = RESULTS / (module.replace("/", ".") + ".json")
     before = json.loads(saved.read_text()) if again else None
@@ -118,7 +119,9 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     mutmut_run(dest, module, jobs, [], env)
     if again:
         known = statuses(dest, module)
-        mutmut_run(dest, module, jobs, [n for n in before["survivors"] if n in known], env)
+        rerun = [n for n, s in before["status"].items()
+                  if s in ("survived", "no tests") and n in known]
+        mutmut_run(dest, module, jobs, rerun, env)
     seconds = time.perf_counter() - start
     status = statuses(dest, module)
     survivors = {name: subprocess.run([str(mutmut), "show", name], cwd=dest, env=env,
@@ -131,7 +134,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
         result |= {k: before[k] for k in ("seconds", "jobs", "date")} | {
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
-                 "survivors": len(before["survivors"])}]}
+                 "survivors": len(rerun)}]}
     RESULTS.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(result, indent=1))
     return result

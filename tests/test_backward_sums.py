@@ -93,13 +93,15 @@ class Net(nn.Module):
         super().__init__()
         self.l1, self.l2, self.l3 = (nn.Linear(5, 6, dtype=F64), nn.Linear(6, 7, dtype=F64),
                                      nn.Linear(7, 3, dtype=F64))
-        self.detach, self.checkpoint = False, None
+        self.detach, self.checkpoint, self.keyword = False, None, False
 
     def forward(self, x):
         h = torch.relu(self.l1(x))
         if self.detach:
             h = h.detach()
-        if self.checkpoint is None:
+        if self.keyword:  # forward hooks see no positional input
+            h = torch.relu(self.l2(input=h))
+        elif self.checkpoint is None:
             h = torch.relu(self.l2(h))
         else:
             h = checkpoint(lambda t: torch.relu(self.l2(t)), h,
@@ -267,6 +269,14 @@ def _checkpointed(reentrant):
     return play
 
 
+def _keyword_input(model, opt, seed):
+    model.keyword = True
+    try:
+        _plain(model, opt, seed)
+    finally:
+        model.keyword = False
+
+
 # the reasons ``describe()`` gives for a step that read W * grad
 CHANGED = "the gradient was changed after a backward pass"
 NOT_CLEARED = "the gradients were not cleared after a step"
@@ -307,6 +317,7 @@ SCENARIOS = {
     "torch.func.functional_call with other parameters": (_functional_call, BACKWARD),
     "checkpoint (non-reentrant)": (_checkpointed(False), BACKWARD),
     "checkpoint (reentrant)": (_checkpointed(True), BACKWARD),
+    "a layer called with its input by keyword": (_keyword_input, {NOT_INTO_GRAD: 3}),
 }
 
 
