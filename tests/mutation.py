@@ -119,8 +119,9 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     mutmut_run(dest, module, jobs, [], env)
     if again:
         known = statuses(dest, module)
-        rerun = [n for n, s in before["status"].items()
-                  if s in ("survived", "no tests") and n in known]
+        rerun = [n for n, s in before["status"].items()  # equivalents need no new look
+                 if s in ("survived", "no tests") and n in known
+                 and n not in conf.get("equivalent", {})]
         mutmut_run(dest, module, jobs, rerun, env)
     seconds = time.perf_counter() - start
     status = statuses(dest, module)
