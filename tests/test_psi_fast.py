@@ -293,3 +293,96 @@ def test_compiled_psi_hands_back_what_it_cannot_take():
     assert not plan.step_(Wt, G, U, lr=0.1, momentum=0.0, max_norm=1e4)
     assert torch.equal(Wt[0], W[0].t())
     assert plan.step_([], [], [], lr=0.1, momentum=0.0, max_norm=1e4)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_step_along_the_row_just_past_max_norm_is_renormalised(momentum):
+    """A step parallel to the row (norm 1.9 -> 2.01, ``max_norm = 2``): the row's new norm
+    is as large as the step's bound on it allows, and the row must still be divided."""
+    w = torch.tensor([[1.9, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    g = torch.zeros_like(w)
+    g[0, 0] = -(2.01 - 1.9) / (0.5 * 1.9 ** 2)
+    (Wf, Uf), ran, (We, Ue) = _both([w], [g], [torch.zeros_like(w)], lr=0.5,
+                                    momentum=momentum, max_norm=2.0)
+    assert ran
+    assert abs(float(We[0][0, 0]) - 1.0) < 1e-12  # divided by its norm
+    _assert_close(Wf, We, 1e-12)
+    _assert_close(Uf, Ue, 1e-12)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_row_exactly_at_max_norm_is_kept(momentum):
+    """Only rows whose norm passes ``max_norm`` are divided (the core's rule): a row that
+    ends exactly at it keeps its values, beside a row that passes it."""
+    w = torch.tensor([[2.0, 0.0], [0.0, 3.0]], dtype=torch.float64)
+    u = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
+    (Wf, Uf), ran, (We, Ue) = _both([w], [torch.zeros_like(w)], [u], lr=0.5,
+                                    momentum=momentum, max_norm=2.0)
+    assert ran and torch.equal(Wf[0][0], w[0])
+    _assert_close(Wf, We, 1e-12)
+    _assert_close(Uf, Ue, 1e-12)
+
+
+_QUARTER = torch.finfo(torch.float64).max / 4
+
+
+@pytest.mark.parametrize("lr, update", [
+    (2.0 ** -4, _QUARTER),           # the update ||w||^2 g of a row reaches it
+    (1.0, 4.4497354823324646e+307),  # the weight's bound, widened by 1%, reaches it
+])
+def test_steps_near_the_end_of_the_range_are_handed_back_with_a_margin(lr, update):
+    """The fast step keeps a factor 4 from the largest float: a step whose update of a row
+    (here ``||w||^2 g`` exactly: ``||w||^2 = 2^512``), or whose bound on the new row norms
+    (``||w|| + lr |update|``, widened by 1% for the rounding of norms), reaches a quarter
+    of it is handed back; one ulp of the update less, it is taken. Both give the core's
+    numbers (the row's norm overflows: it is divided to zero)."""
+    assert update <= _QUARTER and (lr == 2.0 ** -4 or update * 1.01 == _QUARTER)
+    w = torch.tensor([[2.0 ** 256, 0.0, 0.0], [0.0, 0.5, 0.0]], dtype=torch.float64)
+    for g01, taken in ((np.nextafter(update / 2 ** 512, 0), True),
+                       (update / 2 ** 512, False)):
+        g = torch.zeros_like(w)
+        g[0, 1] = float(g01)
+        (Wf, Uf), ran, (We, Ue) = _both([w], [g], [torch.zeros_like(w)], lr=lr,
+                                        momentum=0.0, max_norm=1e4)
+        assert ran is taken, g01
+        if taken:
+            _assert_close(Wf, We, 0)
+            assert not We[0][0].any()
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_compiled_psi_of_one_weight_follows_its_device_not_the_default(momentum):
+    """The compiled step of a single weight, run while torch's default device is one its
+    tensors are not on (``meta``), equals the core's: its hyperparameters go to the
+    weight's device, rows past ``max_norm`` are divided, a row ending exactly at it kept."""
+    from gsgd_backends.psi import PSIPlan
+
+    W, G, U = _problem([(4, 3)], 10, torch.float64, scale=3.0)
+    W[0][0], G[0][0], U[0][0] = torch.tensor([2.0, 0.0, 0.0]), 0.0, 0.0
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    with torch.device("meta"):
+        assert PSIPlan().step_(Wf, G, Uf, lr=0.5, momentum=momentum, max_norm=2.0)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.5, momentum=momentum,
+                              max_norm=2.0)
+    assert torch.equal(Wf[0][0], W[0][0])
+    assert not torch.equal(Wf[0][1:], W[0][1:])
+    _assert_close(Wf + Uf, We + list(state.momentum), 1e-12)
+
+
+@pytest.mark.parametrize("other", ["gradient", "buffer"])
+def test_a_gradient_or_buffer_of_another_dtype_goes_to_the_core(other):
+    """float64 weights with a float32 gradient or momentum buffer: the fast step hands the
+    step back with nothing written; psi_update_ then gives the core's answer (its error for
+    the gradient, its step for the buffer)."""
+    W, G, U = _problem([(4, 3), (3, 2)], 11, torch.float64)
+    G, U = ([g.float() for g in G], U) if other == "gradient" else (G, [u.float() for u in U])
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    assert not psi_step_(Wf, G, Uf, lr=0.1, momentum=0.9, max_norm=1e4)
+    assert all(torch.equal(a, b) for a, b in zip(Wf + Uf, W + U))
+    if other == "gradient":
+        with pytest.raises(ValueError, match="dtype"):
+            psi_update_(gc.PSIState(tuple(Uf)), Wf, G, lr=0.1, momentum=0.9)
+        return
+    psi_update_(gc.PSIState(tuple(Uf)), Wf, G, lr=0.1, momentum=0.9)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1, momentum=0.9)
+    _assert_close(Wf + Uf, We + [u.float() for u in state.momentum], 0)
