@@ -554,6 +554,7 @@ def test_arguments_that_are_not_lists_get_the_cores_error(args):
 @settings(max_examples=examples(25))
 @given(chain=chains(max_depth=6), seed=seeds)
 @example(chain=gc.Chain((3, 4, 2, 5, 3, 2), (1, 2, 1, 3, 1)), seed=0)
+@example(chain=gc.Chain((3, 4, 2, 5), (1, 2, 1)).with_skeleton_scale([2.0] * 3), seed=1)
 def test_stacked_chain_products_are_the_cores_bit_for_bit(chain, seed):
     """The plan's gathered paths (``b_path``, ``f_path``) give ``B`` at every node of layers
     ``0..L-1`` and ``F`` at every node of layers ``1..L`` with each node's factors multiplied
