@@ -439,7 +439,7 @@ def _sums(chain, dtype=np.float64):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda s, t: (None, t), "gradient_check is the check of column_sums: pass both"),
+    (lambda s, t: (None, t), "^gradient_check is the check of column_sums: pass both$"),
     (lambda s, t: (s[:-1], t), "column_sums: a chain of 4 layers takes 3 vectors "
                                r"\(layers 2..4\), got 2"),
     (lambda s, t: (s + s[:1], t), "takes 3 vectors .* got 4"),
@@ -532,22 +532,24 @@ def test_a_plan_validates_each_signature_of_arrays_once(monkeypatch):
 
 
 @pytest.mark.parametrize("args", [
-    lambda W, b, G, Gb: (W[0], b, G, Gb), lambda W, b, G, Gb: (W, b[1], G, Gb),
-    lambda W, b, G, Gb: (W, b, iter(G), Gb), lambda W, b, G, Gb: (W, b, G, {0: Gb[1]})])
+    lambda W, b, G, Gb: (W[0], b, G, Gb, ()), lambda W, b, G, Gb: (W, b[1], G, Gb, ()),
+    lambda W, b, G, Gb: (W, b, iter(G), Gb, ()), lambda W, b, G, Gb: (W, b, G, {0: Gb[1]}, ()),
+    lambda W, b, G, Gb: (W, b, G, Gb, (("momentum", iter([W[0], W[0]])),))])
 def test_arguments_that_are_not_lists_get_the_cores_error(args):
-    """A weight, bias or gradient argument that is not a list (or tuple) of arrays is
-    refused with the core's ``ValueError``, word for word, and never memoised."""
+    """A weight, bias, gradient or extra argument that is not a list (or tuple) of arrays
+    is refused with the core's ``ValueError``, word for word, and never memoised."""
     chain = gc.Chain.mlp([3, 4, 2], bias=[False, True])
     pb = Problem(chain, 0)
     W, b = _tensors(pb.W), _tensors(pb.b)
     G, Gb = _grads(pb)
     plan = gbt.KERNELS.plan(chain, W[0])
     with pytest.raises(ValueError) as want:
-        w, bb, g, gbias = args(W, b, G, Gb)
-        gc.arrays.prepare(chain, w, bb, grads=g, bias_grads=gbias)
+        w, bb, g, gbias, extra = args(W, b, G, Gb)
+        gc.arrays.prepare(chain, w, bb, grads=g, bias_grads=gbias, extra=extra)
     for _ in range(2):
+        w, bb, g, gbias, extra = args(W, b, G, Gb)
         with pytest.raises(ValueError) as got:
-            plan.prepared(*args(W, b, G, Gb))
+            plan.prepared(w, bb, g, gbias, extra=extra)
         assert str(got.value) == str(want.value)
 
 
