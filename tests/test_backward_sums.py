@@ -678,12 +678,13 @@ def test_a_layer_called_with_more_arguments_gets_them_all():
 
 
 def test_remove_takes_every_layers_hooks_off():
-    """After ``remove`` no layer feeds the record: a backward pass leaves every layer's sums
-    and bound at zero."""
+    """After ``remove`` (twice: it holds nothing more to remove) no layer feeds the record:
+    a backward pass leaves every layer's sums and bound at zero."""
     torch.manual_seed(0)
     net = _net(False, [3, 4, 5, 2], pool=False, dropout=False, bias=True)
     modules = _chain_modules(net)
     sums = BackwardSums(modules, chain_of(modules).sizes)
+    sums.remove()
     sums.remove()
     net(torch.randn(4, 3, dtype=F64)).square().sum().backward()
     for layer in sums.layers:
