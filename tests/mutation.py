@@ -146,7 +146,8 @@ def run_time(r: dict) -> str:
     def took(run: dict) -> str:
         return f"{run['seconds'] / 60:.1f} min, {run['jobs']} job{'s' * (run['jobs'] > 1)}, " \
                f"{run['date']}"
-    return "; ".join([took(r)] + [f"{a['survivors']} survivors again: {took(a)}"
+    return "; ".join([took(r)] + [f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} "
+                                  f"again: {took(a)}"
                                   for a in r.get("again", [])])
 
 
