@@ -85,6 +85,21 @@ def rng():
 
 
 @pytest.fixture
+def one_process_group(tmp_path):
+    """A gloo process group of this process alone, for DDP and FSDP2 in one test (the runs
+    over several processes are in test_torch_ddp.py and test_fsdp.py)."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed missing")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def threads():
     """Torch on every core for one test (a multi-threaded code path: ATen's parallel loops,
     inductor's OpenMP kernels); the suite's count afterwards."""

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Folders as the repository holds them -> the package names the tests import.
 PACKAGES = {"gsgd_core": "gsgd_core", "backends": "gsgd_backends", "adapters": "gsgd_adapters"}
 BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "results" / "mutation"
+MUTMUT = Path(sys.executable).with_name("mutmut")  # beside this interpreter
 
 
 def settings() -> dict:
@@ -96,8 +97,7 @@ def statuses(dest: Path, module: str) -> dict[str, str]:
 
 def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) -> None:
     """``mutmut run`` in ``dest``: the mutants without a verdict, or ``names`` again."""
-    mutmut = Path(sys.executable).with_name("mutmut")
-    done = subprocess.run([str(mutmut), "run", "--max-children", str(jobs), *names], cwd=dest,
+    done = subprocess.run([str(MUTMUT), "run", "--max-children", str(jobs), *names], cwd=dest,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
@@ -113,7 +113,6 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     saved = RESULTS / (module.replace("/", ".") + ".json")
     before = json.loads(saved.read_text()) if again else None
     dest = stage(module, tests, conf, keep=again)
-    mutmut = Path(sys.executable).with_name("mutmut")
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)
@@ -125,7 +124,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
         mutmut_run(dest, module, jobs, rerun, env)
     seconds = time.perf_counter() - start
     status = statuses(dest, module)
-    survivors = {name: subprocess.run([str(mutmut), "show", name], cwd=dest, env=env,
+    survivors = {name: subprocess.run([str(MUTMUT), "show", name], cwd=dest, env=env,
                                       capture_output=True, text=True).stdout
                  for name, s in status.items() if s == "survived"}
     result = {"module": module, "tests": tests, "seconds": round(seconds, 1), "jobs": jobs,

@@ -259,22 +259,16 @@ def _autograd_grad_first(model, opt, seed):
     _loss(model, seed).backward()
 
 
-def _checkpointed(reentrant):
+def _forward_with(option, value):
+    """A plain step whose forward pass runs with ``Net``'s ``option`` set to ``value``."""
     def play(model, opt, seed):
-        model.checkpoint = reentrant
+        before = getattr(model, option)
+        setattr(model, option, value)
         try:
             _plain(model, opt, seed)
         finally:
-            model.checkpoint = None
+            setattr(model, option, before)
     return play
-
-
-def _keyword_input(model, opt, seed):
-    model.keyword = True
-    try:
-        _plain(model, opt, seed)
-    finally:
-        model.keyword = False
 
 
 # the reasons ``describe()`` gives for a step that read W * grad
@@ -315,9 +309,10 @@ SCENARIOS = {
     "weights written after the backward pass": (_weights_written, {WRITTEN: 3}),
     "weights written before the forward pass": (_weights_written_first, BACKWARD),
     "torch.func.functional_call with other parameters": (_functional_call, BACKWARD),
-    "checkpoint (non-reentrant)": (_checkpointed(False), BACKWARD),
-    "checkpoint (reentrant)": (_checkpointed(True), BACKWARD),
-    "a layer called with its input by keyword": (_keyword_input, {NOT_INTO_GRAD: 3}),
+    "checkpoint (non-reentrant)": (_forward_with("checkpoint", False), BACKWARD),
+    "checkpoint (reentrant)": (_forward_with("checkpoint", True), BACKWARD),
+    "a layer called with its input by keyword": (_forward_with("keyword", True),
+                                                 {NOT_INTO_GRAD: 3}),
 }
 
 

@@ -389,19 +389,10 @@ def test_betas_of_a_number_and_a_tensor_are_refused_as_torch_refuses_them():
 
 
 @pytest.fixture
-def one_process_mesh(tmp_path):
-    """A one-process gloo group and its 1-D device mesh, for FSDP2 in this process (the
-    runs over several processes are in test_fsdp.py)."""
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed missing")
+def one_process_mesh(one_process_group):
+    """The 1-D device mesh of a one-process group, for FSDP2 in this process."""
     from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                            world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def _sharded_twins(mesh, dtype):

@@ -522,37 +522,29 @@ def test_grouped_conv_ends_chains():
     assert [c.names for c in discover(model).chains] == [["2", "4"]]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
-def test_ddp_dataparallel_and_compile_wrappers_are_unwrapped(tmp_path):
+def test_ddp_dataparallel_and_compile_wrappers_are_unwrapped(one_process_group):
     """Discovery and the optimizer see through DDP (a one-process gloo group here; the
     two-process run is in test_torch_ddp.py), DataParallel, torch.compile and their nesting."""
-    import torch.distributed as dist
-
     model = mlp()
     skeleton_init_(model, skeleton="paper")
     want = [[model[0], model[2], model[4]]]
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                            world_size=1)
-    try:
-        ddp = nn.parallel.DistributedDataParallel(model)
-        wrappers = [ddp, nn.DataParallel(model), torch.compile(model), torch.compile(ddp)]
-        for wrapped in wrappers:
-            assert [c.modules for c in discover(wrapped).chains] == want, type(wrapped)
-        model.to("cpu")  # DataParallel moves the module onto a GPU where there is one
-        opt = GSGD(ddp, lr=0.05, skeleton="paper")
-        x, y = data(model)
-        ((ddp(x) - y) ** 2).mean().backward()
-        W = [model[i].weight.detach().numpy().copy() for i in (0, 2, 4)]
-        b = [model[i].bias.detach().numpy().copy() for i in (0, 2, 4)]
-        G = [model[i].weight.grad.numpy().copy() for i in (0, 2, 4)]
-        Gb = [model[i].bias.grad.numpy().copy() for i in (0, 2, 4)]
-        opt.step()
-        eW, eb = gc.gsgd_step(gc.Chain.mlp([6, 8, 5, 3]), W, b, G, Gb, 0.05)
-        for i, e, eb_ in zip((0, 2, 4), eW, eb):
-            assert_close(model[i].weight.detach().numpy(), e, 1e-12)
-            assert_close(model[i].bias.detach().numpy(), eb_, 1e-12)
-    finally:
-        dist.destroy_process_group()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrappers = [ddp, nn.DataParallel(model), torch.compile(model), torch.compile(ddp)]
+    for wrapped in wrappers:
+        assert [c.modules for c in discover(wrapped).chains] == want, type(wrapped)
+    model.to("cpu")  # DataParallel moves the module onto a GPU where there is one
+    opt = GSGD(ddp, lr=0.05, skeleton="paper")
+    x, y = data(model)
+    ((ddp(x) - y) ** 2).mean().backward()
+    W = [model[i].weight.detach().numpy().copy() for i in (0, 2, 4)]
+    b = [model[i].bias.detach().numpy().copy() for i in (0, 2, 4)]
+    G = [model[i].weight.grad.numpy().copy() for i in (0, 2, 4)]
+    Gb = [model[i].bias.grad.numpy().copy() for i in (0, 2, 4)]
+    opt.step()
+    eW, eb = gc.gsgd_step(gc.Chain.mlp([6, 8, 5, 3]), W, b, G, Gb, 0.05)
+    for i, e, eb_ in zip((0, 2, 4), eW, eb):
+        assert_close(model[i].weight.detach().numpy(), e, 1e-12)
+        assert_close(model[i].bias.detach().numpy(), eb_, 1e-12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
