@@ -9,16 +9,8 @@ arrays fewer times.
 from __future__ import annotations
 
 import cupy
-import cupyx
 
 from .numpy import ArrayKernels
 
-
-class CupyKernels(ArrayKernels):
-    def scatter_add(self, target, index, values):
-        out = target.copy()
-        cupyx.scatter_add(out, index, values)
-        return out
-
-
-KERNELS = CupyKernels(cupy, None)
+#: CuPy's ufuncs have ``at`` (CuPy 13 and later), so the NumPy kernels serve unchanged.
+KERNELS = ArrayKernels(cupy, None)

@@ -102,6 +102,14 @@ def interleaved(fns: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _synced(f, sync):
+    """``f`` then ``sync``, returning nothing, so that :func:`interleaved` times both."""
+    def g():
+        f()
+        sync()
+    return g
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -266,10 +274,9 @@ def array_rows(name, xp, reps):
     def gsgd():
         gb.gsgd_step_(chain, W, b, G, Gb, LR)
 
-    sync = (lambda: xp.cuda.get_current_stream().synchronize()) if xp is not np else None
     fns = {"sgd": sgd, "sgd_inplace": sgd_inplace, "gsgd": gsgd}
-    if sync:
-        fns = {k: (lambda f=f: (f(), sync())) for k, f in fns.items()}
+    if xp is not np:  # a GPU step is timed to its end, not to its launch
+        fns = {k: _synced(f, xp.cuda.get_current_stream().synchronize) for k, f in fns.items()}
     t = interleaved(fns, reps)
     variants = {"G-SGD": ("w -= lr*g", t["sgd"], t["gsgd"])}
     if xp is np:

@@ -707,19 +707,28 @@ def test_conv_column_sums_either_side_of_the_rowwise_form_equal_the_core(fxp, co
     _assert_same(fxp, b, eb, "biases")
 
 
-def test_cupy_kernels_scatter_through_cupyx(monkeypatch):
-    """Without a GPU: the CuPy kernels imported over a stand-in ``cupy`` (NumPy itself) and
-    ``cupyx`` (``scatter_add`` as ``np.add.at``, recorded). A step of a chain whose tau
-    edges are also free edges carries sums down through ``scatter_add``; it must go through
-    ``cupyx.scatter_add`` (CuPy arrays have no ``add.at``) and equal the core's step."""
+def test_cupy_kernels_scatter_through_cupy_add_at(monkeypatch):
+    """Without a GPU: the CuPy kernels imported over a stand-in ``cupy`` (NumPy, with
+    ``add.at`` recorded). A step of a chain whose tau edges are also free edges carries sums
+    down through ``scatter_add``; it must go through the stand-in's ``add.at`` (so through
+    CuPy's on a GPU) and equal the core's step."""
     import importlib
     import types
 
     calls = []
-    cupyx = types.SimpleNamespace(scatter_add=lambda a, i, v: calls.append(1) or np.add.at(
-        a, i, v))
-    monkeypatch.setitem(sys.modules, "cupy", np)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+
+    class RecordedAdd:
+        def __call__(self, *args, **kwargs):
+            return np.add(*args, **kwargs)
+
+        def at(self, a, i, v):
+            calls.append(1)
+            np.add.at(a, i, v)
+
+    cupy = types.ModuleType("cupy")
+    cupy.__dict__.update(vars(np))
+    cupy.add = RecordedAdd()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.delitem(sys.modules, "gsgd_backends.cupy", raising=False)
     try:
         kernels = importlib.import_module("gsgd_backends.cupy").KERNELS
@@ -731,7 +740,7 @@ def test_cupy_kernels_scatter_through_cupyx(monkeypatch):
     G, Gb = pb.grads()
     W, b = [w.copy() for w in pb.W], [v.copy() for v in pb.b]
     assert fast.fast_step_(kernels, chain, W, b, G, Gb, 0.1)
-    assert calls, "the CuPy kernels did not scatter through cupyx.scatter_add"
+    assert calls, "the CuPy kernels did not scatter through cupy.add.at"
     eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 0.1)
     for got, want in zip(W + b, eW + eb):
         assert_close(got, want, 1e-12)
