@@ -108,15 +108,16 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
 
     ``again``: keep the verdicts of the last run, run the mutants of the functions changed
     since (mutmut regenerates those), then run that run's survivors (and those no test
-    reached) with today's tests."""
+    reached) with today's tests. A run stopped before its end has no result yet: ``again``
+    then runs the mutants it left without a verdict (the result says "resumed")."""
     tests = conf["tests"][module]
     saved = RESULTS / (module.replace("/", ".") + ".json")
-    before = json.loads(saved.read_text()) if again else None
+    before = json.loads(saved.read_text()) if again and saved.exists() else None
     dest = stage(module, tests, conf, keep=again)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)
-    if again:
+    if before:
         known = statuses(dest, module)
         rerun = [n for n, s in before["status"].items()  # equivalents need no new look
                  if s in ("survived", "no tests") and n in known
@@ -130,8 +131,11 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     result = {"module": module, "tests": tests, "seconds": round(seconds, 1), "jobs": jobs,
               "date": time.strftime("%Y-%m-%d"), "status": status, "survivors": survivors,
               "again": []}
-    if again:
-        result |= {k: before[k] for k in ("seconds", "jobs", "date")} | {
+    if again and not before:
+        result["resumed"] = True
+    elif again:
+        result |= {k: before[k] for k in ("seconds", "jobs", "date", "resumed")
+                   if k in before} | {
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
                  "survivors": len(rerun)}]}
@@ -141,11 +145,13 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
 
 
 def run_time(r: dict) -> str:
-    """The full run's time, and each later run of its survivors (``--again``)."""
+    """The full run's time (or that of the part after a stop), and each later run of its
+    survivors (``--again``)."""
     def took(run: dict) -> str:
         return f"{run['seconds'] / 60:.1f} min, {run['jobs']} job{'s' * (run['jobs'] > 1)}, " \
                f"{run['date']}"
-    return "; ".join([took(r)] + [f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} "
+    first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
+    return "; ".join([first] + [f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} "
                                   f"again: {took(a)}"
                                   for a in r.get("again", [])])
 

@@ -109,3 +109,24 @@ def test_the_page_gives_each_run_of_the_survivors_again(tmp_path, monkeypatch):
     page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": []})
     assert ("| 1.5 min, 2 jobs, 2026-11-25; 5 survivors again: 0.5 min, 1 job, 2026-11-26 |"
             in page)
+
+
+def test_again_after_a_stopped_run_runs_only_what_it_left(tmp_path, monkeypatch):
+    """A run stopped midway saved no result: ``--again`` runs the mutants without a verdict
+    (mutmut's plain run) and reruns nothing else, and the page says it resumed. A later
+    ``--again`` reruns that result's survivors too and keeps saying so."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    runs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        runs.append(list(names)))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed", "b": "survived"})
+    monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
+        "stdout": "-x\n+y"})())
+    conf = mutation.settings()
+    r = mutation.run("backends/plan.py", 2, conf, again=True)
+    assert runs == [[]] and r["resumed"] and r["again"] == []
+    assert "2026" in mutation.run_time(r) and "left by a stopped run" in mutation.run_time(r)
+    runs.clear()
+    r = mutation.run("backends/plan.py", 2, conf, again=True)
+    assert runs == [[], ["b"]] and r["resumed"] and r["again"][0]["survivors"] == 1

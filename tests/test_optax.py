@@ -160,6 +160,29 @@ def test_dict_layout_with_transposed_kernels_equals_pairs():
         assert_close(np.asarray(ud[f"l{i}"]["b"]), np.asarray(ub), 1e-14)
 
 
+def test_dict_layout_reads_out_in_weights_by_default_and_layers_without_a_bias():
+    """Without ``transposed`` a dict's weights are ``(out, in)``, as pairs' are; a layer
+    whose bias is absent or None has none in the chain, and its step equals the pairs'."""
+    params = [(w, None if i == 1 else b) for i, (w, b) in enumerate(make_params())]
+    as_dict = {f"l{i}": {"w": w} | ({} if i == 1 else {"b": b})
+               for i, (w, b) in enumerate(params)}
+    as_dict["l2"]["b"] = None
+    params[2] = (params[2][0], None)
+    chains = chains_from_dict(as_dict, ["l0", "l1", "l2"])
+    assert chains[0].chain == chains_from_pairs(params)[0].chain
+    assert chains[0].biases == (("l0", "b"), None, None)
+    g = jax.grad(lambda p: jnp.mean((forward([(w, 0.0 if b is None else b) for w, b in p], X)
+                                     - Y) ** 2))(params)
+    gd = {"l0": {"w": g[0][0], "b": g[0][1]}, "l1": {"w": g[1][0]},
+          "l2": {"w": g[2][0], "b": None}}
+    opt_d, opt_p = gsgd(0.1, chains), gsgd(0.1, chains_from_pairs(params))
+    ud, _ = opt_d.update(gd, opt_d.init(as_dict), as_dict)
+    up, _ = opt_p.update(g, opt_p.init(params), params)
+    for i, (uw, _) in enumerate(up):
+        assert_close(np.asarray(ud[f"l{i}"]["w"]), np.asarray(uw), 1e-14)
+    assert_close(np.asarray(ud["l0"]["b"]), np.asarray(up[0][1]), 1e-14)
+
+
 def test_path_sgd_and_psi_sgd_transformations_equal_the_core():
     params = make_params()
     chain = chains_from_pairs(params)[0].chain
@@ -348,3 +371,106 @@ def test_in_path_space_composes_inside_optax_chain():
         p = optax.apply_updates(p, u)
     for a, b in zip(jax.tree_util.tree_leaves(ours), jax.tree_util.tree_leaves(p)):
         assert_close(np.asarray(a), np.asarray(b), 1e-12)
+
+
+def _run(opt, params, g, steps=3):
+    state, p = opt.init(params), params
+    for _ in range(steps):
+        u, state = opt.update(g(p), state, p)
+        p = optax.apply_updates(p, u)
+    return p, state
+
+
+def test_path_sgd_steps_like_the_core_and_plain_sgd_elsewhere_and_keeps_no_chain_state():
+    """Three steps: the chain as gsgd_core.path_sgd_step iterated; the leaf outside every
+    chain as ``t - lr * g`` (no momentum, no decay: Path-SGD takes none); no state per chain."""
+    params, chains, g = _with_temperature()
+    opt = path_sgd(0.05, chains)
+    assert jax.tree_util.tree_leaves(opt.init(params).chains) == []
+    p, _ = _run(opt, params, g)
+    ref = params
+    for _ in range(3):
+        gr = g(ref)
+        W, b = gc.path_sgd_step(chains[0].chain, [w for w, _ in ref["net"]],
+                                [v for _, v in ref["net"]], [x for x, _ in gr["net"]],
+                                [x for _, x in gr["net"]], 0.05)
+        ref = {"net": list(zip(W, b)), "t": ref["t"] - 0.05 * gr["t"]}
+    for got, want in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref)):
+        assert_close(np.asarray(got), np.asarray(want), 1e-12)
+
+
+@pytest.mark.parametrize("momentum, max_norm", [(None, None), (0.9, 2.5)])
+def test_psi_sgd_over_steps_equals_the_core_with_its_defaults_or_given_values(momentum,
+                                                                               max_norm):
+    """Three steps of PSI-SGD(M) on two normalised weights, against gsgd_core.psi_update
+    iterated with the same momentum and max_norm (or the core's defaults when psi_sgd is
+    given none), and torch's SGD(M) (dampening 0) on the leaf outside. The weights start
+    with row norms near 3: a max_norm of 2.5 rescales them."""
+    params, _, g = _with_temperature()
+    params = {"net": [(3 * w, v) for w, v in params["net"]], "t": params["t"]}
+    paths = [("net", 0, 0), ("net", 1, 0)]
+    given = {k: v for k, v in (("momentum", momentum), ("max_norm", max_norm)) if v is not None}
+    p, _ = _run(psi_sgd(0.05, paths, **given), params, g)
+    ref, sgd = params, optax.sgd(0.05, momentum=momentum)
+    cs, ss = gc.psi_init([w for w, _ in params["net"][:2]]), sgd.init(params)
+    for _ in range(3):
+        gr = g(ref)
+        W, cs = gc.psi_update(cs, [w for w, _ in ref["net"][:2]],
+                              [x for x, _ in gr["net"][:2]], lr=0.05, **given)
+        su, ss = sgd.update(gr, ss)
+        ref = optax.apply_updates(ref, su)
+        ref["net"][:2] = [(w, v) for w, (_, v) in zip(W, ref["net"][:2])]
+    for got, want in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(ref)):
+        assert_close(np.asarray(got), np.asarray(want), 1e-12)
+
+
+def test_psi_sgd_default_max_norm_is_the_cores():
+    """A row of norm just above 1e4 (the core's default) is normalised; psi_sgd without a
+    max_norm must rescale it as the core does."""
+    params = {"w": jnp.asarray([[6000.0, 8000.5], [0.3, 0.4]]), "b": jnp.asarray([0.1, 0.2])}
+    grads = {"w": jnp.asarray([[1e-12, 0.0], [0.5, -0.5]]), "b": jnp.asarray([1.0, 1.0])}
+    opt = psi_sgd(0.1, [("w",)])
+    u, _ = opt.update(grads, opt.init(params), params)
+    (W,), _ = gc.psi_update(gc.psi_init([params["w"]]), [params["w"]], [grads["w"]], lr=0.1)
+    assert float(jnp.linalg.norm(W[0])) == pytest.approx(1.0)
+    assert_close(np.asarray(params["w"] + u["w"]), np.asarray(W), 1e-12)
+
+
+def test_psi_sgd_without_normalised_weights_is_sgd_everywhere():
+    params, _, g = _with_temperature()
+    p, _ = _run(psi_sgd(0.05, [], momentum=0.9), params, g)
+    q, _ = _run(optax.sgd(0.05, momentum=0.9), params, g)
+    for got, want in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
+        assert_close(np.asarray(got), np.asarray(want), 1e-12)
+
+
+def test_psi_sgd_reads_a_discoverys_normalised_weights_through_their_layouts():
+    """Given find_chains' result, PSI-SGDM acts on the output units of each normalised
+    weight (columns of Flax's ``(in, out)`` kernels, not rows): two steps equal the core's
+    psi_update on the layout views."""
+    pytest.importorskip("flax")
+    pytest.importorskip("haiku")
+    pytest.importorskip("equinox")
+    from _jax_catalogue import CATALOGUE
+    from gsgd_adapters.jax import find_chains
+    from gsgd_adapters.jax.leaves import key_paths
+
+    apply, params, args, kwargs = CATALOGUE["flax_batch_norm"].build()
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float64), params)
+    found = find_chains(apply, params, *args, **kwargs).within("params")
+    group, sub = found.normalised, params["params"]
+    assert group.weights and group.layouts is not None
+    paths = key_paths(sub)[0]
+    grads = jax.tree_util.tree_map(lambda x: jnp.cos(jnp.arange(x.size).reshape(x.shape)
+                                                     + 1.0), sub)
+    opt = psi_sgd(0.1, found, momentum=0.9)
+    state, p = opt.init(sub), sub
+    index = {path: i for i, path in enumerate(paths)}
+    views = lambda tree: group.arrays(index, jax.tree_util.tree_leaves(tree))[0]  # noqa: E731
+    W, cs = views(sub), gc.psi_init(views(sub))
+    for _ in range(2):
+        u, state = opt.update(grads, state, p)
+        p = optax.apply_updates(p, u)
+        W, cs = gc.psi_update(cs, W, views(grads), lr=0.1, momentum=0.9)
+    for got, want in zip(views(p), W):
+        assert_close(np.asarray(got), np.asarray(want), 1e-12)
