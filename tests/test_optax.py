@@ -315,7 +315,8 @@ def test_in_path_space_reads_transposed_kernels_and_refuses_psi_groups():
     for i, (uw, ub) in enumerate(up):
         assert_close(np.asarray(ud[f"l{i}"]["w"].T), np.asarray(uw), 1e-14)
         assert_close(np.asarray(ud[f"l{i}"]["b"]), np.asarray(ub), 1e-14)
-    with pytest.raises(ValueError, match="not PSI groups"):
+    with pytest.raises(ValueError, match=r"^in_path_space takes chains \(ChainLeaves with a "
+                                         r"chain\), not PSI groups$"):
         in_path_space(optax.adam(0.01), [ChainLeaves(None, ((0, 0),), ())])
     with pytest.raises(ValueError, match="needs params"):
         opt_p.update(g, opt_p.init(params))
