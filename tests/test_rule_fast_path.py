@@ -250,3 +250,122 @@ def test_rows_wider_than_a_block(fxp, sizes, monkeypatch):
     assert ran
     _assert_same(fxp, fast, core)
     assert seen and max(seen) == 1, "a finite block took the per-entry rules"
+
+
+def _fresh(ns, pb, rule, chain=CHAIN):
+    A, Ab = ns.aslist(pb.W), ns.aslist(pb.b)
+    G, Gb = pb.grads()
+    return A, Ab, ns.aslist(G), ns.aslist(Gb), gc.path_init(chain, rule, A, Ab)
+
+
+def _unchanged(ns, arrays, before) -> bool:
+    return all(np.array_equal(a, b) for a, b in zip(ns.tolist(arrays), before))
+
+
+class NotElementwise(gc.PathRule):
+    """A path rule that does not declare itself elementwise: its step may mix paths."""
+
+    buffers = ()
+
+    def init(self, xp, V):
+        return ()
+
+    def step(self, xp, D, V, bufs, count):
+        return [d for d in D], ()
+
+
+def test_what_the_fast_path_cannot_take_is_handed_back_untouched(fxp):
+    """``False``, and nothing written, for: a rule that is not elementwise, a state that is
+    not a RuleState, buffers of another count or dtype than the weights', and weights that
+    cannot be written in place. The core takes these."""
+    pb = Problem(CHAIN, 3)
+    rule = RULES["adam"]()
+    A, Ab, G, Gb, state = _fresh(fxp, pb, rule)
+    kernels, before = gb.kernels_for(A[0]), fxp.tolist(A)
+    short = state._replace(buffers=tuple(bufs[:-1] for bufs in state.buffers))
+    other = fxp.xp.float32 if fxp.is_f64 else fxp.xp.float64
+    cast = state._replace(buffers=tuple(tuple(fxp.xp.astype(m, other) for m in bufs)
+                                        for bufs in state.buffers))
+    cases = [(NotElementwise(), state), (rule, tuple(state)), (rule, short), (rule, cast)]
+    for r, s in cases:
+        assert rule_step_(kernels, CHAIN, r, s, A, Ab, G, Gb) is False, type(r).__name__
+        assert _unchanged(fxp, A, before)
+    frozen = [reverse_axes(fxp.asarray(np.ascontiguousarray(np.transpose(w)))) for w in pb.W]
+    held = fxp.tolist(frozen)
+    assert rule_step_(kernels, CHAIN, rule, state, frozen, Ab, G, Gb) is False
+    assert _unchanged(fxp, frozen, held) and _unchanged(fxp, A, before)
+
+
+def test_a_chain_without_biases_takes_none_for_its_bias_lists(fxp):
+    chain = gc.Chain.from_shapes([(6, 5), (7, 6), (3, 7)], bias=False)
+    pb = Problem(chain, 4)
+    rule = RULES["adamw-amsgrad"]()
+    A, _, G, _, state = _fresh(fxp, pb, rule, chain)
+    E, _, _, _, es = _fresh(fxp, pb, rule, chain)
+    assert rule_step_(gb.kernels_for(A[0]), chain, rule, state, A, None, G, None)
+    E, _, es = gc.path_update(chain, rule, es, E, None, G, None)
+    for i, (x, y) in enumerate(zip(fxp.tolist(A), fxp.tolist(E))):
+        assert_close(x, y, _tol(fxp), f"weights[{i}]")
+
+
+def test_a_given_plan_is_the_one_used(fxp, monkeypatch):
+    pb = Problem(CHAIN, 5)
+    rule = RULES["adam"]()
+    A, Ab, G, Gb, state = _fresh(fxp, pb, rule)
+    kernels = gb.kernels_for(A[0])
+    plan, used = kernels.plan(CHAIN, A[0]), []
+    real = type(plan).prepared
+    monkeypatch.setattr(plan, "prepared", lambda *a: used.append(1) or real(plan, *a))
+    assert rule_step_(kernels, CHAIN, rule, state, A, Ab, G, Gb, plan=plan)
+    assert used == [1]
+
+
+def test_given_column_sums_and_gradient_check_are_the_ones_used():
+    """Sums equal to ``W * grad``'s give the core's step; sums off by one give another; a
+    gradient check that is not finite hands the step back although the gradients are."""
+    chain = gc.Chain.from_shapes([(6, 5), (7, 6), (3, 7)], bias=True)
+    pb = Problem(chain, 6)
+    rule = RULES["sgd-nesterov"]()  # linear in D (Adam's first step is about sign(D))
+    G, Gb = pb.grads()
+    sums = [(pb.W[l] * G[l]).sum(axis=(0, 2)) for l in (1, 2)]
+    total = np.asarray(sum(g.sum() for g in G))
+
+    def run(**given):
+        W, b = [w.copy() for w in pb.W], [v.copy() for v in pb.b]
+        state = gc.path_init(chain, rule, W, b)
+        ran = rule_step_(gb.kernels_for(W[0]), chain, rule, state, W, b, G, Gb, **given)
+        return ran, W + b
+
+    E, Eb, _ = gc.path_update(chain, rule, gc.path_init(chain, rule, pb.W, pb.b), pb.W, pb.b,
+                              G, Gb)
+    ran, got = run(column_sums=sums, gradient_check=total)
+    assert ran
+    for x, y in zip(got, E + Eb):
+        assert_close(x, y, 1e-12)
+    ran, wrong = run(column_sums=[s + 1.0 for s in sums], gradient_check=total)
+    assert ran and not all(np.allclose(x, y) for x, y in zip(wrong, E + Eb))
+    ran, kept = run(column_sums=sums, gradient_check=np.asarray(np.nan))
+    assert ran is False and all(np.array_equal(x, y) for x, y in zip(kept, pb.W + pb.b))
+
+
+def test_an_unchecked_bulk_equals_the_checked_one():
+    """``rule_bulk_(checked=False)`` (compiled kernels' path: every block by the per-entry
+    rules, no host read) gives the checked path's numbers on finite blocks."""
+    from gsgd_backends.rule_step import rule_bulk_
+
+    rng = np.random.default_rng(7)
+    n, p, k = 5, 4, 3
+    rule = RULES["adamw-amsgrad"]()
+    coef = rule.coefficients(np, np.asarray(2), np.float64)
+    W, G = rng.standard_normal((n, p * k)), rng.standard_normal((n, p * k))
+    M = [np.abs(rng.standard_normal((n, p * k))) for _ in rule.buffers]
+    F, B, rho = (np.exp(rng.standard_normal(m)) for m in (n, p, p))
+    out = []
+    for checked in (True, False):
+        w, m = W.copy(), [x.copy() for x in M]
+        rule_bulk_(gb.kernels_for(w), rule, coef, w, G, m, F=F, B_prev=B, rho=rho,
+                   checked=checked)
+        out.append([w] + m)
+    assert not np.array_equal(out[0][0], W)
+    for a, b in zip(*out):
+        assert_close(a, b, 1e-14)
