@@ -205,10 +205,21 @@ def test_path_sgd_and_psi_sgd_transformations_equal_the_core():
     assert_close(np.asarray(u[2][0]), np.asarray(-0.1 * g[2][0]), 1e-13)  # SGD elsewhere
 
 
+def test_gsgd_without_momentum_keeps_no_state_but_its_step_count():
+    """No momentum: no buffer per chain and none per leaf outside the chains (a state as
+    small as optax.sgd's); with momentum, the core's state per chain."""
+    params, chains, _ = _with_temperature()
+    leaves = jax.tree_util.tree_leaves(gsgd(0.1, chains).init(params))
+    assert len(leaves) == 1 and leaves[0].shape == () and leaves[0].dtype == jnp.int32
+    state = gsgd(0.1, chains, momentum=0.9).init(params)
+    assert jax.tree_util.tree_leaves(state.chains) and state.momentum[-1] is not None
+
+
 def test_update_without_params_is_a_clear_error():
     params = make_params()
     opt = gsgd(0.1, chains_from_pairs(params))
-    with pytest.raises(ValueError, match="needs params"):
+    with pytest.raises(ValueError, match=r"^this transformation needs params: "
+                                         r"opt\.update\(grads, state, params\)$"):
         opt.update(grad(params), opt.init(params))
 
 
@@ -318,7 +329,8 @@ def test_in_path_space_reads_transposed_kernels_and_refuses_psi_groups():
     with pytest.raises(ValueError, match=r"^in_path_space takes chains \(ChainLeaves with a "
                                          r"chain\), not PSI groups$"):
         in_path_space(optax.adam(0.01), [ChainLeaves(None, ((0, 0),), ())])
-    with pytest.raises(ValueError, match="needs params"):
+    with pytest.raises(ValueError, match=r"^in_path_space needs params: "
+                                         r"opt\.update\(grads, state, params\)$"):
         opt_p.update(g, opt_p.init(params))
 
 
