@@ -459,8 +459,8 @@ def test_psi_sgd_without_normalised_weights_is_sgd_everywhere():
 
 def test_psi_sgd_reads_a_discoverys_normalised_weights_through_their_layouts():
     """Given find_chains' result, PSI-SGDM acts on the output units of each normalised
-    weight (columns of Flax's ``(in, out)`` kernels, not rows): two steps equal the core's
-    psi_update on the layout views."""
+    weight (the last axis of Flax's ``(..., in, out)`` kernels, not the first): two steps
+    equal the core's psi_update on the layout views."""
     pytest.importorskip("flax")
     pytest.importorskip("haiku")
     pytest.importorskip("equinox")

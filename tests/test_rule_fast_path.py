@@ -262,16 +262,15 @@ def _unchanged(ns, arrays, before) -> bool:
     return all(np.array_equal(a, b) for a, b in zip(ns.tolist(arrays), before))
 
 
-class NotElementwise(gc.PathRule):
-    """A path rule that does not declare itself elementwise: its step may mix paths."""
+class NotElementwise:
+    """A path rule (:class:`gsgd_core.PathRule`) that is not an ElementwiseRule: its update
+    may mix paths, so no block of one layer can be updated alone."""
 
-    buffers = ()
-
-    def init(self, xp, V):
+    def init(self, values):
         return ()
 
-    def step(self, xp, D, V, bufs, count):
-        return [d for d in D], ()
+    def update(self, grads, state, values):
+        return tuple(-g for g in grads), state
 
 
 def test_what_the_fast_path_cannot_take_is_handed_back_untouched(fxp):
