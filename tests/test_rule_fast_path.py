@@ -369,3 +369,35 @@ def test_an_unchecked_bulk_equals_the_checked_one():
     assert not np.array_equal(out[0][0], W)
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)
+
+
+def test_weights_in_their_frameworks_layout_step_as_the_chains_views(fxp):
+    """Conv weights as a framework holds them, ``(n, p, kh, kw)``, and their gradients so
+    too: the step writes what the core writes on the chain's ``(n, p, k)`` views."""
+    pb = Problem(CHAIN, 3)
+    rule = RULES["adamw-amsgrad"]()
+    layouts = [(4, 3, 3, 3), (5, 4, 2, 2), (6, 5, 4), (3, 6, 1)]
+    G, Gb = pb.grads()
+    A = [fxp.asarray(w.reshape(s)) for w, s in zip(pb.W, layouts)]
+    Ab = fxp.aslist(pb.b)
+    state = gc.path_init(CHAIN, rule, A, Ab)
+    assert rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab,
+                      [fxp.asarray(g.reshape(s)) for g, s in zip(G, layouts)], fxp.aslist(Gb))
+    E, Eb, _ = gc.path_update(CHAIN, rule, gc.path_init(CHAIN, rule, fxp.aslist(pb.W), Ab),
+                              fxp.aslist(pb.W), fxp.aslist(pb.b), fxp.aslist(G), fxp.aslist(Gb))
+    for i, (a, e, s) in enumerate(zip(fxp.tolist(A), fxp.tolist(E), layouts)):
+        assert a.shape == s
+        assert_close(a.reshape(e.shape), e, _tol(fxp), f"weights[{i}]")
+
+
+def test_a_gradient_of_the_wrong_shape_is_refused_before_anything_is_written():
+    pb = Problem(CHAIN, 3)
+    rule = RULES["adam"]()
+    G, Gb = pb.grads()
+    G[2] = np.ascontiguousarray(G[2][:, :, :2])
+    A, Ab = [w.copy() for w in pb.W], [None if b is None else b.copy() for b in pb.b]
+    state = gc.path_init(CHAIN, rule, A, Ab)
+    with pytest.raises(ValueError, match=r"^layer 3: grads\[2\] has shape \(6, 5, 2\), but the "
+                                         r"weight has shape \(6, 5, 4\)$"):
+        rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, G, Gb)
+    assert all(np.array_equal(a, w) for a, w in zip(A, pb.W))
