@@ -12,6 +12,7 @@ import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.rule_step import rule_step_
 from _helpers import Problem, assert_close, reverse_axes
+from _namespaces import available_namespaces
 from _conditioning import (assert_buffers_close, assert_step_close, flat_paths,
                           gradient_rounding, step_tolerance)
 from _strategies import chains, examples, seeds
@@ -401,3 +402,27 @@ def test_a_gradient_of_the_wrong_shape_is_refused_before_anything_is_written():
                                          r"weight has shape \(6, 5, 4\)$"):
         rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, G, Gb)
     assert all(np.array_equal(a, w) for a, w in zip(A, pb.W))
+
+
+class Blowup(gc.ElementwiseRule):
+    """Delta = V * 1e308: finite where |V| < 1.8, and its quotient by F overflows wherever
+    F is small (a bias's new value ``b - Delta / F`` is then not finite)."""
+
+    def coefficients(self, xp, count, dtype):
+        return None
+
+    def apply(self, xp, D, V, bufs, coef):
+        return V * 1e308, ()
+
+
+def test_a_bias_whose_new_value_overflows_keeps_its_value_as_in_the_core():
+    pb = Problem(CHAIN, 8)
+    W = [0.1 * w for w in pb.W]
+    pb.b = [None if b is None else np.full_like(b, 4.0) for b in pb.b]
+    numpy64 = next(ns for ns in available_namespaces() if ns.id == "numpy-float64")
+    ran, fast, core = _runs(numpy64, CHAIN, pb, Blowup(), 1, W=W)
+    assert ran
+    for i, (got, want) in enumerate(zip(fast[1], core[1])):
+        if want is not None:
+            np.testing.assert_array_equal(got, want, f"biases[{i}]")
+    assert any(np.all(b == 4.0) for b in fast[1][:-1] if b is not None), "no bias was kept"
