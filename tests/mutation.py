@@ -124,14 +124,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                  and n not in conf.get("equivalent", {})]
         mutmut_run(dest, module, jobs, rerun, env)
     seconds = time.perf_counter() - start
-    status = statuses(dest, module)
-    survivors = {name: subprocess.run([str(MUTMUT), "show", name], cwd=dest, env=env,
-                                      capture_output=True, text=True).stdout
-                 for name, s in status.items() if s == "survived"}
-    result = {"module": module, "tests": tests, "seconds": round(seconds, 1), "jobs": jobs,
-              "date": time.strftime("%Y-%m-%d"), "status": status, "survivors": survivors,
-              "again": []}
-    if again and not before:
+    result = verdicts(dest, module, tests, env) | {"seconds": round(seconds, 1), "jobs": jobs}
+    if again and (not before or before.get("stopped")):
         result["resumed"] = True
     elif again:
         result |= {k: before[k] for k in ("seconds", "jobs", "date", "resumed")
@@ -144,12 +138,35 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     return result
 
 
+def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
+    """Every mutant's status in ``dest`` and each survivor's diff (``mutmut show``)."""
+    status = statuses(dest, module)
+    survivors = {name: subprocess.run([str(MUTMUT), "show", name], cwd=dest, env=env,
+                                      capture_output=True, text=True).stdout
+                 for name, s in status.items() if s == "survived"}
+    return {"module": module, "tests": tests, "date": time.strftime("%Y-%m-%d"),
+            "status": status, "survivors": survivors, "again": []}
+
+
+def save_stopped(module: str, conf: dict) -> dict:
+    """The result of a run stopped before its end, from mutmut's folder: the mutants it
+    left count as not run (out of the score); ``--again`` goes on from it."""
+    dest = BUILD / module.replace("/", ".")
+    result = verdicts(dest, module, conf["tests"][module], os.environ)
+    result["stopped"] = sum(s == "not checked" for s in result["status"].values())
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
+    return result
+
+
 def run_time(r: dict) -> str:
     """The full run's time (or that of the part after a stop), and each later run of its
     survivors (``--again``)."""
     def took(run: dict) -> str:
         return f"{run['seconds'] / 60:.1f} min, {run['jobs']} job{'s' * (run['jobs'] > 1)}, " \
                f"{run['date']}"
+    if r.get("stopped"):
+        return f"stopped before its end, {r['stopped']} mutants not run, {r['date']}"
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
     return "; ".join([first] + [f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} "
                                   f"again: {took(a)}"
@@ -158,8 +175,9 @@ def run_time(r: dict) -> str:
 
 def score(result: dict) -> tuple[int, int]:
     """``(killed, counted)``: killed counts mutmut's "killed" and "timeout" (a mutant that
-    hangs the tests is caught); "no tests" counts as a survivor."""
-    counted = [s for s in result["status"].values() if s != "skipped"]
+    hangs the tests is caught); "no tests" counts as a survivor; the mutants a stopped run
+    did not reach ("not checked") are not counted."""
+    counted = [s for s in result["status"].values() if s not in ("skipped", "not checked")]
     return sum(s in ("killed", "timeout") for s in counted), len(counted)
 
 
@@ -207,6 +225,8 @@ def main(argv=None) -> int:
     parser.add_argument("--again", action="store_true",
                         help="keep the last run's verdicts; run its survivors and the mutants "
                              "of changed functions again")
+    parser.add_argument("--stopped", action="store_true",
+                        help="save the result of these modules' runs stopped before their end")
     parser.add_argument("--report", action="store_true", help="write docs/mutation.md")
     args = parser.parse_args(argv)
     conf = settings()
@@ -215,10 +235,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"not in [tool.gsgd.mutation.tests]: {unknown}")
     for module in modules:
-        r = run(module, args.jobs, conf, again=args.again)
+        r = save_stopped(module, conf) if args.stopped else run(module, args.jobs, conf,
+                                                                 again=args.again)
         killed, counted = score(r)
         print(f"{module}: {killed}/{counted} killed ({100 * killed / counted:.1f}%), "
-              f"{len(r['survivors'])} survivors, {r['seconds'] / 60:.1f} min", flush=True)
+              f"{len(r['survivors'])} survivors; {run_time(r)}", flush=True)
     if args.report:
         (ROOT / "docs" / "mutation.md").write_text(report(conf))
     return 0

@@ -130,3 +130,25 @@ def test_again_after_a_stopped_run_runs_only_what_it_left(tmp_path, monkeypatch)
     runs.clear()
     r = mutation.run("backends/plan.py", 2, conf, again=True)
     assert runs == [[], ["b"]] and r["resumed"] and r["again"][0]["survivors"] == 1
+
+
+def test_a_stopped_run_is_saved_with_what_it_reached_and_again_goes_on(tmp_path, monkeypatch):
+    """``--stopped`` saves a stopped run's verdicts: the mutants it did not reach are out of
+    the score and named on the page; ``--again`` from it runs them and the survivors."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {
+        "a": "killed", "b": "survived", "c": "not checked", "d": "not checked"})
+    monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
+        "stdout": "-x\n+y"})())
+    conf = mutation.settings()
+    r = mutation.save_stopped("backends/plan.py", conf)
+    assert r["stopped"] == 2 and mutation.score(r) == (1, 2) and list(r["survivors"]) == ["b"]
+    assert mutation.run_time(r) == f"stopped before its end, 2 mutants not run, {r['date']}"
+    page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": []})
+    assert "| `backends/plan.py` | 2 | 1 | 0 | 50.0% |" in page
+    runs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        runs.append(list(names)))
+    r = mutation.run("backends/plan.py", 2, conf, again=True)
+    assert runs == [[], ["b"]] and r["resumed"] and "stopped" not in r
