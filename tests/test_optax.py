@@ -487,3 +487,13 @@ def test_psi_sgd_reads_a_discoverys_normalised_weights_through_their_layouts():
         W, cs = gc.psi_update(cs, W, views(grads), lr=0.1, momentum=0.9)
     for got, want in zip(views(p), W):
         assert_close(np.asarray(got), np.asarray(want), 1e-12)
+
+
+def test_weights_that_form_no_chain_are_named_with_their_shapes():
+    with pytest.raises(ValueError, match=r"^the weights \[0/0 \(6, 5\), 1/0 \(7, 4\)\] do not "
+                                         r"form a chain: layer 2: weight shape \(7, 4\) does not "
+                                         r"follow layer 1 of 6 units"):
+        chains_from_pairs([(jnp.zeros((6, 5)), None), (jnp.zeros((7, 4)), jnp.zeros(7))])
+    with pytest.raises(ValueError, match=r"^the weights \[a/w \(6, 5\), b/w \(7, 4\)\]"):
+        chains_from_dict({"a": {"w": jnp.zeros((6, 5))}, "b": {"w": jnp.zeros((7, 4))}},
+                         ["a", "b"])
