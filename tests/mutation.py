@@ -50,6 +50,22 @@ def settings() -> dict:
     return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
 
 
+def _staged(module: str) -> Path:
+    """``module``'s staged copy and mutmut's folder (``build/mutation/backends.plan.py``)."""
+    return BUILD / module.replace("/", ".")
+
+
+def _saved(module: str) -> Path:
+    """Where ``module``'s result is kept (``results/mutation/backends.plan.py.json``)."""
+    return RESULTS / (module.replace("/", ".") + ".json")
+
+
+def _save(result: dict) -> dict:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    _saved(result["module"]).write_text(json.dumps(result, indent=1))
+    return result
+
+
 def import_path(module: str) -> str:
     """``backends/plan.py`` -> ``gsgd_backends/plan.py``: where the staged copy holds it."""
     top, _, rest = module.partition("/")
@@ -60,7 +76,7 @@ def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path
     """A copy of the packages under their import names, the tests and the benchmarks they
     import, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone;
     ``keep`` keeps mutmut's folder of an earlier run (its mutants and their verdicts)."""
-    dest = BUILD / module.replace("/", ".")
+    dest = _staged(module)
     for old in (dest.iterdir() if dest.exists() else []):
         if not (keep and old.name == "mutants"):
             shutil.rmtree(old) if old.is_dir() else old.unlink()
@@ -111,7 +127,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     reached) with today's tests. A run stopped before its end has no result yet: ``again``
     then runs the mutants it left without a verdict (the result says "resumed")."""
     tests = conf["tests"][module]
-    saved = RESULTS / (module.replace("/", ".") + ".json")
+    saved = _saved(module)
     before = json.loads(saved.read_text()) if again and saved.exists() else None
     dest = stage(module, tests, conf, keep=again)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -133,9 +149,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
                  "survivors": len(rerun)}]}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(result, indent=1))
-    return result
+    return _save(result)
 
 
 def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
@@ -151,12 +165,10 @@ def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
 def save_stopped(module: str, conf: dict) -> dict:
     """The result of a run stopped before its end, from mutmut's folder: the mutants it
     left count as not run (out of the score); ``--again`` goes on from it."""
-    dest = BUILD / module.replace("/", ".")
+    dest = _staged(module)
     result = verdicts(dest, module, conf["tests"][module], os.environ)
     result["stopped"] = sum(s == "not checked" for s in result["status"].values())
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / (module.replace("/", ".") + ".json")).write_text(json.dumps(result, indent=1))
-    return result
+    return _save(result)
 
 
 def run_time(r: dict) -> str:

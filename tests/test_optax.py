@@ -386,21 +386,13 @@ def test_in_path_space_composes_inside_optax_chain():
         assert_close(np.asarray(a), np.asarray(b), 1e-12)
 
 
-def _run(opt, params, g, steps=3):
-    state, p = opt.init(params), params
-    for _ in range(steps):
-        u, state = opt.update(g(p), state, p)
-        p = optax.apply_updates(p, u)
-    return p, state
-
-
 def test_path_sgd_steps_like_the_core_and_plain_sgd_elsewhere_and_keeps_no_chain_state():
     """Three steps: the chain as gsgd_core.path_sgd_step iterated; the leaf outside every
     chain as ``t - lr * g`` (no momentum, no decay: Path-SGD takes none); no state per chain."""
     params, chains, g = _with_temperature()
     opt = path_sgd(0.05, chains)
     assert jax.tree_util.tree_leaves(opt.init(params).chains) == []
-    p, _ = _run(opt, params, g)
+    p, _ = run(opt, params, 3, g)
     ref = params
     for _ in range(3):
         gr = g(ref)
@@ -423,7 +415,7 @@ def test_psi_sgd_over_steps_equals_the_core_with_its_defaults_or_given_values(mo
     params = {"net": [(3 * w, v) for w, v in params["net"]], "t": params["t"]}
     paths = [("net", 0, 0), ("net", 1, 0)]
     given = {k: v for k, v in (("momentum", momentum), ("max_norm", max_norm)) if v is not None}
-    p, _ = _run(psi_sgd(0.05, paths, **given), params, g)
+    p, _ = run(psi_sgd(0.05, paths, **given), params, 3, g)
     ref, sgd = params, optax.sgd(0.05, momentum=momentum)
     cs, ss = gc.psi_init([w for w, _ in params["net"][:2]]), sgd.init(params)
     for _ in range(3):
@@ -451,8 +443,8 @@ def test_psi_sgd_default_max_norm_is_the_cores():
 
 def test_psi_sgd_without_normalised_weights_is_sgd_everywhere():
     params, _, g = _with_temperature()
-    p, _ = _run(psi_sgd(0.05, [], momentum=0.9), params, g)
-    q, _ = _run(optax.sgd(0.05, momentum=0.9), params, g)
+    p, _ = run(psi_sgd(0.05, [], momentum=0.9), params, 3, g)
+    q, _ = run(optax.sgd(0.05, momentum=0.9), params, 3, g)
     for got, want in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(q)):
         assert_close(np.asarray(got), np.asarray(want), 1e-12)
 

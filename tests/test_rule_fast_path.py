@@ -254,9 +254,10 @@ def test_rows_wider_than_a_block(fxp, sizes, monkeypatch):
 
 
 def _fresh(ns, pb, rule, chain=CHAIN):
-    A, Ab = ns.aslist(pb.W), ns.aslist(pb.b)
+    """Weights, biases, their gradients and the rule's initial state, in ``ns``."""
     G, Gb = pb.grads()
-    return A, Ab, ns.aslist(G), ns.aslist(Gb), gc.path_init(chain, rule, A, Ab)
+    A, Ab, state = _state(ns, chain, rule, pb.W, pb.b, None, 0)
+    return A, Ab, ns.aslist(G), ns.aslist(Gb), state
 
 
 def _unchanged(ns, arrays, before) -> bool:
