@@ -349,25 +349,30 @@ def test_given_column_sums_and_gradient_check_are_the_ones_used():
     assert ran is False and all(np.array_equal(x, y) for x, y in zip(kept, pb.W + pb.b))
 
 
-def test_an_unchecked_bulk_equals_the_checked_one():
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_an_unchecked_bulk_equals_the_checked_one(lib):
     """``rule_bulk_(checked=False)`` (compiled kernels' path: every block by the per-entry
-    rules, no host read) gives the checked path's numbers on finite blocks, bit for bit: so
-    the size of a block, which decides only which entries share a check, changes none."""
+    rules, no host read) gives the checked path's numbers on finite blocks, bit for bit, on
+    NumPy's kernels and torch's: so the size of a block, which decides only which entries
+    share a check, changes none."""
+    from array_api_compat import array_namespace
+
     from gsgd_backends.rule_step import rule_bulk_
 
+    wrap = pytest.importorskip("torch").from_numpy if lib == "torch" else np.asarray
     rng = np.random.default_rng(7)
     n, p, k = 5, 4, 3
     rule = RULES["adamw-amsgrad"]()
-    coef = rule.coefficients(np, np.asarray(2), np.float64)
     W, G = rng.standard_normal((n, p * k)), rng.standard_normal((n, p * k))
+    coef = rule.coefficients(array_namespace(wrap(W)), wrap(np.asarray(2)), wrap(W).dtype)
     M = [np.abs(rng.standard_normal((n, p * k))) for _ in rule.buffers]
     F, B, rho = (np.exp(rng.standard_normal(m)) for m in (n, p, p))
     out = []
     for checked in (True, False):
-        w, m = W.copy(), [x.copy() for x in M]
-        rule_bulk_(gb.kernels_for(w), rule, coef, w, G, m, F=F, B_prev=B, rho=rho,
-                   checked=checked)
-        out.append([w] + m)
+        w, m = wrap(W.copy()), [wrap(x.copy()) for x in M]
+        rule_bulk_(gb.kernels_for(w), rule, coef, w, wrap(G), m, F=wrap(F), B_prev=wrap(B),
+                   rho=wrap(rho), checked=checked)
+        out.append([np.asarray(w)] + [np.asarray(x) for x in m])
     assert not np.array_equal(out[0][0], W)
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)

@@ -142,6 +142,122 @@ def test_kernel_sets_declare_the_interface():
     assert isinstance(gbt.ON_NUMPY, gb.LayerKernels)
 
 
+@pytest.mark.parametrize("name, given, host, checked", [
+    ("KERNELS", {}, True, True),
+    ("COMPILED", {"compiled": True}, False, False),
+    ("ON_DEVICE", {"host": False, "checked": False}, False, False),
+])
+def test_torch_kernel_sets_are_what_their_arguments_make(name, given, host, checked):
+    """Eager kernels compute on NumPy views (``host``) and check each bulk block by a host
+    read (``checked``) unless told not to; compiled ones do neither, whatever they are
+    told, and take compat's namespace. The module's kernel sets are these constructions."""
+    import array_api_compat.torch as compat
+
+    made = gbt.TorchKernels(gbt.CHUNK, **given)
+    compiled = given.get("compiled", False)
+    assert (made.host, made.checked, made.traced) == (host, checked, compiled)
+    assert made.xp is (compat if compiled else gbt.NAMESPACE)
+    assert (made.chunk, made.small) == (gbt.CHUNK, gbt.SMALL)
+    assert vars(made) == vars(getattr(gbt, name))
+    told = gbt.TorchKernels(gbt.CHUNK, compiled=compiled, host=True, checked=True)
+    assert (told.host, told.checked) == (not compiled, not compiled)
+    assert gbt.TorchOnNumPy(made).kernels is made
+    assert gbt.ON_NUMPY.kernels is gbt.KERNELS
+
+
+def test_torch_blocks_fit_the_chunk_when_checked_and_are_whole_layers_otherwise():
+    """Like NumPy's kernels, checked eager kernels update a CPU layer in blocks of
+    ``chunk // (p k)`` rows, at least one; unchecked or compiled ones, and any layer off
+    the CPU, in one block."""
+    W = torch.zeros(10, 3, 4)
+    assert gbt.TorchKernels(24).block_rows(W) == 2
+    assert gbt.TorchKernels(35).block_rows(W) == 2
+    assert gbt.TorchKernels(5).block_rows(W) == 1
+    assert gbt.TorchKernels(10 ** 6).block_rows(W) == 10
+    assert gbt.TorchKernels(24).block_rows(torch.zeros(10, 3, 4, device="meta")) == 10
+    for whole in (gbt.TorchKernels(24, checked=False), gbt.TorchKernels(24, compiled=True)):
+        assert whole.block_rows(W) == 10
+
+
+def test_each_compiled_stage_is_a_copy_of_the_function_with_its_defaults_and_closure(
+        monkeypatch):
+    """``compile`` hands ``torch.compile`` a new function object (dynamo's cache and
+    recompilation limit are per code object and function), which keeps the original's name,
+    positional and keyword-only defaults and closure, compiled specialised to its shapes
+    (``dynamic=False``); eager kernels return the function itself."""
+    k = 3
+
+    def stage(x, y=2, *, z=5):
+        return x * y + z + k
+
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(fn=fn, **kw) or "done")
+    assert gbt.COMPILED.compile(stage) == "done"
+    copy = seen.pop("fn")
+    assert seen == {"dynamic": False}
+    assert copy is not stage and copy.__code__ == stage.__code__
+    assert (copy.__name__, copy.__defaults__, copy.__kwdefaults__) == ("stage", (2,), {"z": 5})
+    assert copy(1) == stage(1) == 10 and copy(1, 3, z=0) == 6
+    assert gbt.KERNELS.compile(stage) is stage
+
+
+def test_compiled_stages_take_scalars_as_tensors_and_eager_ones_as_floats():
+    """A compiled stage gets a 0-d tensor of the step's dtype on its device (a new Python
+    float would compile anew: a learning-rate schedule); eager kernels keep the float."""
+    for device in ("cpu", "meta"):
+        lr = gbt.COMPILED.scalar(0.25, torch.float32, torch.device(device))
+        assert (lr.shape, lr.dtype, lr.device.type) == ((), torch.float32, device)
+    assert gbt.COMPILED.scalar(0.25, torch.float64, "cpu").item() == 0.25
+    for eager in (gbt.KERNELS, gbt.ON_DEVICE):
+        assert type(eager.scalar(0.25, torch.float32, "cpu")) is float
+
+
+@pytest.mark.parametrize("kernels", ["COMPILED", "ON_DEVICE"])
+def test_unchecked_bulk_divides_per_entry_only_without_reciprocals(monkeypatch, kernels):
+    """The unchecked plain bulk (compiled, or a GPU's) multiplies by the node vectors'
+    reciprocals when the step gives them (a compiled step does for a tame layer: no
+    division per entry) and takes the core's per-entry rules when it does not; either way
+    a ``(n, p*k)`` layer is written in place with the core's values, here ``k = 2``."""
+    import array_api_compat.torch as compat
+
+    calls = []
+    for name in ("recip_rows", "exact_rows"):
+        real = getattr(gbt, name)
+        monkeypatch.setattr(gbt, name,
+                            lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    rng = np.random.default_rng(5)
+    F, B, rho = (torch.tensor(rng.uniform(0.5, 2.0, n)) for n in (4, 3, 3))
+    W0, G = (torch.tensor(rng.standard_normal((4, 6))) for _ in range(2))
+    want = fast.exact_rows(compat, W0.view(4, 3, 2), G.view(4, 3, 2), F=F, B_prev=B, rho=rho,
+                           lr=0.1).view(4, 6)
+    for recips, used in ((fast.reciprocals(compat, F, B, rho, 2), "recip_rows"),
+                         (None, "exact_rows")):
+        calls.clear()
+        W = W0.clone()
+        getattr(gbt, kernels).bulk_(W, G, F=F, B=B, rho=rho, lr=0.1, recips=recips)
+        assert calls == [used]
+        assert_close(W.numpy(), want.numpy(), 1e-14)
+
+
+def test_numpy_arrays_reach_torch_kernels_sharing_memory_unless_read_only():
+    """A large layer of a CPU plan hands its NumPy views to torch's kernels as tensors on
+    the same memory, so that they write the weights in place; a read-only array (a node
+    vector) is copied, since torch has no read-only tensors. Scalars become 0-d tensors,
+    nested tuples and lists (and named tuples) keep their types, other leaves stay."""
+    from collections import namedtuple
+
+    w = np.arange(6.0).reshape(2, 3)
+    ro = w.copy()
+    ro.flags.writeable = False
+    Pair = namedtuple("Pair", "a b")
+    t, (r, s), pair, none = gbt._tensors((w, [ro, np.float32(2.5)], Pair(w, 1.5), None))
+    assert np.shares_memory(t.numpy(), w)
+    assert not np.shares_memory(r.numpy(), ro) and torch.equal(r, torch.from_numpy(w))
+    assert s.shape == () and s.dtype == torch.float32 and float(s) == 2.5
+    assert type(pair) is Pair and np.shares_memory(pair.a.numpy(), w) and pair.b == 1.5
+    assert none is None
+
+
 def test_layer_kernels_take_the_declared_keywords():
     """The steps pass a layer's node vectors, learning rate and buffers by keyword, so every
     set of layer kernels names its parameters as :class:`LayerKernels` declares them, down to
@@ -213,6 +329,45 @@ def test_cpu_plans_pick_each_layers_kernels_once():
     assert plan.layer_kernels == (gbt.ON_NUMPY, gbn.KERNELS)
     compiled = gbt.COMPILED.plan(chain, W[0])
     assert compiled.view is None and set(compiled.layer_kernels) == {gbt.COMPILED}
+    for inputs, large in ((256, gbn.KERNELS), (257, gbt.ON_NUMPY)):  # 512 * 256 = SMALL
+        edge = gc.Chain.mlp([inputs, 512, 2])
+        plan = gbt.KERNELS.plan(edge, torch.zeros(512, inputs))
+        assert plan.layer_kernels == (large, gbn.KERNELS), inputs
+
+
+def test_torch_plans_off_the_cpu_or_off_its_dtypes_take_torchs_kernels():
+    """Off the CPU (a ``meta`` tensor stands for a GPU's), eager kernels plan every layer on
+    ``ON_DEVICE`` (no host read in the bulk); compiled ones keep themselves. A CPU dtype
+    NumPy's kernels do not take (float16) stays with torch's eager kernels, checked."""
+    chain = gc.Chain.mlp([3, 4, 2])
+    meta = torch.empty(4, 3, device="meta")
+    for kernels, own in ((gbt.KERNELS, gbt.ON_DEVICE), (gbt.ON_DEVICE, gbt.ON_DEVICE),
+                         (gbt.COMPILED, gbt.COMPILED)):
+        plan = kernels.plan(chain, meta)
+        assert plan.kernels is own and set(plan.layer_kernels) == {own}
+        assert plan.view is None and plan.device == meta.device
+    half = gbt.KERNELS.plan(chain, torch.zeros(4, 3, dtype=torch.float16))
+    assert half.kernels is gbt.KERNELS and set(half.layer_kernels) == {gbt.KERNELS}
+
+
+def test_torch_scratch_buffers_are_made_on_the_layers_device():
+    for device in ("cpu", "meta"):
+        like = torch.empty(3, dtype=torch.float32, device=device)
+        buf = gbt.KERNELS.scratch(gb.plan.Scratch(), like, 5)
+        assert (buf.shape, buf.dtype, buf.device) == ((5,), torch.float32, like.device)
+
+
+def test_torch_layer_views_share_storage_and_copy_only_what_is_read():
+    """``view3`` gives a ``(n, p, k)`` view on a contiguous tensor's storage; a
+    non-contiguous one cannot be written through a view (``None``: the step is handed
+    back) but can be read from a reshaped copy (a transposed gradient)."""
+    w = torch.arange(24.0).reshape(4, 6)
+    v = gbt.KERNELS.view3(w, (4, 3, 2))
+    assert v.shape == (4, 3, 2) and v.data_ptr() == w.data_ptr()
+    t = w.t()
+    assert gbt.KERNELS.view3(t, (6, 2, 2)) is None
+    read = gbt.KERNELS.view3(t, (6, 2, 2), writable=False)
+    assert read.shape == (6, 2, 2) and torch.equal(read, t.reshape(6, 2, 2))
 
 
 def test_optimizer_keeps_one_plan_per_chain_and_rebuilds_it_after_a_dtype_change():
