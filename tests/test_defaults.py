@@ -143,6 +143,19 @@ def test_adam_refuses_betas_above_one():
         gc.adam_rule(betas=(1.5, 0.999))
 
 
+def test_psi_init_makes_zero_buffers_of_each_weights_dtype_and_device():
+    """One zero momentum buffer per weight, of its shape and dtype (a float32 weight among
+    float64 ones keeps float32) and on its device (a torch ``meta`` tensor stands for a
+    GPU's)."""
+    state = gc.psi_init([np.ones((2, 3), np.float32), np.ones((4, 1))])
+    assert [(m.shape, m.dtype) for m in state.momentum] == [((2, 3), np.float32),
+                                                            ((4, 1), np.float64)]
+    assert not any(np.any(m) for m in state.momentum)
+    torch = pytest.importorskip("torch")
+    (m,) = gc.psi_init([torch.ones(2, 3, dtype=torch.float16, device="meta")]).momentum
+    assert (m.shape, m.dtype, m.device.type) == ((2, 3), torch.float16, "meta")
+
+
 def test_psi_update_defaults_to_no_momentum():
     """Without ``momentum`` each step is a plain PSI-SGD step, with no memory of the steps
     before, and PSI-SGD keeps no buffer (it stays as psi_init made it)."""

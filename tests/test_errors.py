@@ -148,3 +148,27 @@ def test_other_entry_points_validate_too():
         gc.psi_update(gc.psi_init(W), W, G, lr=-0.1)
     with pytest.raises(ValueError, match="state must come from psi_init"):
         gc.psi_update(None, W, G, lr=0.1)
+
+
+@pytest.mark.parametrize("weights", [[], (), "ab", b"ab", np.ones((2, 3)), None, 3],
+                         ids=["list", "tuple", "str", "bytes", "array", "None", "int"])
+def test_psi_refuses_weights_that_are_not_a_non_empty_list(weights):
+    with pytest.raises(ValueError, match="^weights must be a non-empty list of arrays$"):
+        gc.psi_init(weights)
+    with pytest.raises(ValueError, match="^weights must be a non-empty list of arrays$"):
+        gc.psi_update(gc.PSIState(()), weights, [], lr=0.1)
+
+
+def test_psi_names_the_list_whose_length_differs_from_the_weights():
+    W = [np.ones((2, 3)), np.ones((4, 2))]
+    state = gc.psi_init(W)
+    with pytest.raises(ValueError, match=r"^grads has 1 entries for 2 weights$"):
+        gc.psi_update(state, W, W[:1], lr=0.1)
+    with pytest.raises(ValueError, match=r"^momentum buffers has 3 entries for 2 weights$"):
+        gc.psi_update(gc.PSIState((*state.momentum, W[0])), W, W, lr=0.1)
+    with pytest.raises(ValueError, match=r"^weight 1: grads has shape \(2, 4\), but the weight "
+                                         r"has shape \(4, 2\)$"):
+        gc.psi_update(state, W, [W[0], np.ones((2, 4))], lr=0.1)
+    with pytest.raises(ValueError, match=r"^weight 0: weights and momentum buffers must be "
+                                         r"arrays$"):
+        gc.psi_update(gc.PSIState(([1.0], W[1])), W, W, lr=0.1)

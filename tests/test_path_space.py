@@ -337,8 +337,10 @@ def test_path_update_refuses_what_is_not_a_rule_or_its_state():
     chain = gc.Chain.mlp([3, 4, 2])
     pb = Problem(chain, 0)
     G, Gb = pb.grads()
-    with pytest.raises(ValueError, match="PathRule"):
+    with pytest.raises(ValueError, match=r"\(gsgd_core.PathRule\), got object$"):
         gc.path_update(chain, object(), None, pb.W, pb.b, G, Gb)
+    with pytest.raises(ValueError, match=r"PathRule\), got function$"):
+        gc.path_init(chain, gc.adam_rule, pb.W, pb.b)  # the factory, not a rule
     with pytest.raises(ValueError, match="needs the state of its own init"):
         gc.path_update(chain, gc.adam_rule(), gc.gsgd_init(chain, pb.W, pb.b), pb.W, pb.b, G, Gb)
     with pytest.raises(ValueError, match="layer 2"):
