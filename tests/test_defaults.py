@@ -128,6 +128,46 @@ def test_gsgd_init_without_biases():
     assert state.bias_momentum == (None, None) and int(state.step) == 0
 
 
+def test_path_sgd_gamma_without_biases_in_the_weights_dtype_and_on_their_device():
+    """``biases`` defaults to none: every ``gamma_b`` is ``None``, as is that of a layer
+    without a bias among layers with one. With every weight 1 on a 3-4-2 chain,
+    ``gamma_1 = beta_1 = 2`` (two output edges) and ``gamma_2 = alpha_1 = 3`` (three input
+    edges), in float32 when the weights are (array-api-strict refuses to mix dtypes) and on
+    a torch ``meta`` tensor's device."""
+    import array_api_strict as xs
+
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    gamma, gamma_b = gc.path_sgd_gamma(chain, [xs.ones((4, 3), dtype=xs.float32),
+                                               xs.ones((2, 4), dtype=xs.float32)])
+    assert gamma_b == [None, None] and [g.dtype for g in gamma] == [xs.float32] * 2
+    assert [np.unique(np.asarray(g)).tolist() for g in gamma] == [[2.0], [3.0]]
+    _, gamma_b = gc.path_sgd_gamma(gc.Chain.mlp([3, 4, 2], bias=[False, True]),
+                                   [np.ones((4, 3)), np.ones((2, 4))], [None, np.zeros(2)])
+    assert gamma_b[0] is None and gamma_b[1].tolist() == [1.0, 1.0]
+    torch = pytest.importorskip("torch")
+    meta = [torch.ones(4, 3, device="meta"), torch.ones(2, 4, device="meta")]
+    assert {g.device.type for g in gc.path_sgd_gamma(chain, meta)[0]} == {"meta"}
+
+
+def test_path_sgd_gamma_of_float32_weights_is_float32_arithmetic():
+    """The node sums ``alpha`` and ``beta`` of float32 weights are float32 sums, bit for bit
+    those of NumPy's float32 arithmetic (no float64 vector of ones promotes them)."""
+    rng = np.random.default_rng(0)
+    chain = gc.Chain.mlp([5, 7, 6, 3])
+    W = [rng.standard_normal(s).astype(np.float32) for s in [(7, 5), (6, 7), (3, 6)]]
+    b = [rng.standard_normal(n).astype(np.float32) for n in (7, 6, 3)]
+    a1 = np.sum(W[0] ** 2, axis=1) + b[0] ** 2
+    a2 = np.sum(W[1] ** 2 * a1[None, :], axis=1) + b[1] ** 2
+    b2 = np.sum(W[2] ** 2, axis=0)
+    b1 = np.sum(W[1] ** 2 * b2[:, None], axis=0)
+    gamma, gamma_b = gc.path_sgd_gamma(chain, W, b)
+    want = [np.broadcast_to(b1[:, None], (7, 5)), b2[:, None] * a1[None, :],
+            np.broadcast_to(a2[None, :], (3, 6))]
+    for got, w in zip(gamma + gamma_b, want + [b1, b2, np.ones(3, np.float32)]):
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, w)
+
+
 def test_path_sgd_moves_every_weight_by_minus_lr_g_over_gamma():
     """Path-SGD's step itself (Neyshabur et al. 2015): ``w - lr g / gamma`` on weights and
     biases, with the core's gamma."""
