@@ -73,8 +73,8 @@ def import_path(module: str) -> str:
 
 
 def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path:
-    """A copy of the packages under their import names, the tests and the benchmarks they
-    import, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone;
+    """A copy of the packages under their import names, the tests, the benchmarks they
+    import and the docs they read, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone;
     ``keep`` keeps mutmut's folder of an earlier run (its mutants and their verdicts)."""
     dest = _staged(module)
     for old in (dest.iterdir() if dest.exists() else []):
@@ -83,7 +83,7 @@ def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path
     dest.mkdir(parents=True, exist_ok=True)
     for folder, name in PACKAGES.items():
         shutil.copytree(ROOT / folder, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for folder in ("tests", "benchmarks"):
+    for folder in ("tests", "benchmarks", "docs"):  # tests of the docs' examples read docs/
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns(
             "__pycache__", ".hypothesis"))
     target = import_path(module)
@@ -93,7 +93,8 @@ def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path
         "pytest_add_cli_args": conf["mutmut"].get("pytest_add_cli_args", []) + deselect,
         "source_paths": [target.split("/")[0] + "/"],
         "only_mutate": [target],
-        "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/"],
+        "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/",
+                                                                     "docs/"],
         "pytest_add_cli_args_test_selection": tests,
     }
     lines = ["[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in mutmut.items()]

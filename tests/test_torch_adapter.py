@@ -496,7 +496,10 @@ def test_frozen_layers_split_chains_and_are_never_written():
     x, y = data(model)
     train(model, opt, x, y, 3)
     assert all(torch.equal(p, q) for p, q in zip(model[2].parameters(), frozen))
-    with pytest.raises(ValueError, match="2.weight is frozen"):
+    with pytest.raises(ValueError, match=(
+            r"^2\.weight is frozen \(requires_grad=False or in no param group\), but the "
+            r"chain 0 -> 2 was given by hand: G-SGD changes every non-free weight of a chain; "
+            r"leave frozen layers out of chains=\.\.\.$")):
         GSGD(model, lr=0.1, chains=[[model[0], model[2]]])
 
 
@@ -775,3 +778,42 @@ def test_step_time_warnings_point_at_the_users_step_call():
         line = sys._getframe().f_lineno + 1
         opt.step()
     assert {(w.filename, w.lineno) for w in caught} == {(__file__, line)}
+
+
+def test_a_run_of_a_chains_layers_is_the_chain_of_those_layers():
+    """The chain a run of layers steps as (some layers without a weight gradient) has those
+    layers' shapes, slots, biases and skeleton scales, here of a conv chain with a layer
+    without bias and He scales."""
+    from gsgd_adapters.torch.groups import sub_chain
+
+    chain = gc.Chain.from_shapes([(4, 2, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
+                                 bias=[True, False, True, False],
+                                 skeleton_scale=[0.5, 0.25, 2.0, 4.0])
+    for start, stop in ((0, 2), (1, 3), (1, 4), (0, 4)):
+        sub = sub_chain(chain, start, stop)
+        layers = range(start + 1, stop + 1)
+        assert sub.L == stop - start
+        assert [sub.layer_shape(i) for i in range(1, sub.L + 1)] == [chain.layer_shape(l)
+                                                                     for l in layers]
+        assert list(sub.bias) == [chain.bias[l - 1] for l in layers]
+        assert list(sub.skeleton_scale) == [chain.skeleton_scale[l - 1] for l in layers]
+
+
+def test_chains_given_as_found_are_each_stepped():
+    """``chains=`` takes the :class:`ChainLayers` that :func:`discover` and
+    :func:`skeleton_init_` return as they are, every one of them, as well as lists of
+    modules (named by the model, or by position without one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5), nn.Tanh(),
+                          nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    found = discover(model).chains
+    assert [c.names for c in found] == [["0", "2"], ["4", "6"]]
+    opt = GSGD(model, lr=0.1, chains=found)
+    assert [c[0] for c in opt.describe().chains] == [["0", "2"], ["4", "6"]]
+    mixed = GSGD(model, lr=0.1, chains=[found[0], [model[4], model[6]]])
+    assert [c[0] for c in mixed.describe().chains] == [["0", "2"], ["4", "6"]]
+    inited = skeleton_init_(model)
+    assert [c[0] for c in GSGD(model, lr=0.1, chains=inited).describe().chains] == [
+        ["0", "2"], ["4", "6"]]
+    by_hand = GSGD(list(model.parameters()), lr=0.1, chains=[[model[4], model[6]]])
+    assert [c[0] for c in by_hand.describe().chains] == [["chains[0][0]", "chains[0][1]"]]

@@ -26,7 +26,7 @@ from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
 
 from .backward_sums import BackwardSums, step_arguments
-from .discovery import unwrap
+from .discovery import ChainLayers, unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
 from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, hyper_value, partition,
@@ -87,8 +87,10 @@ def _add_chain_params(groups: list[dict], chains) -> None:
     """Parameters of chains given by hand join the first group unless a group has them
     (``GSGD(other_params, chains=...)``: ``params`` holds the parameters outside chains)."""
     have = {id(p) for g in groups for p in g["params"]}
-    extra = [p for layers in chains for m in layers for p in (m.weight, m.bias)
-             if p is not None and p.requires_grad and id(p) not in have]
+    extra = [p for layers in chains
+             for m in (layers.modules if isinstance(layers, ChainLayers) else layers)
+             for p in (m.weight, m.bias) if p is not None and p.requires_grad
+             and id(p) not in have]
     if not groups:
         groups.append(dict(params=[]))
     groups[0]["params"] = list(groups[0]["params"]) + extra
@@ -481,7 +483,8 @@ class GSGD(ScaleInvariantOptimizer):
         The model, when ``params`` are param groups: chains are found in it, and a chain
         whose layers lie in two groups is an error.
     chains : list of lists of layers, optional
-        The chains by hand, each an ordered list of Linear/Conv modules.
+        The chains by hand, each an ordered list of Linear/Conv modules, or a
+        :class:`ChainLayers` (as :func:`discover` and :func:`skeleton_init_` return them).
     skeleton : {"he", "paper"}
         The units of the chains' path values (:attr:`gsgd_core.Chain.skeleton_scale`), which
         must match :func:`~gsgd_adapters.torch.skeleton_init_`'s (same default). ``"he"``:
