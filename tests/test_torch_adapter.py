@@ -83,7 +83,8 @@ def test_discovery_finds_one_chain_through_pooling_and_flatten(make):
     d = opt.describe()
     assert d.fallback == [] and d.H == sum(m.weight.shape[0] for m in layers[:-1])
     assert d.m == sum(p.numel() for p in model.parameters())
-    assert "skeleton NOT initialised" in str(opt)
+    assert ("; skeleton NOT initialised for skeleton='he' (call skeleton_init_(model)); "
+            "lr=0.1, momentum=0, weight_decay=0") in str(opt)
     skeleton_init_(model)
     assert opt.describe().chains[0][2] and "skeleton initialised" in repr(opt)
 
