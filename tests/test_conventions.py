@@ -275,3 +275,29 @@ def test_a_bad_group_is_named_only_when_there_are_several():
 def test_parameters_without_a_model_or_chains_are_refused():
     with pytest.raises(ValueError, match=r"pass a model \(chains are found in it\) or chains="):
         GSGD(list(_tiny().parameters()), lr=0.1)
+
+
+def test_a_chains_fingerprint_tells_every_field_of_the_chain_apart():
+    """A state dict is refused for a chain that differs in anything: its fingerprint (of
+    the chain's widths, slots, biases, tau and sigma edges, skeleton slots and scales) is
+    a 16-digit hex string, the same for equal chains and different for chains that differ
+    in any one field."""
+    import dataclasses
+
+    from gsgd_adapters.torch.groups import chain_spec, fingerprint
+
+    base = gsgd_core.Chain((3, 4, 5, 2), (4, 4, 1), bias=(True, False, True))
+    tau, sigma = [list(t) for t in base.tau], [list(s) for s in base.sigma]
+    tau[0][1], sigma[1][0] = 2, 1
+    variants = [dataclasses.replace(base, sizes=(3, 4, 5, 3)),
+                dataclasses.replace(base, slots=(4, 4, 2)),
+                dataclasses.replace(base, bias=(True, True, True)),
+                dataclasses.replace(base, tau=tuple(map(tuple, tau))),
+                dataclasses.replace(base, sigma=tuple(map(tuple, sigma))),
+                dataclasses.replace(base, skeleton_slots=(1, 2, 0)),
+                base.with_skeleton_scale(base.he_skeleton_scale())]
+    prints = [fingerprint(chain_spec(c)) for c in [base] + variants]
+    assert len(set(prints)) == len(prints)
+    assert all(len(f) == 16 and int(f, 16) >= 0 for f in prints)
+    assert fingerprint(chain_spec(gsgd_core.Chain((3, 4, 5, 2), (4, 4, 1),
+                                           bias=(True, False, True)))) == prints[0]
