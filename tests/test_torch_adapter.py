@@ -818,3 +818,21 @@ def test_chains_given_as_found_are_each_stepped():
         ["0", "2"], ["4", "6"]]
     by_hand = GSGD(list(model.parameters()), lr=0.1, chains=[[model[4], model[6]]])
     assert [c[0] for c in by_hand.describe().chains] == [["chains[0][0]", "chains[0][1]"]]
+
+
+@pytest.mark.parametrize("layer", [1, 2, 3])
+def test_describe_sees_any_skeleton_edge_off_its_scale(layer):
+    """``describe()`` calls a chain's skeleton initialised only if every skeleton edge (tau
+    edges into hidden units, free edges out of them) has its layer's scale: one tau edge of
+    layer 1, or one free edge that is no tau edge of layer 2 or 3, off it is seen."""
+    model = mlp()
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.1)
+    names, chain, initialised = opt.describe().chains[0][:3]
+    assert initialised
+    mask = chain.free_mask(layer) | chain.tau_mask(layer)
+    only = mask & ~(chain.free_mask(layer) if layer == 1 else chain.tau_mask(layer))
+    edge = tuple(int(i) for i in np.argwhere(only[..., 0])[0])
+    with torch.no_grad():
+        model[2 * (layer - 1)].weight[edge] *= 2.0
+    assert not opt.describe().chains[0][2]
