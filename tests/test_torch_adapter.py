@@ -836,3 +836,44 @@ def test_describe_sees_any_skeleton_edge_off_its_scale(layer):
     with torch.no_grad():
         model[2 * (layer - 1)].weight[edge] *= 2.0
     assert not opt.describe().chains[0][2]
+
+
+def test_a_description_prints_every_part_reason_skip_and_source_of_column_sums():
+    """``print(opt.describe())`` whole: the totals, a chain with its skeleton state and
+    hyperparameters, the PSI weights, the other parameters under the rest rule with why
+    each is in no chain (a parameter of a chain or PSI part has no such line), the skipped
+    steps and where the chain steps got their column sums."""
+    from gsgd_adapters.torch import Description
+    from gsgd_adapters.torch.groups import PartInfo
+
+    chain = gc.Chain.mlp([3, 4, 2])
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.0)
+    d = Description(
+        [PartInfo("chain", ["a", "b"], hyper, chain, False),
+         PartInfo("chain", ["c", "e"], dict(lr=0.5), chain, True),
+         PartInfo("psi", ["f", "g"], hyper), PartInfo("sgd", ["h.weight", "h.bias"], hyper)],
+        "G-SGD", reasons={"h.weight": "followed by BatchNorm2d", "h.bias": "why not",
+                          "f.weight": "normalised"},
+        skipped=2, skeleton="he", rest_rule="SGD(M)",
+        column_sums={"backward": 3, "clipped": 1, "hooks off": 2})
+    assert str(d) == "\n".join([
+        "G-SGD: 2 chain(s), m=52, H=8, G-space dim=44, invariant ratio H/m=0.1538",
+        f"  chain a -> b: {chain}; skeleton NOT initialised for skeleton='he' (call "
+        "skeleton_init_(model)); lr=0.1, momentum=0.9, weight_decay=0",
+        f"  chain c -> e: {chain}; skeleton initialised (he); lr=0.5",
+        "  PSI-SGD (normalised rows) f.weight, g.weight; lr=0.1, momentum=0.9, weight_decay=0",
+        "  SGD(M) h.weight, h.bias; lr=0.1, momentum=0.9, weight_decay=0",
+        "    h.weight: not in a chain: followed by BatchNorm2d",
+        "    h.bias: not in a chain: why not",
+        "  steps skipped for non-finite gradients: 2",
+        "  chain steps with column sums from the backward pass: 3; read from W * grad instead: "
+        "clipped (1); hooks off (2)"])
+    only_backward = Description([], "G-Adam", column_sums={"backward": 4})
+    assert str(only_backward).splitlines()[1:] == [
+        "  chain steps with column sums from the backward pass: 4"]
+    none_from_backward = Description([], "G-Adam", column_sums={"clipped": 1})
+    assert str(none_from_backward).splitlines()[1] == (
+        "  chain steps with column sums from the backward pass: 0; read from W * grad "
+        "instead: clipped (1)")
+    assert str(Description([], "G-SGD")) == (
+        "G-SGD: 0 chain(s), m=0, H=0, G-space dim=0, invariant ratio H/m=0")
