@@ -117,7 +117,10 @@ def test_a_chain_split_across_param_groups_is_an_error_naming_it():
     model = ConvBNNet()
     groups = [{"params": list(model.c1.parameters())},
               {"params": [p for n, p in model.named_parameters() if not n.startswith("c1.")]}]
-    with pytest.raises(ValueError, match=r"chain c1 -> c2 is split across param groups"):
+    with pytest.raises(ValueError, match=(
+            r"^the chain c1 -> c2 is split across param groups \(c1: group 0, c2: group 1\): "
+            r"G-SGD steps a chain as one, with one lr; put its layers \(weights and biases\) "
+            r"in one group, or pass chains=\.\.\. by hand$")):
         GSGD(groups, lr=0.1, model=model)
 
 
@@ -273,7 +276,9 @@ def test_a_bad_group_is_named_only_when_there_are_several():
 
 
 def test_parameters_without_a_model_or_chains_are_refused():
-    with pytest.raises(ValueError, match=r"pass a model \(chains are found in it\) or chains="):
+    with pytest.raises(ValueError, match=(r"^pass a model \(chains are found in it\) or "
+                                          r"chains=\[\[layer, \.\.\.\], \.\.\.\] together "
+                                          r"with the other parameters$")):
         GSGD(list(_tiny().parameters()), lr=0.1)
 
 
