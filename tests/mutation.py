@@ -74,8 +74,9 @@ def import_path(module: str) -> str:
 
 def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path:
     """A copy of the packages under their import names, the tests, the benchmarks they
-    import and the docs they read, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates ``module`` alone;
-    ``keep`` keeps mutmut's folder of an earlier run (its mutants and their verdicts)."""
+    import and the docs they read, and a ``pyproject.toml`` whose ``[tool.mutmut]`` mutates
+    ``module`` alone; ``keep`` keeps mutmut's folder of an earlier run (its mutants and their
+    verdicts)."""
     dest = _staged(module)
     for old in (dest.iterdir() if dest.exists() else []):
         if not (keep and old.name == "mutants"):
