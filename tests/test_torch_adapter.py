@@ -877,3 +877,17 @@ def test_a_description_prints_every_part_reason_skip_and_source_of_column_sums()
         "instead: clipped (1)")
     assert str(Description([], "G-SGD")) == (
         "G-SGD: 0 chain(s), m=0, H=0, G-space dim=0, invariant ratio H/m=0")
+
+
+def test_describe_compares_skeleton_edges_in_the_weights_dtype():
+    """A float64 model skeleton-initialised at He's scale (no power of two) is seen as
+    initialised whatever torch's default dtype: the scale is compared in float64, not
+    rounded to the default float32."""
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float32)
+        model = mlp().double()
+        skeleton_init_(model)
+        assert GSGD(model, lr=0.1).describe().chains[0][2]
+    finally:
+        torch.set_default_dtype(old)
