@@ -26,6 +26,18 @@ CHAIN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
                              bias=[True, False, True, True])
 HYPERS = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
           dict(weight_decay=0.1), dict(momentum=0.5, dampening=0.3)]
+def _record_calls(monkeypatch, modules, names) -> list:
+    """The names of the functions ``names`` of ``modules`` in the order they are called
+    (each still runs)."""
+    calls = []
+    for module in modules:
+        for name in names:
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name,
+                                lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    return calls
+
+
 def _tensors(arrays):
     return [None if a is None else torch.tensor(a) for a in arrays]
 
@@ -220,11 +232,7 @@ def test_unchecked_bulk_divides_per_entry_only_without_reciprocals(monkeypatch, 
     a ``(n, p*k)`` layer is written in place with the core's values, here ``k = 2``."""
     import array_api_compat.torch as compat
 
-    calls = []
-    for name in ("recip_rows", "exact_rows"):
-        real = getattr(gbt, name)
-        monkeypatch.setattr(gbt, name,
-                            lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    calls = _record_calls(monkeypatch, [gbt], ("recip_rows", "exact_rows"))
     rng = np.random.default_rng(5)
     F, B, rho = (torch.tensor(rng.uniform(0.5, 2.0, n)) for n in (4, 3, 3))
     W0, G = (torch.tensor(rng.standard_normal((4, 6))) for _ in range(2))
@@ -421,12 +429,8 @@ def test_device_plan_hands_back_a_weight_it_cannot_write_in_place():
 def test_cpu_plan_updates_finite_blocks_in_place(monkeypatch, momentum):
     """On the CPU a large layer's blocks are computed in cache and checked there: a finite
     step never builds the per-entry rules' temporaries (the GPU plan always does)."""
-    calls = []
-    for module in (gbt, fast):  # the eager blocks' fallback lives in fast, the GPU's in gbt
-        for name in ("exact_rows", "rows_by_rules"):
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name,
-                                lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    # the eager blocks' fallback lives in fast, the GPU's in gbt
+    calls = _record_calls(monkeypatch, [gbt, fast], ("exact_rows", "rows_by_rules"))
     chain = gc.Chain.mlp([300, 500, 8], bias=False)  # 150,000 weights: ON_NUMPY
     rng = np.random.default_rng(0)
     W = [torch.tensor(rng.uniform(0.5, 1.5, s)) for s in [(500, 300), (8, 500)]]
