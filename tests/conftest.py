@@ -28,6 +28,15 @@ try:
 except ImportError:
     pass
 
+# Under mutmut (tests/mutation.py), each function of the mutated module is called through a
+# trampoline defined in mutmut's own module. Name that module as the library's, so that
+# gsgd_adapters.torch.groups.warn_user counts the trampolines' frames as the library's own,
+# as it does the mutated functions', and the warnings still point at the test's line.
+if "MUTANT_UNDER_TEST" in os.environ:  # set by mutmut in each of its runs
+    import mutmut.mutation.trampoline
+
+    mutmut.mutation.trampoline.__name__ = "gsgd_adapters.mutmut_trampoline"
+
 from _namespaces import available_namespaces  # noqa: E402
 from _strategies import fixed_shapes  # noqa: E402
 from gsgd_backends._dispatch import FAST  # noqa: E402

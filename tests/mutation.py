@@ -42,9 +42,9 @@ MUTMUT = Path(sys.executable).with_name("mutmut")  # beside this interpreter
 def settings() -> dict:
     """``[tool.gsgd.mutation]``: ``tests`` (module -> test files), ``gpu_only`` (modules
     only a GPU runs), ``fork_unsafe`` (modules, or folders ending in ``/``, whose tests
-    cannot run in a child forked after their collection), ``deselect`` (tests that fail
-    under mutmut's trampolines), ``equivalent`` (mutant name -> why no test can tell it
-    apart)."""
+    cannot run in a child forked after their collection), ``in_workers`` (function -> the
+    tests that reach it only in processes they spawn), ``equivalent`` (mutant name -> why no
+    test can tell it apart)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)
     return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
@@ -89,9 +89,7 @@ def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path
             "__pycache__", ".hypothesis"))
     target = import_path(module)
     fresh = any(module.startswith(prefix) for prefix in conf.get("fork_unsafe", []))
-    deselect = [arg for test in conf.get("deselect", []) for arg in ("--deselect", test)]
     mutmut = conf["mutmut"] | ({"forkserver_warmup": "none"} if fresh else {}) | {
-        "pytest_add_cli_args": conf["mutmut"].get("pytest_add_cli_args", []) + deselect,
         "source_paths": [target.split("/")[0] + "/"],
         "only_mutate": [target],
         "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/",
@@ -142,7 +140,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                  and n not in conf.get("equivalent", {})]
         mutmut_run(dest, module, jobs, rerun, env)
     seconds = time.perf_counter() - start
-    result = verdicts(dest, module, tests, env) | {"seconds": round(seconds, 1), "jobs": jobs}
+    result = in_workers(dest, verdicts(dest, module, tests, env), conf, env)
+    result |= {"seconds": round(seconds, 1), "jobs": jobs}
     if again and (not before or before.get("stopped")):
         result["resumed"] = True
     elif again:
@@ -150,7 +149,9 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                    if k in before} | {
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
-                 "survivors": len(rerun)}]}
+                 "survivors": len(rerun)}
+                # mutmut runs every mutant again once the tests of the table change
+                | ({"all": len(result["status"])} if before["tests"] != tests else {})]}
     return _save(result)
 
 
@@ -162,6 +163,37 @@ def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
                  for name, s in status.items() if s == "survived"}
     return {"module": module, "tests": tests, "date": time.strftime("%Y-%m-%d"),
             "status": status, "survivors": survivors, "again": []}
+
+
+def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
+    """The survivors of the functions that the tests reach only in processes they spawn
+    (``torch.distributed`` workers), run again with those tests (``in_workers``).
+
+    mutmut records which tests reach which function in its own process, so it runs none
+    of these tests on such a function's mutants. Here pytest runs them with the mutant
+    chosen by ``MUTANT_UNDER_TEST``, which the workers inherit, once the unmutated copy has
+    passed them; a mutant they fail on counts as killed, and the result lists it."""
+    table = conf.get("in_workers", {})
+    todo = {name: tests for name in result["survivors"] for function, tests in table.items()
+            if name.startswith(function + "__mutmut_")}
+    if not todo:
+        return result
+
+    def fails(mutant: str, tests: list[str]) -> bool:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
+                               "no:cacheprovider", *tests], cwd=dest / "mutants",
+                              env=env | {"MUTANT_UNDER_TEST": mutant},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return done.returncode != 0
+
+    for tests in {tuple(t) for t in todo.values()}:
+        if fails("", list(tests)):
+            raise RuntimeError(f"{list(tests)} fail on the unmutated copy of {result['module']}")
+    killed = [name for name, tests in todo.items() if fails(name, tests)]
+    for name in killed:
+        result["status"][name] = "killed"
+        del result["survivors"][name]
+    return result | {"killed_in_workers": killed}
 
 
 def save_stopped(module: str, conf: dict) -> dict:
@@ -182,9 +214,10 @@ def run_time(r: dict) -> str:
     if r.get("stopped"):
         return f"stopped before its end, {r['stopped']} mutants not run, {r['date']}"
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
-    return "; ".join([first] + [f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} "
-                                  f"again: {took(a)}"
-                                  for a in r.get("again", [])])
+    return "; ".join([first] + [
+        (f"all {a['all']} again, with more test files: " if "all" in a else
+         f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again: ") + took(a)
+        for a in r.get("again", [])])
 
 
 def score(result: dict) -> tuple[int, int]:
@@ -223,6 +256,10 @@ def report(conf: dict) -> str:
     out += ["", "Not run yet: " + (", ".join(f"`{m}`" for m in missing) or "none") + ".",
             "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + "."]
     for r in results:
+        if r.get("killed_in_workers"):
+            out += ["", f"Killed in `{r['module']}` by tests in the processes they spawn "
+                        "(`in_workers`): " + ", ".join(f"`{n}`" for n in r["killed_in_workers"])
+                    + "."]
         if r["survivors"]:
             out += ["", f"## Survivors in `{r['module']}`"]
         for name, diff in r["survivors"].items():

@@ -43,6 +43,12 @@ def cnn():
                          nn.Flatten(), nn.Linear(5 * 2 * 2, 6), nn.ReLU(), nn.Linear(6, 3))
 
 
+def mlp_partly_without_bias():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5, bias=False), nn.ReLU(),
+                         nn.Linear(5, 3))
+
+
 def data(model, n=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = (n, 6) if isinstance(model[0], nn.Linear) else (n, 2, 8, 8)
@@ -66,7 +72,8 @@ def _load(modules, W, b):
     with torch.no_grad():
         for m, w, v in zip(modules, W, b):
             m.weight.copy_(w)
-            m.bias.copy_(v)
+            if v is not None:
+                m.bias.copy_(v)
 
 
 MODELS = [mlp, cnn]
@@ -89,7 +96,7 @@ def test_discovery_finds_one_chain_through_pooling_and_flatten(make):
     assert opt.describe().chains[0][2] and "skeleton initialised" in repr(opt)
 
 
-@pytest.mark.parametrize("make", MODELS)
+@pytest.mark.parametrize("make", MODELS + [mlp_partly_without_bias])
 @pytest.mark.parametrize("hyper", [dict(lr=0.05), dict(lr=0.05, momentum=0.9, nesterov=True,
                                                           weight_decay=1e-3),
                                    dict(lr=0.05, momentum=0.9, dampening=0.5)])
@@ -105,7 +112,7 @@ def test_trajectory_equals_the_core(make, hyper, by_hand):
                **hyper) if by_hand else GSGD(model, **hyper)
     core_chain = chain.chain.with_skeleton_scale(chain.chain.he_skeleton_scale())
     W = [m.weight.detach().clone() for m in chain.modules]
-    b = [m.bias.detach().clone() for m in chain.modules]
+    b = [None if m.bias is None else m.bias.detach().clone() for m in chain.modules]
     state = gc.gsgd_init(core_chain, W, b)
     for _ in range(5):
         opt.zero_grad()
@@ -114,7 +121,7 @@ def test_trajectory_equals_the_core(make, hyper, by_hand):
         twin.zero_grad()
         loss_of(twin, x, y).backward()
         G = [m.weight.grad for m in chain.modules]
-        Gb = [m.bias.grad for m in chain.modules]
+        Gb = [None if m.bias is None else m.bias.grad for m in chain.modules]
         W, b, state = gc.gsgd_update(core_chain, state, W, b, G, Gb, **hyper)
         _load(chain.modules, W, b)
     # The step takes the fused fast path: the core's trajectory to float64 rounding.
@@ -167,6 +174,67 @@ def test_state_dict_resume_is_bit_exact_and_weights_only_loadable():
     train(resumed, opt2, x, y, 3)
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def test_torch_distributed_checkpoint_state_dicts_resume_bit_exactly():
+    """``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` keeps only torch's
+    keys (``state``, ``param_groups``): ``set_state_dict`` loads them without the layout
+    the optimizer's own state dict carries, and the next steps are the same."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = cnn()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.05, momentum=0.9)
+    train(model, opt, x, y, 3)
+    msd, osd = get_state_dict(model, opt)
+    assert set(osd) == {"state", "param_groups"}
+    saved = copy.deepcopy({"model": msd, "optim": osd})
+    resumed = cnn()
+    opt2 = GSGD(resumed, lr=0.05, momentum=0.9)
+    set_state_dict(resumed, opt2, model_state_dict=saved["model"],
+                   optim_state_dict=saved["optim"])
+    train(model, opt, x, y, 3)
+    train(resumed, opt2, x, y, 3)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_chains_state_is_torchs_momentum_buffers_and_one_step_count():
+    """The saved format of a chain's state: each parameter's ``momentum_buffer`` (as
+    torch.optim.SGD keeps it) and, on the chain's first weight, the count of its steps (an
+    int32 tensor): a state dict saved before must resume after a change of version."""
+    model = mlp_partly_without_bias()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.05, momentum=0.9)
+    train(model, opt, x, y, 3)
+    first = model[0].weight
+    assert set(opt.state) == set(model.parameters())
+    assert opt.state[first]["step"].dtype == torch.int32 and int(opt.state[first]["step"]) == 3
+    for p in model.parameters():
+        assert set(opt.state[p]) == {"momentum_buffer"} | ({"step"} if p is first else set())
+
+
+def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums(monkeypatch):
+    """The step hands each chain's update the step plan the optimizer keeps for it (built
+    once, reused while it fits) and the column sums taken during the backward pass."""
+    import gsgd_adapters.torch.optim as optim
+    from gsgd_backends import StepPlan
+
+    calls, update_ = [], optim.gsgd_update_
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return update_(*args, **kwargs)
+
+    monkeypatch.setattr(optim, "gsgd_update_", spy)
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.05, momentum=0.9)
+    train(model, opt, x, y, 3)
+    assert len(calls) == 3 and all(isinstance(c["plan"], StepPlan) for c in calls)
+    assert calls[0]["plan"] is calls[1]["plan"] is calls[2]["plan"]
+    assert all(c["column_sums"] is not None for c in calls)
+    assert opt.describe().column_sums
 
 
 def test_state_dict_of_another_structure_is_refused():
@@ -311,6 +379,21 @@ def test_check_finite_names_the_parameter():
     model[2].bias.grad[1] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite gradient in 2\.bias"):
         opt.step()
+    torch.manual_seed(0)  # a normalised layer's weight (a PSI part) is named too
+    normed = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    opt = GSGD(normed, lr=0.1, check_finite=True)
+    loss_of(normed, x, y).backward()
+    normed[0].weight.grad[1, 2] = float("inf")
+    with pytest.raises(ValueError, match=r"^non-finite gradient in 0\.weight$"):
+        opt.step()
+    normed[0].weight.grad[1, 2] = 0.0  # and a parameter outside chains and PSI parts
+    normed[3].bias.grad[0] = float("nan")
+    with pytest.raises(ValueError, match=r"^non-finite gradient in 3\.bias$"):
+        opt.step()
+    opt.param_groups[0]["check_finite"] = False  # without the check: skipped, and named
+    with pytest.warns(SkippedStepWarning, match="^G-SGD: a gradient of 0.bias, 1.weight, "
+                                                "1.bias, 3.weight, 3.bias holds NaN or Inf"):
+        opt.step()
 
 
 class Residual(nn.Module):
@@ -359,17 +442,19 @@ def test_batch_norm_ends_chains_and_normalised_weights_get_psi_sgd():
     assert GSGD(BNNet(), lr=0.1, bn="sgd").describe().normalised == []
 
 
-@pytest.mark.parametrize("make", [
-    lambda m, mu: PSISGD(m, lr=0.1, momentum=mu),
-    lambda m, mu: PSISGD(m, lr=0.1, momentum=mu, compile=True),
-    lambda m, mu: GSGD(m, lr=0.1, momentum=mu, compile=True)],
+@pytest.mark.parametrize("make, compiles", [
+    (lambda m, mu: PSISGD(m, lr=0.1, momentum=mu), False),
+    (lambda m, mu: PSISGD(m, lr=0.1, momentum=mu, compile=True), True),
+    (lambda m, mu: GSGD(m, lr=0.1, momentum=mu, compile=True), True)],
     ids=["PSISGD", "PSISGD compiled", "GSGD compiled"])
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum, make,
-                                                                       monkeypatch):
+@pytest.mark.parametrize("momenta", [(0.0,) * 4, (0.9,) * 4, (0.9, 0.0, 0.9, 0.5)],
+                         ids=["PSI-SGD", "PSI-SGDM", "momentum through 0"])
+def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momenta, make,
+                                                                       compiles, monkeypatch):
     """PSI weights by the multi-tensor fast path, or by the compiled one (``compile=True``,
     which then takes every step), equal the core's psi_update to float64 rounding (the
-    buffers too), the rest torch's SGD (to rounding: its gradients see the PSI weights)."""
+    buffers too), the rest torch's SGD (to rounding: its gradients see the PSI weights).
+    A momentum scheduled through 0 keeps the buffers the core keeps."""
     from gsgd_backends.psi import PSIPlan
 
     compiled, step_ = [], PSIPlan.step_
@@ -382,12 +467,13 @@ def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum
     model, twin = BNNet().double(), BNNet().double()
     x = torch.randn(8, 2, 6, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     y = torch.randn(8, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    opt = make(model, momentum)
+    opt = make(model, momenta[0])
     psi = [twin.c1.weight, twin.c2.weight]
     rest = [p for p in twin.parameters() if all(p is not q for q in psi)]
-    sgd = torch.optim.SGD(rest, lr=0.1, momentum=momentum)
+    sgd = torch.optim.SGD(rest, lr=0.1, momentum=momenta[0])
     state = gc.psi_init([p.detach() for p in psi])
-    for _ in range(4):
+    for momentum in momenta:
+        opt.param_groups[0]["momentum"] = sgd.param_groups[0]["momentum"] = momentum
         train(model, opt, x, y, 1)
         twin.zero_grad()
         sgd.zero_grad()
@@ -400,9 +486,9 @@ def test_psisgd_equals_the_core_on_normalised_weights_and_sgd_elsewhere(momentum
                 p.copy_(w)
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-14), name
-    assert compiled == ([True] * 4 if opt._compile else [])
+    assert compiled == ([True] * 4 if compiles else [])
     for w, u in zip([model.c1.weight, model.c2.weight], state.momentum):
-        if momentum:
+        if any(momenta):
             assert torch.allclose(opt.state[w]["momentum_buffer"], u, rtol=1e-12, atol=1e-14)
         else:  # PSI-SGD keeps no buffer (the core's stay zero), as torch.optim.SGD
             assert "momentum_buffer" not in opt.state[w] and not u.any()
@@ -424,6 +510,61 @@ def test_path_sgd_equals_the_core():
         _load(chain.modules, W, b)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_parameters_given_and_in_chains_by_hand_are_held_once():
+    """A chain's parameters join the first group unless ``params`` has them already."""
+    model = mlp()
+    params = list(model.parameters())
+    opt = GSGD(params, lr=0.1, chains=[[model[0], model[2]]])
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
+    opt = GSGD([model[4].weight], lr=0.1, chains=[[model[0], model[2]]])
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in (
+        model[4].weight, model[0].weight, model[0].bias, model[2].weight, model[2].bias)]
+
+
+@pytest.mark.parametrize("cls", [GSGD, PathSGD, GAdamW])
+def test_chains_by_hand_replace_the_ones_found(cls):
+    model = mlp()
+    opt = cls(model, lr=0.1, chains=[[model[0], model[2]]])
+    assert [names for names, _, _ in opt.describe().chains] == [["0", "2"]]
+
+
+@pytest.mark.parametrize("cls", [GSGD, PSISGD, PathSGD])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_foreach_picks_torchs_implementation_of_the_rest_update(cls, foreach, monkeypatch):
+    """Parameters outside chains and PSI parts take ``torch.optim.SGD``'s update, by its
+    multi-tensor implementation exactly when ``foreach=True`` (on the CPU torch's default
+    is the single-tensor loop)."""
+    import torch.optim.sgd as torch_sgd
+
+    used = []
+
+    def spied(impl):
+        run = getattr(torch_sgd, impl)
+
+        def spy(*args, **kwargs):
+            used.append(impl)
+            return run(*args, **kwargs)
+        return spy
+
+    for impl in ("_single_tensor_sgd", "_multi_tensor_sgd"):
+        monkeypatch.setattr(torch_sgd, impl, spied(impl))
+    torch.manual_seed(0)  # its last layer and the normalisation's parameters are the rest
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    opt = cls(model, lr=0.1, foreach=foreach)
+    x, y = data(model)
+    train(model, opt, x, y, 1)
+    assert used and set(used) == {"_multi_tensor_sgd" if foreach else "_single_tensor_sgd"}
+
+
+def test_psisgd_takes_a_model_and_every_optimizer_prints_its_name():
+    with pytest.raises(ValueError, match="^PSISGD takes a model: it finds the normalised "
+                                         "layers in it$"):
+        PSISGD(list(mlp().parameters()), lr=0.1)
+    for cls, algorithm in ((GSGD, "G-SGD"), (PSISGD, "PSI-SGD"), (PathSGD, "Path-SGD"),
+                           (GAdam, "G-Adam"), (GAdamW, "G-AdamW")):
+        assert repr(cls(mlp(), lr=0.1)).startswith(f"{cls.__name__}(\n{algorithm}: ")
 
 
 def test_explicit_chains_with_other_parameters():
@@ -456,13 +597,15 @@ class Untraceable(nn.Module):
 
 
 @pytest.mark.parametrize("model, kwargs, message", [
-    (Twice(), dict(strict=True), r"a: the module is called 2 times"),
+    (Twice(), dict(strict=True), r"^strict=True: these layers are in no chain: a: the module "
+     r"is called 2 times in forward\(\); b: its output is the model's output$"),
     (Untraceable(), dict(strict=True), r"torch.fx cannot trace Untraceable.*chains=\[\["),
     (mlp(), dict(lr=torch.tensor([0.1, 0.2])), "lr as a tensor must have one element"),
     (mlp(), dict(lr=-0.1), "lr must be a finite number >= 0"),
     (mlp(), dict(momentum=-1.0), "momentum must be a finite number >= 0"),
     (mlp(), dict(nesterov=True), "nesterov needs momentum > 0"),
     (mlp(), dict(bn="exact"), "bn must be .psi., .sgd. or .paper."),
+    (mlp(), dict(skeleton="xavier"), r"^skeleton must be one of \('he', 'paper'\), got 'xavier'$"),
 ])
 def test_construction_errors(model, kwargs, message):
     kwargs.setdefault("lr", 0.1)
@@ -472,13 +615,57 @@ def test_construction_errors(model, kwargs, message):
 
 def test_reuse_and_untraceable_models_do_not_raise_by_default():
     opt = GSGD(Twice(), lr=0.1)
-    assert opt.describe().chains == [] and "called 2 times" in opt.describe().reasons["a.weight"]
+    reasons = opt.describe().reasons
+    assert opt.describe().chains == [] and "called 2 times" in reasons["a.weight"]
+    assert reasons["a.bias"] == reasons["a.weight"]
     with pytest.warns(UserWarning, match="cannot trace"):
         opt = GSGD(Untraceable(), lr=0.1)
     assert opt.describe().chains == [] and len(opt.describe().fallback) == 4
     m = Untraceable()
     opt = GSGD(m, lr=0.1, chains=[[m.a, m.b]])
     assert opt.describe().chains[0][0] == ["a", "b"]
+
+
+def test_strict_checks_only_what_is_traced():
+    """With the chains given by hand and no PSI parts (``bn="sgd"``) nothing is traced, so
+    ``strict`` has nothing to refuse on a model torch.fx cannot trace; with ``bn="psi"`` the
+    model is traced for its normalised layers, and ``strict`` refuses it."""
+    m = Untraceable()
+    opt = GSGD(m, lr=0.1, chains=[[m.a, m.b]], bn="sgd", strict=True)
+    assert opt.describe().chains[0][0] == ["a", "b"]
+    with pytest.raises(ValueError, match="torch.fx cannot trace Untraceable"):
+        GSGD(m, lr=0.1, chains=[[m.a, m.b]], strict=True)
+
+
+@pytest.mark.parametrize("cls, key, value", [
+    (GSGD, "lr", torch.tensor([0.1, 0.2])),
+    (GSGD, "momentum", torch.tensor([0.5, 0.2])),
+    (GSGD, "dampening", torch.tensor([0.0, 0.1])),
+    (GSGD, "weight_decay", torch.tensor([0.0, 0.1])),
+    (PSISGD, "lr", torch.tensor([0.1, 0.2])),
+    (PSISGD, "momentum", torch.tensor([0.5, 0.2])),
+    (PathSGD, "lr", torch.tensor([0.1, 0.2])),
+    (GAdamW, "lr", torch.tensor([0.1, 0.2])),
+    (GAdamW, "betas", (torch.tensor([0.9, 0.8]), 0.999)),
+])
+def test_a_hyperparameter_set_to_a_tensor_of_two_elements_is_named_by_step(cls, key, value):
+    """``param_groups`` may be changed after construction (as a scheduler does): a tensor of
+    another size than one is refused when the step reads it, naming the hyperparameter."""
+    if cls is PSISGD:  # its normalised layer's step comes first and reads lr and momentum
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    else:
+        model = mlp()
+        skeleton_init_(model)
+    opt = cls(model, lr=0.1, **({"momentum": 0.5} if key in ("momentum", "dampening") else {}))
+    x, y = data(model)
+    loss_of(model, x, y).backward()
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=f"^{key} as a tensor must have one element"):
+        opt.step()
+    if key in cls.described:
+        with pytest.raises(ValueError, match=f"^{key} as a tensor must have one element"):
+            opt.describe()
 
 
 def test_frozen_layers_split_chains_and_are_never_written():
@@ -655,6 +842,12 @@ def test_a_bias_left_out_of_the_param_groups_is_never_written():
     train(model, opt, x, y, 2)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) == n.endswith("bias"), n
+    opt.zero_grad()  # a step where layer 2 stays out of the runs: its bias does too
+    loss_of(model, x, y).backward()
+    model[2].weight.grad = None
+    with pytest.warns(UserWarning, match="2 had no gradient"):
+        opt.step()
+    assert torch.equal(model[2].bias, before["2.bias"])
 
 
 class ConvBN(nn.Module):
@@ -779,6 +972,10 @@ def test_step_time_warnings_point_at_the_users_step_call():
         line = sys._getframe().f_lineno + 1
         opt.step()
     assert {(w.filename, w.lineno) for w in caught} == {(__file__, line)}
+    assert [str(w.message) for w in caught] == [
+        "G-SGD: a gradient of the chain 0 -> 2 -> 4 holds NaN or Inf, so the step was skipped "
+        "(weights and momentum unchanged); later skips are counted in describe() without a "
+        "warning"]
 
 
 def test_a_run_of_a_chains_layers_is_the_chain_of_those_layers():

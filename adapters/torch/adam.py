@@ -153,13 +153,13 @@ class GAdam(ScaleInvariantOptimizer):
             for name in names:
                 if name not in st:
                     st[name] = torch.zeros_like(p)
-        beta1, beta2 = (hyper_value(x) for x in group["betas"])
+        beta1, beta2 = (hyper_value(x, "betas") for x in group["betas"])
         adam_update(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
                     [s["exp_avg_sq"] for s in sts],
                     [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
                     [s["step"] for s in sts], foreach=group.get("foreach"),
                     decoupled_weight_decay=self.decoupled, amsgrad=group["amsgrad"],
-                    beta1=beta1, beta2=beta2, lr=hyper_value(group["lr"]),
+                    beta1=beta1, beta2=beta2, lr=hyper_value(group["lr"], "lr"),
                     weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"])
 

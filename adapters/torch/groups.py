@@ -32,18 +32,22 @@ from .fsdp import is_sharded, local, row_range
 SKELETONS = ("he", "paper")
 
 
-def user_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel, for the caller of this function, that points at the
-    first frame outside ``gsgd_adapters`` and torch (the user's call, however deep the
-    subclassing, and through torch's wrappers of ``Optimizer.step``)."""
-    frame, level = sys._getframe(1), 1
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` pointed at the first frame outside ``gsgd_adapters`` and torch: the
+    user's call, however deep the subclassing, and through torch's wrappers of
+    ``Optimizer.step``.
+
+    The frames are counted from this function's own, the frame that ``warnings.warn``
+    counts its ``stacklevel`` from, so whatever stands between the user and here (a
+    decorator, a wrapper) is counted as ``warnings.warn`` will count it."""
+    frame, level = sys._getframe(0), 1
     while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
             "gsgd_adapters", "torch"):
         frame, level = frame.f_back, level + 1
-    return level
+    warnings.warn(message, category, stacklevel=level)
 
 
-def hyper_value(value, name: str = "a hyperparameter") -> float:
+def hyper_value(value, name: str) -> float:
     """A group's hyperparameter as the backends take it (a one-element tensor is read;
     ``ValueError`` naming it for a tensor of another size)."""
     if not isinstance(value, torch.Tensor):
@@ -160,9 +164,8 @@ def partition(model: nn.Module | None, groups: list[dict], *, chains, find_chain
             if strict:
                 raise
             if chains is None and find_chains:
-                warnings.warn(f"{exc}. Every parameter takes SGD's rule.",
-                              stacklevel=user_stacklevel())
-                found = Discovery([], [], {})
+                warn_user(f"{exc}. Every parameter takes SGD's rule.")
+                found = Discovery([], [])
     if strict and found is not None:
         psi = {n for n, _ in found.normalised} if find_normalised else set()
         bad = {n: why for n, why in found.reasons.items() if n not in psi}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections import Counter
 
 import torch
@@ -30,7 +29,7 @@ from .discovery import ChainLayers, unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
 from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, hyper_value, partition,
-                     skeleton_is_initialised, user_stacklevel)
+                     skeleton_is_initialised, warn_user)
 from .model_ops import check_invariance
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
@@ -201,7 +200,7 @@ class ScaleInvariantOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; the chains' column sums restart with the gradients."""
         super().zero_grad(set_to_none)
-        for sums in self.__dict__.get("_sums", {}).values():
+        for sums in self._sums.values():
             sums.clear()
 
     def add_param_group(self, param_group: dict) -> None:
@@ -253,7 +252,7 @@ class ScaleInvariantOptimizer(Optimizer):
         infos = []
         for p in self._parts:
             g = self.param_groups[p.group]
-            hyper = {k: hyper_value(g[k]) for k in self.described}
+            hyper = {k: hyper_value(g[k], k) for k in self.described}
             if p.kind == "chain":
                 infos.append(PartInfo("chain", p.names, hyper, p.chain,
                                       skeleton_is_initialised(p)))
@@ -261,7 +260,7 @@ class ScaleInvariantOptimizer(Optimizer):
                 infos.append(PartInfo("psi", p.names, hyper))
             else:
                 infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
-        counts = sum((s.counts for s in self.__dict__.get("_sums", {}).values()), Counter())
+        counts = sum((s.counts for s in self._sums.values()), Counter())
         return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
                            self._skeleton, self.rest_rule, dict(counts))
 
@@ -277,14 +276,13 @@ class ScaleInvariantOptimizer(Optimizer):
         cold = [" -> ".join(p.names) for p in self._parts
                 if p.kind == "chain" and not skeleton_is_initialised(p)]
         if cold:
-            warnings.warn(
+            warn_user(
                 f"{self.algorithm}: the skeleton of chain(s) {'; '.join(cold)} is not "
                 f"initialised for skeleton={skeleton!r}: call gsgd_adapters.torch."
                 "skeleton_init_(model) before building the optimizer (from a default init, "
                 f"path values are tiny and {self.algorithm} diverges at the usual learning "
                 "rates). Silence with warnings.filterwarnings('ignore', category="
-                "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning,
-                stacklevel=user_stacklevel())
+                "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning)
 
     # ------------------------------------------------------------------ helpers
     #: The kernels of this algorithm's chain steps (``None``: it keeps no step plan).
@@ -337,14 +335,13 @@ class ScaleInvariantOptimizer(Optimizer):
         # PSI acts on each row (output unit) alone: FSDP2's local rows are stepped as they are.
         W = [local(p) for p, _ in live]
         G = [local(self._grad(p, group, f"{n}.weight")) for p, n in live]
-        momentum = hyper_value(group["momentum"])
+        momentum = hyper_value(group["momentum"], "momentum")
         # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state): a zero that
         # takes no memory stands for a buffer the state does not have.
-        zero = None if momentum else torch.zeros((), dtype=W[0].dtype, device=W[0].device)
-        U = [local(_buffer(self.state[p], p)) if momentum or "momentum_buffer" in self.state[p]
-             else zero.to(w).expand_as(w) for (p, _), w in zip(live, W)]
-        psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"]), momentum=momentum,
-                    max_norm=group["max_norm"], plan=self._psi_plan(part))
+        U = [local(_buffer(self.state[p], p)) if momentum else w.new_zeros(()).expand_as(w)
+             for (p, _), w in zip(live, W)]
+        psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"], "lr"),
+                    momentum=momentum, max_norm=group["max_norm"], plan=self._psi_plan(part))
 
     def _step_sgd(self, part, group: dict) -> None:
         self._rest(part.params, group, self.state)
@@ -391,11 +388,10 @@ class ScaleInvariantOptimizer(Optimizer):
         if runs is None:
             runs = part.runs[tuple(live)] = Runs.of(part.chain, live)
             dead = [n for n, ok in zip(part.names, live) if not ok]
-            warnings.warn(
+            warn_user(
                 f"{self.algorithm}: {', '.join(dead)} had no gradient, so the chain "
                 f"{' -> '.join(part.names)} was stepped as the runs of layers that have one; "
-                "those layers are never written, and the runs' momentum restarts",
-                stacklevel=user_stacklevel())
+                "those layers are never written, and the runs' momentum restarts")
         # Single-layer runs take the rest's rule; so do the biases of layers without a weight
         # gradient (their weights have no grad, and _rest leaves those alone).
         self._rest([p for i in runs.outside for p in part.layer_params(i)], group, runs.state)
@@ -443,11 +439,10 @@ class ScaleInvariantOptimizer(Optimizer):
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
         self._skipped += 1
         if self._skipped == 1:
-            warnings.warn(
+            warn_user(
                 f"{self.algorithm}: a gradient of {what} holds NaN or Inf, so the step was "
                 "skipped (weights and momentum unchanged); later skips are counted in "
-                "describe() without a warning", SkippedStepWarning,
-                stacklevel=user_stacklevel())
+                "describe() without a warning", SkippedStepWarning)
 
 
 def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
@@ -570,7 +565,7 @@ class GSGD(ScaleInvariantOptimizer):
         return gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
 
     def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
-        momentum = hyper_value(group["momentum"])
+        momentum = hyper_value(group["momentum"], "momentum")
         st = None
         if momentum != 0:
             for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
@@ -581,9 +576,10 @@ class GSGD(ScaleInvariantOptimizer):
                            tuple(None if x is None else torch.zeros_like(x) if f
                                  else state[x]["momentum_buffer"] for x, f in zip(b, fixed)),
                            first["step"])
-        hyper = dict(lr=hyper_value(group["lr"]), momentum=momentum,
-                     dampening=hyper_value(group["dampening"]), nesterov=group["nesterov"],
-                     weight_decay=hyper_value(group["weight_decay"]))
+        hyper = dict(lr=hyper_value(group["lr"], "lr"), momentum=momentum,
+                     dampening=hyper_value(group["dampening"], "dampening"),
+                     nesterov=group["nesterov"],
+                     weight_decay=hyper_value(group["weight_decay"], "weight_decay"))
         if not is_sharded(W[0]):
             return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper,
                                 **step_arguments(sums))
@@ -636,7 +632,7 @@ class PathSGD(ScaleInvariantOptimizer):
 
     def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
         def full(a):
-            path_sgd_step_(chain, *a, hyper_value(group["lr"]))
+            path_sgd_step_(chain, *a, hyper_value(group["lr"], "lr"))
             return True
 
         # Path-SGD's scales are products along whole paths: under FSDP2 it steps the
