@@ -237,7 +237,7 @@ def test_dampening_of_one_is_accepted_and_above_one_refused():
 
 def test_param_groups_without_parameters_are_refused():
     for params in ([], [dict(params=[])], [dict(params=[]), dict(params=[])]):
-        with pytest.raises(ValueError, match="the optimizer got no parameters"):
+        with pytest.raises(ValueError, match="^the optimizer got no parameters$"):
             GSGD(params, lr=0.1)
 
 

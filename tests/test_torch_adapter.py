@@ -214,9 +214,12 @@ def test_a_chains_state_is_torchs_momentum_buffers_and_one_step_count():
         assert set(opt.state[p]) == {"momentum_buffer"} | ({"step"} if p is first else set())
 
 
-def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums(monkeypatch):
+@pytest.mark.parametrize("maximize", [False, True])
+def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums(maximize,
+                                                                                monkeypatch):
     """The step hands each chain's update the step plan the optimizer keeps for it (built
-    once, reused while it fits) and the column sums taken during the backward pass."""
+    once, reused while it fits) and the column sums taken during the backward pass (negated
+    to maximise, as the gradients are)."""
     import gsgd_adapters.torch.optim as optim
     from gsgd_backends import StepPlan
 
@@ -229,7 +232,7 @@ def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums
     monkeypatch.setattr(optim, "gsgd_update_", spy)
     model = mlp()
     x, y = data(model)
-    opt = GSGD(model, lr=0.05, momentum=0.9)
+    opt = GSGD(model, lr=0.05, momentum=0.9, maximize=maximize)
     train(model, opt, x, y, 3)
     assert len(calls) == 3 and all(isinstance(c["plan"], StepPlan) for c in calls)
     assert calls[0]["plan"] is calls[1]["plan"] is calls[2]["plan"]
@@ -316,13 +319,71 @@ def test_a_layer_without_grad_is_never_written_and_the_rest_steps_as_runs():
     loss_of(model, x, y).backward()
     model[2].weight.grad = None
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    with pytest.warns(UserWarning, match=r"2 had no gradient.*never written"):
+    with pytest.warns(UserWarning) as caught:
         opt.step()
+    assert [str(w.message) for w in caught] == [
+        "G-SGD: 2 had no gradient, so the chain 0 -> 2 -> 4 was stepped as the runs of layers "
+        "that have one; those layers are never written, and the runs' momentum restarts"]
     assert torch.equal(model[2].weight, before[2])
     for name, p in model.named_parameters():  # first momentum step of SGD: p - lr*g
         if name != "2.weight":
             q = dict(zip([n for n, _ in model.named_parameters()], before))[name]
             assert_close(p.detach().numpy(), (q - 0.1 * grads[name]).numpy(), 1e-12)
+
+
+def test_biases_step_when_no_weight_of_their_chain_has_a_gradient():
+    """Only the biases have gradients: every layer is out of the runs, and the biases take
+    SGD's rule (the weights are never written)."""
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1)
+    loss_of(model, x, y).backward()
+    for layer in (0, 2, 4):
+        model[layer].weight.grad = None
+    before = {n: (p.detach().clone(), p.grad) for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="^G-SGD: 0, 2, 4 had no gradient, so the chain "):
+        opt.step()
+    for n, p in model.named_parameters():
+        value, grad = before[n]
+        if grad is None:
+            assert torch.equal(p, value), n
+        else:  # SGD's step, to rounding (torch may fuse its multiply-add)
+            assert_close(p.detach().numpy(), (value - 0.1 * grad).numpy(), 1e-12)
+
+
+def test_a_run_keeps_its_momentum_warns_once_and_reads_w_times_grad():
+    """Two steps with layer 0 without a weight gradient: the run 2 -> 4 takes the core's
+    G-SGD with momentum on that sub-chain, its buffers kept from one step to the next; the
+    warning comes on the first step only; the backward pass's column sums (of the whole
+    chain) are not used, and the count says why; layer 0's bias takes SGD's rule."""
+    model = mlp()
+    twin = copy.deepcopy(model)
+    x, y = data(model)
+    opt = GSGD(model, lr=0.1, momentum=0.9, skeleton="paper")
+    sgd = torch.optim.SGD([twin[0].bias], lr=0.1, momentum=0.9)
+    sub = gc.Chain.from_shapes([tuple(twin[2].weight.shape), tuple(twin[4].weight.shape)])
+    layers = (twin[2], twin[4])
+    state = gc.gsgd_init(sub, [m.weight.detach() for m in layers],
+                         [m.bias.detach() for m in layers])
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        model[0].weight.grad = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        assert len([w for w in caught if "had no gradient" in str(w.message)]) == (step == 0)
+        twin.zero_grad()
+        loss_of(twin, x, y).backward()
+        sgd.step()
+        W, b, state = gc.gsgd_update(sub, state, [m.weight.detach() for m in layers],
+                                     [m.bias.detach() for m in layers],
+                                     [m.weight.grad for m in layers],
+                                     [m.bias.grad for m in layers], lr=0.1, momentum=0.9)
+        _load(layers, W, b)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert_close(p.detach().numpy(), q.detach().numpy(), 1e-10)
+    assert opt.describe().column_sums == {"a layer had no gradient": 2}
 
 
 def test_two_of_three_layers_with_grads_step_as_a_chain():
@@ -359,9 +420,12 @@ def test_grad_scaler_skips_non_finite_steps_and_unscales_others():
     before = [p.detach().clone() for p in model.parameters()]
     scaler.scale(loss_of(model, x, y)).backward()
     model[0].weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SkippedStepWarning)  # GradScaler's skip, not ours
+        scaler.step(opt)
     scaler.update()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt.describe().skipped == 0
     twin = copy.deepcopy(model)
     opt.zero_grad()
     scaler.scale(loss_of(model, x, y)).backward()
@@ -558,6 +622,28 @@ def test_foreach_picks_torchs_implementation_of_the_rest_update(cls, foreach, mo
     assert used and set(used) == {"_multi_tensor_sgd" if foreach else "_single_tensor_sgd"}
 
 
+def test_the_self_check_runs_on_the_model_given_beside_its_parameters():
+    """``GSGD(params, model=model, example_input=x)`` checks the chains on ``model``, and
+    the skeleton warning says which recipe was asked for."""
+    model = mlp()
+    x, _ = data(model)
+    with pytest.warns(SkeletonWarning, match="0 -> 2 -> 4 is not initialised"):
+        GSGD(list(model.parameters()), model=model, lr=0.1, example_input=x)
+    net = cnn()
+    with pytest.warns(SkeletonWarning) as caught:
+        GSGD(net, lr=0.1, skeleton="paper", chains=[[net[0], net[3]], [net[7], net[9]]])
+    assert [str(w.message) for w in caught] == [
+        "G-SGD: the skeleton of chain(s) 0 -> 3; 7 -> 9 is not initialised for "
+        "skeleton='paper': call gsgd_adapters.torch.skeleton_init_(model) before building the "
+        "optimizer (from a default init, path values are tiny and G-SGD diverges at the usual "
+        "learning rates). Silence with warnings.filterwarnings('ignore', category="
+        "gsgd_adapters.torch.SkeletonWarning)"]
+    model[1] = nn.Tanh()  # not positively homogeneous: rescaling its inputs changes the output
+    with pytest.raises(ValueError, match="0 -> 2 is not a chain of this model"):
+        GSGD(list(model.parameters()), model=model, lr=0.1, chains=[[model[0], model[2]]],
+             example_input=x)
+
+
 def test_psisgd_takes_a_model_and_every_optimizer_prints_its_name():
     with pytest.raises(ValueError, match="^PSISGD takes a model: it finds the normalised "
                                          "layers in it$"):
@@ -601,9 +687,9 @@ class Untraceable(nn.Module):
      r"is called 2 times in forward\(\); b: its output is the model's output$"),
     (Untraceable(), dict(strict=True), r"torch.fx cannot trace Untraceable.*chains=\[\["),
     (mlp(), dict(lr=torch.tensor([0.1, 0.2])), "lr as a tensor must have one element"),
-    (mlp(), dict(lr=-0.1), "lr must be a finite number >= 0"),
-    (mlp(), dict(momentum=-1.0), "momentum must be a finite number >= 0"),
-    (mlp(), dict(nesterov=True), "nesterov needs momentum > 0"),
+    (mlp(), dict(lr=-0.1), "^lr must be a finite number >= 0, got -0.1$"),
+    (mlp(), dict(momentum=-1.0), "^momentum must be a finite number >= 0, got -1.0$"),
+    (mlp(), dict(nesterov=True), "^nesterov needs momentum > 0 and dampening = 0$"),
     (mlp(), dict(bn="exact"), "bn must be .psi., .sgd. or .paper."),
     (mlp(), dict(skeleton="xavier"), r"^skeleton must be one of \('he', 'paper'\), got 'xavier'$"),
 ])
@@ -611,6 +697,28 @@ def test_construction_errors(model, kwargs, message):
     kwargs.setdefault("lr", 0.1)
     with pytest.raises(ValueError, match=message):
         GSGD(model, **kwargs)
+
+
+def test_params_are_a_model_or_tensors_or_groups_and_a_model_is_given_once():
+    model = mlp()
+    with pytest.raises(ValueError, match="^pass the model once: as params, or as model= with "
+                                         "param groups$"):
+        GSGD(model, model=model, lr=0.1)
+    with pytest.raises(TypeError, match="^params must be a model, an iterable of tensors or of "
+                                        "dicts, got a Tensor$"):
+        GSGD(model[0].weight, lr=0.1)
+
+
+def test_data_parallel_replicas_read_w_times_grad():
+    """A DataParallel model's replicas run the forward pass on copies of the layers, whose
+    backward pass the chains' hooks cannot follow: its steps read ``W * grad``."""
+    model = mlp()
+    x, y = data(model)
+    opt = GSGD(nn.DataParallel(model), lr=0.1)
+    train(model, opt, x, y, 1)
+    assert opt.describe().column_sums == {}
+    train(model, plain := GSGD(model, lr=0.1), x, y, 1)
+    assert plain.describe().column_sums == {"backward": 1}
 
 
 def test_reuse_and_untraceable_models_do_not_raise_by_default():

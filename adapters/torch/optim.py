@@ -146,7 +146,7 @@ class ScaleInvariantOptimizer(Optimizer):
             # FSDP2's chains step their local rows, whose column sums are reduced across
             # processes (.fsdp); bn="paper" scales gradients by row norms before the step
             self._sums = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in self._parts
-                          if p.kind == "chain" and p.chain.L > 1 and not any(p.normalised)
+                          if p.kind == "chain" and not any(p.normalised)
                           and not is_sharded(p.weights[0])}
 
     # ------------------------------------------------------------------ torch.optim API
@@ -179,7 +179,7 @@ class ScaleInvariantOptimizer(Optimizer):
             return True
         if found is not None and bool(found):
             return False
-        sums = self.__dict__.get("_sums", {}).values()
+        sums = self._sums.values()
         if scale is None:
             for s in sums:
                 s.refuse("GradScaler.unscale_ changed the gradients in place")
@@ -425,7 +425,7 @@ class ScaleInvariantOptimizer(Optimizer):
         (:meth:`.backward_sums.BackwardSums.take`) when they stand for ``W * grad`` of this
         step, else ``None``: the step then reads ``W * grad``. Every step is counted by where
         its sums came from (``describe()``)."""
-        sums = self.__dict__.get("_sums", {}).get(id(part))
+        sums = self._sums.get(id(part))
         if sums is None:
             return None
         taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else
