@@ -34,10 +34,7 @@ def test_the_staged_copy_holds_the_packages_under_their_import_names(tmp_path, m
     table = tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["mutmut"]
     assert table["only_mutate"] == ["gsgd_backends/plan.py"]
     assert table["source_paths"] == ["gsgd_backends/"]
-    args = table["pytest_add_cli_args"]
-    for test in conf["deselect"]:
-        assert args[args.index(test) - 1] == "--deselect"
-        assert (mutation.ROOT / test.split("::")[0]).is_file(), test
+    assert table["pytest_add_cli_args"] == conf["mutmut"]["pytest_add_cli_args"]
     assert table["pytest_add_cli_args_test_selection"] == ["tests/test_step_plan.py"]
     assert table["process_isolation"] == conf["mutmut"]["process_isolation"]
     assert table["forkserver_warmup"] == "collect"
@@ -152,3 +149,35 @@ def test_a_stopped_run_is_saved_with_what_it_reached_and_again_goes_on(tmp_path,
                         runs.append(list(names)))
     r = mutation.run("backends/plan.py", 2, conf, again=True)
     assert runs == [[], ["b"]] and r["resumed"] and "stopped" not in r
+
+
+def test_survivors_of_functions_reached_in_workers_run_those_tests_again(tmp_path, monkeypatch):
+    """A survivor of a function in ``in_workers`` runs its tests again with the mutant
+    chosen in the environment, after the unmutated copy (``""``) has passed them; a failure
+    kills it. Other functions' survivors, one whose name only begins alike among them, are
+    left alone, and a failure on the unmutated copy stops the run."""
+    import subprocess
+    from types import SimpleNamespace
+
+    function = "gsgd_adapters.torch.optim.x\u01c1GSGD\u01c1_apply"
+    caught, missed, other = (function + "__mutmut_1", function + "__mutmut_2",
+                             function + "_other__mutmut_1")
+    result = {"module": "adapters/torch/optim.py",
+              "status": {n: "survived" for n in (caught, missed, other)},
+              "survivors": {n: "diff" for n in (caught, missed, other)}}
+    conf = {"in_workers": {function: ["tests/test_fsdp.py"]}}
+    ran, fail_on = [], {caught}
+
+    def run(args, cwd, env, **kwargs):
+        assert args[-1] == "tests/test_fsdp.py" and cwd == tmp_path / "mutants"
+        ran.append(env["MUTANT_UNDER_TEST"])
+        return SimpleNamespace(returncode=int(env["MUTANT_UNDER_TEST"] in fail_on))
+
+    monkeypatch.setattr(subprocess, "run", run)
+    out = mutation.in_workers(tmp_path, json.loads(json.dumps(result)), conf, {})
+    assert ran == ["", caught, missed]
+    assert out["status"] == {caught: "killed", missed: "survived", other: "survived"}
+    assert set(out["survivors"]) == {missed, other} and out["killed_in_workers"] == [caught]
+    fail_on.add("")
+    with pytest.raises(RuntimeError, match="fail on the unmutated copy"):
+        mutation.in_workers(tmp_path, json.loads(json.dumps(result)), conf, {})
