@@ -314,8 +314,10 @@ def test_a_layer_without_grad_is_never_written_and_the_rest_steps_as_runs():
     x, y = data(model)
     opt = GSGD(model, lr=0.1, momentum=0.9)
     before = [p.detach().clone() for p in model.parameters()]
-    opt.step()  # no gradients at all: nothing moves
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()  # no gradients at all: nothing moves, and no run is announced
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)) and not caught
     loss_of(model, x, y).backward()
     model[2].weight.grad = None
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -442,6 +444,10 @@ def test_check_finite_names_the_parameter():
     loss_of(model, x, y).backward()
     model[2].bias.grad[1] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite gradient in 2\.bias"):
+        opt.step()
+    model[2].bias.grad[1] = 0.0  # a chain's weight is named too
+    model[4].weight.grad[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"^non-finite gradient in 4\.weight$"):
         opt.step()
     torch.manual_seed(0)  # a normalised layer's weight (a PSI part) is named too
     normed = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
@@ -642,6 +648,20 @@ def test_the_self_check_runs_on_the_model_given_beside_its_parameters():
     with pytest.raises(ValueError, match="0 -> 2 is not a chain of this model"):
         GSGD(list(model.parameters()), model=model, lr=0.1, chains=[[model[0], model[2]]],
              example_input=x)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_max_norm_renormalises_the_rows_of_normalised_weights(momentum):
+    """A row of a normalised layer's weight whose norm passes ``max_norm`` after the step is
+    divided by its norm (PSI-SGD's rule, Yi et al.): with a threshold below every row's
+    norm, every row ends on the unit sphere."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = data(model)
+    opt = PSISGD(model, lr=0.1, momentum=momentum, max_norm=0.01)
+    train(model, opt, x, y, 1)
+    norms = torch.linalg.vector_norm(model[0].weight, dim=1)
+    assert torch.allclose(norms, torch.ones_like(norms), rtol=1e-12)
 
 
 def test_psisgd_takes_a_model_and_every_optimizer_prints_its_name():
