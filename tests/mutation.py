@@ -175,7 +175,8 @@ def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
     passed them; a mutant they fail on counts as killed, and the result lists it."""
     table = conf.get("in_workers", {})
     todo = {name: tests for name in result["survivors"] for function, tests in table.items()
-            if name.startswith(function + "__mutmut_")}
+            if name.startswith(function + "__mutmut_")
+            and name not in conf.get("equivalent", {})}
     if not todo:
         return result
 
@@ -215,7 +216,7 @@ def run_time(r: dict) -> str:
         return f"stopped before its end, {r['stopped']} mutants not run, {r['date']}"
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
     return "; ".join([first] + [
-        (f"all {a['all']} again, with more test files: " if "all" in a else
+        (f"all {a['all']} again, with a changed test table: " if "all" in a else
          f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again: ") + took(a)
         for a in r.get("again", [])])
 

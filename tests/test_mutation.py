@@ -154,18 +154,18 @@ def test_a_stopped_run_is_saved_with_what_it_reached_and_again_goes_on(tmp_path,
 def test_survivors_of_functions_reached_in_workers_run_those_tests_again(tmp_path, monkeypatch):
     """A survivor of a function in ``in_workers`` runs its tests again with the mutant
     chosen in the environment, after the unmutated copy (``""``) has passed them; a failure
-    kills it. Other functions' survivors, one whose name only begins alike among them, are
-    left alone, and a failure on the unmutated copy stops the run."""
+    kills it. Equivalent mutants and other functions' survivors (one whose name only begins
+    alike among them) are left alone, and a failure on the unmutated copy stops the run."""
     import subprocess
     from types import SimpleNamespace
 
     function = "gsgd_adapters.torch.optim.x\u01c1GSGD\u01c1_apply"
-    caught, missed, other = (function + "__mutmut_1", function + "__mutmut_2",
-                             function + "_other__mutmut_1")
+    caught, missed, other, same = (function + "__mutmut_1", function + "__mutmut_2",
+                                   function + "_other__mutmut_1", function + "__mutmut_3")
     result = {"module": "adapters/torch/optim.py",
-              "status": {n: "survived" for n in (caught, missed, other)},
-              "survivors": {n: "diff" for n in (caught, missed, other)}}
-    conf = {"in_workers": {function: ["tests/test_fsdp.py"]}}
+              "status": {n: "survived" for n in (caught, missed, other, same)},
+              "survivors": {n: "diff" for n in (caught, missed, other, same)}}
+    conf = {"in_workers": {function: ["tests/test_fsdp.py"]}, "equivalent": {same: "why"}}
     ran, fail_on = [], {caught}
 
     def run(args, cwd, env, **kwargs):
@@ -176,8 +176,10 @@ def test_survivors_of_functions_reached_in_workers_run_those_tests_again(tmp_pat
     monkeypatch.setattr(subprocess, "run", run)
     out = mutation.in_workers(tmp_path, json.loads(json.dumps(result)), conf, {})
     assert ran == ["", caught, missed]
-    assert out["status"] == {caught: "killed", missed: "survived", other: "survived"}
-    assert set(out["survivors"]) == {missed, other} and out["killed_in_workers"] == [caught]
+    assert out["status"] == {caught: "killed", missed: "survived", other: "survived",
+                             same: "survived"}
+    assert set(out["survivors"]) == {missed, other, same}
+    assert out["killed_in_workers"] == [caught]
     fail_on.add("")
     with pytest.raises(RuntimeError, match="fail on the unmutated copy"):
         mutation.in_workers(tmp_path, json.loads(json.dumps(result)), conf, {})
