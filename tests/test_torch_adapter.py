@@ -49,6 +49,12 @@ def mlp_partly_without_bias():
                          nn.Linear(5, 3))
 
 
+def normed_mlp():
+    """Layer 0 is normalised (a PSI part); layer 3 and the norm's parameters are the rest."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
 def data(model, n=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     shape = (n, 6) if isinstance(model[0], nn.Linear) else (n, 2, 8, 8)
@@ -449,8 +455,7 @@ def test_check_finite_names_the_parameter():
     model[4].weight.grad[0, 1] = float("-inf")
     with pytest.raises(ValueError, match=r"^non-finite gradient in 4\.weight$"):
         opt.step()
-    torch.manual_seed(0)  # a normalised layer's weight (a PSI part) is named too
-    normed = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    normed = normed_mlp()  # a normalised layer's weight (a PSI part) is named too
     opt = GSGD(normed, lr=0.1, check_finite=True)
     loss_of(normed, x, y).backward()
     normed[0].weight.grad[1, 2] = float("inf")
@@ -620,8 +625,7 @@ def test_foreach_picks_torchs_implementation_of_the_rest_update(cls, foreach, mo
 
     for impl in ("_single_tensor_sgd", "_multi_tensor_sgd"):
         monkeypatch.setattr(torch_sgd, impl, spied(impl))
-    torch.manual_seed(0)  # its last layer and the normalisation's parameters are the rest
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model = normed_mlp()  # its last layer and the normalisation's parameters are the rest
     opt = cls(model, lr=0.1, foreach=foreach)
     x, y = data(model)
     train(model, opt, x, y, 1)
@@ -655,8 +659,7 @@ def test_max_norm_renormalises_the_rows_of_normalised_weights(momentum):
     """A row of a normalised layer's weight whose norm passes ``max_norm`` after the step is
     divided by its norm (PSI-SGD's rule, Yi et al.): with a threshold below every row's
     norm, every row ends on the unit sphere."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    model = normed_mlp()
     x, y = data(model)
     opt = PSISGD(model, lr=0.1, momentum=momentum, max_norm=0.01)
     train(model, opt, x, y, 1)
@@ -780,8 +783,7 @@ def test_a_hyperparameter_set_to_a_tensor_of_two_elements_is_named_by_step(cls, 
     """``param_groups`` may be changed after construction (as a scheduler does): a tensor of
     another size than one is refused when the step reads it, naming the hyperparameter."""
     if cls is PSISGD:  # its normalised layer's step comes first and reads lr and momentum
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        model = normed_mlp()
     else:
         model = mlp()
         skeleton_init_(model)
