@@ -133,28 +133,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
                             world_size=world, timeout=timedelta(seconds=90))
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (world,))
-        results = {"steppers": {}}  # per scenario: what steps its chains, kept or rebuilt
-        for name, (_, make_opt, steps) in SCENARIOS.items():
-            model = shard(build(name), mesh, per_layer=not name.endswith("_root"))
-            opt = make_opt(model)
-            x, y = (_local_batch(t, rank, world) for t in data(model))
-            train(model, opt, x, y, 1)
-            first = dict(opt.__dict__.get("_steppers", {}))
-            train(model, opt, x, y, steps - 1)
-            results[name] = full_state(model, opt)
-            results["steppers"][name] = [type(s).__name__ for s in first.values()] + [
-                "kept" if all(opt._steppers[k] is s for k, s in first.items()) else "rebuilt"]
-        results["nan"] = _nan_run(rank, world, mesh)
-        results["errors"] = _errors(mesh)
-        results["check_finite"] = _check_finite_run(rank, world, mesh)
-        torch.manual_seed(0)
-        late = shard(conv(), mesh)
-        skeleton_init_(late)  # on the sharded model: the gathered layers, rows written back
-        results["init_after_sharding"] = {f"param/{n}": p.detach().full_tensor()
-                                          for n, p in late.named_parameters()}
-        if ckpt_dir:
-            results["checkpoint"] = _checkpoint_run(rank, world, mesh, ckpt_dir)
+        results = runs(rank, world, init_device_mesh("cpu", (world,)), ckpt_dir)
         if rank == 0:  # written whole, then renamed: the test reads it once it exists
             path = os.path.join(out_dir, f"world{world}.pt")
             torch.save(results, path + ".part")
@@ -162,6 +141,33 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
     finally:
         dist.barrier()  # no process tears gloo down while another still talks
         dist.destroy_process_group()
+
+
+def runs(rank: int, world: int, mesh, ckpt_dir: str = "") -> dict:
+    """Every scenario and check on this process's share, sharded over ``mesh``: what
+    tests/test_fsdp.py compares with one process."""
+    results = {"steppers": {}}  # per scenario: what steps its chains, kept or rebuilt
+    for name, (_, make_opt, steps) in SCENARIOS.items():
+        model = shard(build(name), mesh, per_layer=not name.endswith("_root"))
+        opt = make_opt(model)
+        x, y = (_local_batch(t, rank, world) for t in data(model))
+        train(model, opt, x, y, 1)
+        first = dict(opt.__dict__.get("_steppers", {}))
+        train(model, opt, x, y, steps - 1)
+        results[name] = full_state(model, opt)
+        results["steppers"][name] = [type(s).__name__ for s in first.values()] + [
+            "kept" if all(opt._steppers[k] is s for k, s in first.items()) else "rebuilt"]
+    results["nan"] = _nan_run(rank, world, mesh)
+    results["errors"] = _errors(mesh)
+    results["check_finite"] = _check_finite_run(rank, world, mesh)
+    torch.manual_seed(0)
+    late = shard(conv(), mesh)
+    skeleton_init_(late)  # on the sharded model: the gathered layers, rows written back
+    results["init_after_sharding"] = {f"param/{n}": p.detach().full_tensor()
+                                      for n, p in late.named_parameters()}
+    if ckpt_dir:
+        results["checkpoint"] = _checkpoint_run(rank, world, mesh, ckpt_dir)
+    return results
 
 
 def _nan_run(rank, world, mesh) -> dict:

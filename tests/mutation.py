@@ -124,12 +124,17 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
 
     ``again``: keep the verdicts of the last run, run the mutants of the functions changed
     since (mutmut regenerates those), then run that run's survivors (and those no test
-    reached) with today's tests. A run stopped before its end has no result yet: ``again``
-    then runs the mutants it left without a verdict (the result says "resumed")."""
+    reached) with today's tests. mutmut's record of which tests reach which function is
+    rebuilt first: it traces only tests new by name, so a test changed to reach a function
+    would not be run on that function's survivors. A run stopped before its end has no
+    result yet: ``again`` then runs the mutants it left without a verdict (the result says
+    "resumed") with the record it had."""
     tests = conf["tests"][module]
     saved = _saved(module)
     before = json.loads(saved.read_text()) if again and saved.exists() else None
     dest = stage(module, tests, conf, keep=again)
+    if before:
+        (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)

@@ -1,6 +1,9 @@
-"""G-SGD and friends on models sharded by FSDP2 (``fully_shard``), 2 and 3 CPU processes
-over gloo: equal to one process, invariant, skipping together, checkpointed with DCP."""
+"""G-SGD and friends on models sharded by FSDP2 (``fully_shard``) over gloo: a world of one
+(this process) and spawned worlds of 2 and 3 CPU processes, equal to one unsharded process,
+invariant, skipping together, checkpointed with DCP."""
 
+import collections
+import contextlib
 import os
 import pathlib
 import subprocess
@@ -11,12 +14,15 @@ import pytest
 import torch
 
 from _helpers import DEFAULT_INIT, spawn_workers
+from gsgd_adapters.torch import SkeletonWarning, fsdp
 
-pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(),
-                                 reason="torch.distributed missing"), DEFAULT_INIT]
-
+pytest.importorskip("torch.distributed.tensor", reason="torch.distributed missing")
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 
 import _fsdp_worker as fw  # noqa: E402
+
+pytestmark = DEFAULT_INIT
 
 
 def _spawn(world: int, tmp, ckpt: str = "") -> dict:
@@ -29,6 +35,34 @@ def _spawn(world: int, tmp, ckpt: str = "") -> dict:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     return {2: _spawn(2, tmp, str(tmp / "ckpt")), 3: _spawn(3, tmp)}, tmp / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    """The runs of the spawned workers, sharded over a gloo world of one: this process."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SkeletonWarning)  # the twin's, as in workers
+            return fw.runs(0, 1, init_device_mesh("cpu", (1,)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3])
+def world(request) -> int:
+    """How many processes share the model (module-scoped: pytest runs every test on the
+    world of one first, and a failure there needs no workers)."""
+    return request.param
+
+
+@pytest.fixture
+def run(request, world) -> dict:
+    """The runs over ``world`` processes: 1 in this process, 2 and 3 spawned."""
+    if world == 1:
+        return request.getfixturevalue("in_process")
+    return request.getfixturevalue("runs")[0][world]
 
 
 def _one_process(name: str) -> dict:
@@ -51,12 +85,11 @@ def _assert_close(got: dict, want: dict, rtol: float = 1e-12) -> None:
         assert err <= rtol * scale, f"{k}: differs by {err:.3g} (scale {scale:.3g})"
 
 
-@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("name", list(fw.SCENARIOS))
-def test_sharded_equals_one_process(runs, world, name):
+def test_sharded_equals_one_process(run, world, name):
     """10 steps on FSDP2-sharded weights (uneven shards over 3 processes, an empty one for
     the conv's 2-row head) equal one process's, momentum buffers and Adam moments too."""
-    _assert_close(runs[0][world][name], _one_process(name))
+    _assert_close(run[name], _one_process(name))
 
 
 def _function(state: dict, x):
@@ -67,21 +100,19 @@ def _function(state: dict, x):
         return model(x)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_each_sharded_chain_keeps_one_row_shard_across_steps(runs, world):
+def test_each_sharded_chain_keeps_one_row_shard_across_steps(run, world):
     """G-SGD and G-Adam step a sharded chain through one RowShard, built on the first step
     and kept (its plan with it); Path-SGD and PSI keep none."""
-    steppers = runs[0][world]["steppers"]
+    steppers = run["steppers"]
     for name in fw.SCENARIOS:
         chains = {"gsgd_normed": 1, "pathsgd_mlp": 0, "psi_normed": 0}.get(name, 1)
         assert steppers[name] == ["RowShard"] * chains + ["kept"], name
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_sharded_twins_coincide(runs, world):
+def test_sharded_twins_coincide(run, world):
     """A rescaled twin, sharded, trains to the same function (Theorem 3.6 under FSDP2),
     and the comparison sees a difference: the twin's weights are not the original's."""
-    res = runs[0][world]
+    res = run
     x = fw.data(fw.mlp())[0]
     a, b = _function(res["gsgd_mlp"], x), _function(res["gsgd_twin"], x)
     assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
@@ -92,42 +123,40 @@ def test_sharded_twins_coincide(runs, world):
                               res["gsgd_twin"]["param/0.weight"], atol=1e-3)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_nan_on_one_process_skips_everywhere(runs, world):
+def test_nan_on_one_process_skips_everywhere(run, world):
     """A NaN in the last process's local gradient: every process skips the step (weights
     and momentum bit for bit unchanged, one skip counted everywhere)."""
-    nan = runs[0][world]["nan"]
+    nan = run["nan"]
     assert nan["skipped"] == [1] * world
     assert nan["warned"]
     for k, v in nan["before"].items():
         assert torch.equal(nan["after"][k], v), k
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_skeleton_init_after_sharding(runs, world):
+def test_skeleton_init_after_sharding(run, world):
     """skeleton_init_ on a sharded model initialises it as on the whole model."""
     torch.manual_seed(0)
     model = fw.conv()
     fw.skeleton_init_(model)
-    got = runs[0][world]["init_after_sharding"]
+    got = run["init_after_sharding"]
     for n, p in model.named_parameters():
         assert torch.equal(got[f"param/{n}"], p.detach()), n
 
 
-def test_unsupported_layouts_are_refused(runs):
+@pytest.mark.parametrize("world", [1, 2], scope="module")
+def test_unsupported_layouts_are_refused(run, world):
     """A chain with some layers sharded and some not, or weights split by columns (tensor
     parallelism), is refused when the optimizer is built, naming the parameter."""
-    errors = runs[0][2]["errors"]
+    errors = run["errors"]
     assert "2.weight is a plain tensor in a chain" in errors["mixed"]
     assert "0.weight is a DTensor placed (Shard(dim=1),)" in errors["columns"]
     assert "tensor parallelism" in errors["columns"]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_check_finite_raises_on_every_process(runs, world):
+def test_check_finite_raises_on_every_process(run, world):
     """check_finite=True and a NaN on one process: every process raises (none is left
     waiting in a collective), naming the parameter."""
-    assert runs[0][world]["check_finite"] == ["non-finite gradient in 2.weight"] * world
+    assert run["check_finite"] == ["non-finite gradient in 2.weight"] * world
 
 
 def test_checkpoint_two_to_two_bit_for_bit(runs):
@@ -162,6 +191,134 @@ def test_checkpoint_two_to_one(runs):
     x, y = fw.data(model)
     fw.train(model, opt, x, y, 5)
     _assert_close(fw.full_state(model, opt), ck["straight"])
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, world: int):
+    """This process as ``rank`` of ``world`` on torch's fake process group, where
+    collectives do nothing: what one rank holds and decides, seen in this process."""
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    torch.distributed.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank,
+                                         world_size=world)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _sharded(n: int, mesh, placements=None):
+    """An ``n x 2`` DTensor whose entries count from 0, placed on ``mesh`` as given (by
+    rows, as FSDP2 shards, by default)."""
+    full = torch.arange(2.0 * n).reshape(n, 2)
+    return distribute_tensor(full, mesh, placements or [Shard(0)], src_data_rank=None)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 8])
+@pytest.mark.parametrize("world", [2, 3], scope="function")
+def test_each_process_holds_the_rows_torch_chunk_gives_it(n, world):
+    """row_range and local: rank r holds chunk r of ``torch.chunk`` (FSDP2's split), and
+    ``(n, n)`` past the last chunk; its local rows are those rows."""
+    chunks = torch.arange(n).chunk(world)
+    for rank in range(world):
+        with _as_rank(rank, world):
+            w = _sharded(n, init_device_mesh("cpu", (world,)))
+            r0, r1 = fsdp.row_range(w, "0.weight")
+            want = (int(chunks[rank][0]), int(chunks[rank][-1]) + 1) if rank < len(chunks) \
+                else (n, n)
+            assert (r0, r1) == want, rank
+            assert torch.equal(fsdp.local(w), torch.arange(2.0 * n).reshape(n, 2)[r0:r1])
+            assert fsdp.row_ranges([w, w], ["a", "b"]) == (want, want)
+    assert fsdp.local(w.to_local()) is not None and not fsdp.is_sharded(w.to_local())
+
+
+def test_a_process_holding_other_rows_than_an_even_split_is_refused():
+    with _as_rank(1, 4):
+        w = DTensor.from_local(torch.zeros(1, 2), init_device_mesh("cpu", (4,)), [Shard(0)],
+                               run_check=False, shape=torch.Size([7, 2]), stride=(2, 1))
+        with pytest.raises(ValueError, match=r"^0\.weight: this process holds 1 of its 7 "
+                           r"rows, not the 2 of an even split over 4 processes$"):
+            fsdp.row_range(w, "0.weight")
+
+
+def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_parameter():
+    """check_chain: plain chains and chains sharded by rows on one 1-D mesh pass; a mix of
+    plain and sharded, another placement, a 2-D mesh or two meshes are refused."""
+    names = ["0.weight", "2.weight"]
+    with _as_rank(0, 4):
+        mesh = init_device_mesh("cpu", (4,))
+        rows, plain = _sharded(8, mesh), torch.zeros(8, 2)
+        fsdp.check_chain([plain, plain], names)
+        fsdp.check_chain([rows, _sharded(6, mesh)], names)
+        for params, message in [
+                ([rows, plain], "2.weight is a plain tensor in a chain whose other parameters "
+                                "FSDP2 shards: shard every layer of the chain"),
+                ([plain, rows], "0.weight is a plain tensor in a chain"),
+                ([_sharded(8, mesh, [Shard(1)]), rows],
+                 "0.weight is a DTensor placed (Shard(dim=1),) on a 1-D mesh: G-SGD steps "
+                 "chains sharded by rows on a 1-D mesh (FSDP2's Shard(0)); tensor "
+                 "parallelism and HSDP meshes are not supported"),
+                ([rows, _sharded(8, mesh, [Replicate()])],
+                 "2.weight is a DTensor placed (Replicate(),) on a 1-D mesh"),
+                ([_sharded(8, init_device_mesh("cpu", (2, 2)), [Shard(0), Shard(0)])] * 2,
+                 "0.weight is a DTensor placed (Shard(dim=0), Shard(dim=0)) on a 2-D mesh"),
+                ([rows, _sharded(8, DeviceMesh("cpu", [0, 1]))],
+                 "2.weight lies on a different device mesh from the chain's other "
+                 "parameters")]:
+            with pytest.raises(ValueError) as info:
+                fsdp.check_chain(params, names)
+            assert str(info.value).startswith(message), str(info.value)
+
+
+def test_a_non_finite_entry_of_a_sharded_array_is_found():
+    """all_finite and every_finite on DTensors (each rank's own rows: the fake group's
+    all-reduce leaves them alone) and on plain tensors."""
+    with _as_rank(1, 2):
+        w, plain = _sharded(4, init_device_mesh("cpu", (2,))), torch.ones(3)
+        assert fsdp.all_finite(w) and fsdp.every_finite([plain, w])
+        for bad in (float("nan"), float("inf")):
+            w.to_local()[1, 0] = bad
+            assert not fsdp.all_finite(w) and not fsdp.every_finite([plain, w])
+            w.to_local()[1, 0] = 0.0
+            plain[2] = bad
+            assert not fsdp.all_finite(plain) and not fsdp.every_finite([plain, w])
+            assert not fsdp.every_finite([torch.ones(2), plain])
+            plain[2] = 1.0
+        assert fsdp.all_finite(plain) and fsdp.every_finite([torch.ones(2), plain])
+
+
+def test_a_step_handed_back_runs_on_the_full_arrays_and_each_rank_keeps_its_rows():
+    """sharded_step: ``fast`` on the local rows; where it hands the step back (or is None),
+    ``full`` on the whole arrays (nested lists and NamedTuples kept, None left), and each
+    DTensor then holds its rows of what ``full`` wrote."""
+    State = collections.namedtuple("State", "momentum step")
+    with _as_rank(1, 3):
+        mesh = init_device_mesh("cpu", (3,))
+        w, plain = _sharded(7, mesh), torch.zeros(2)
+        arrays = [[w, None], State(_sharded(7, mesh), plain)]
+        seen = []
+
+        def fast(local):
+            seen.append(local)
+            return len(seen) == 1
+
+        def full(whole):
+            assert isinstance(whole[1], State) and whole[0][1] is None
+            assert whole[1].step is plain and whole[0][0].shape == (7, 2)
+            whole[0][0].copy_(torch.arange(14.0).reshape(7, 2) + 100)
+            whole[1].momentum.fill_(-1.0)
+            plain.fill_(5.0)
+            return "stepped"
+
+        assert fsdp.sharded_step(arrays, fast, full) is True
+        assert torch.equal(seen[0][0][0], w.to_local()) and seen[0][0][1] is None
+        assert isinstance(seen[0][1], State) and seen[0][1].step is plain
+        assert torch.equal(w.to_local(), torch.arange(6.0, 12.0).reshape(3, 2))  # untouched
+        for fast_path in (fast, None):
+            assert fsdp.sharded_step(arrays, fast_path, full) == "stepped"
+            assert torch.equal(w.to_local(), torch.arange(6.0, 12.0).reshape(3, 2) + 100)
+            assert torch.equal(arrays[1].momentum.to_local(), torch.full((3, 2), -1.0))
+            assert torch.equal(plain, torch.full((2,), 5.0))
+            w.to_local().zero_()
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

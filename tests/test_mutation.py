@@ -111,7 +111,8 @@ def test_the_page_gives_each_run_of_the_survivors_again(tmp_path, monkeypatch):
 def test_again_after_a_stopped_run_runs_only_what_it_left(tmp_path, monkeypatch):
     """A run stopped midway saved no result: ``--again`` runs the mutants without a verdict
     (mutmut's plain run) and reruns nothing else, and the page says it resumed. A later
-    ``--again`` reruns that result's survivors too and keeps saying so."""
+    ``--again`` reruns that result's survivors too, with mutmut's record of the tests that
+    reach each function rebuilt, and keeps saying so."""
     for name in ("BUILD", "RESULTS"):
         monkeypatch.setattr(mutation, name, tmp_path / name)
     runs = []
@@ -121,12 +122,16 @@ def test_again_after_a_stopped_run_runs_only_what_it_left(tmp_path, monkeypatch)
     monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
         "stdout": "-x\n+y"})())
     conf = mutation.settings()
+    stats = mutation._staged("backends/plan.py") / "mutants" / "mutmut-stats.json"
+    stats.parent.mkdir(parents=True)
+    stats.write_text("{}")
     r = mutation.run("backends/plan.py", 2, conf, again=True)
-    assert runs == [[]] and r["resumed"] and r["again"] == []
+    assert runs == [[]] and r["resumed"] and r["again"] == [] and stats.is_file()
     assert "2026" in mutation.run_time(r) and "left by a stopped run" in mutation.run_time(r)
     runs.clear()
     r = mutation.run("backends/plan.py", 2, conf, again=True)
     assert runs == [[], ["b"]] and r["resumed"] and r["again"][0]["survivors"] == 1
+    assert not stats.exists()
 
 
 def test_a_stopped_run_is_saved_with_what_it_reached_and_again_goes_on(tmp_path, monkeypatch):

@@ -72,7 +72,7 @@ def check_chain(params, names) -> None:
             raise ValueError(f"{name} is a plain tensor in a chain whose other parameters "
                              "FSDP2 shards: shard every layer of the chain (fully_shard on "
                              "each layer or on a module holding them)")
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        if tuple(p.placements) != (Shard(0),):  # one placement per mesh dimension
             raise ValueError(
                 f"{name} is a DTensor placed {tuple(p.placements)} on a {p.device_mesh.ndim}-D "
                 "mesh: G-SGD steps chains sharded by rows on a 1-D mesh (FSDP2's Shard(0)); "
@@ -140,8 +140,6 @@ def _write_rows(dst, src) -> None:
 
 
 def _map(f, x):
-    if x is None:
-        return None
     if isinstance(x, (list, tuple)):
         return type(x)(*(_map(f, y) for y in x)) if hasattr(x, "_fields") \
             else type(x)(_map(f, y) for y in x)
