@@ -428,9 +428,9 @@ class ScaleInvariantOptimizer(Optimizer):
         sums = self._sums.get(id(part))
         if sums is None:
             return None
-        taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else
-                          "FSDP2 sharded the chain after the optimizer was built"
-                          if is_sharded(part.weights[0]) else "")
+        # (a chain FSDP2 shards has no sums: fully_shard makes new parameters, and one
+        # made before the optimizer is not hooked)
+        taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else "")
         if taken is not None and group.get("maximize"):
             taken = ([-s for s in taken[0]], taken[1])
         return taken
