@@ -4,6 +4,7 @@ invariant, skipping together, checkpointed with DCP."""
 
 import collections
 import contextlib
+import copy
 import os
 import pathlib
 import subprocess
@@ -319,6 +320,39 @@ def test_a_step_handed_back_runs_on_the_full_arrays_and_each_rank_keeps_its_rows
             assert torch.equal(arrays[1].momentum.to_local(), torch.full((3, 2), -1.0))
             assert torch.equal(plain, torch.full((2,), 5.0))
             w.to_local().zero_()
+
+
+def test_a_sharded_chain_steps_its_own_rows_and_takes_no_backward_sums(one_process_group,
+                                                                          monkeypatch):
+    """G-SGD steps a chain FSDP2 shards on its local rows (the sharded kernels: the update
+    of gathered layers never runs) and hooks none of its layers for column sums (those of
+    local rows would be partial)."""
+    import gsgd_adapters.torch.optim as optim
+
+    def gathered(*args, **kwargs):
+        raise AssertionError("the update of the gathered layers ran")
+
+    monkeypatch.setattr(optim, "gsgd_update_", gathered)
+    model = fw.shard(fw.build("gsgd_mlp"), init_device_mesh("cpu", (1,)))
+    opt = fw.SCENARIOS["gsgd_mlp"][1](model)
+    fw.train(model, opt, *fw.data(model), 3)
+    assert opt.describe().column_sums == {} and opt.describe().skipped == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_step_handed_back_steps_the_gathered_layers(one_process_group, dtype):
+    """The sharded kernels hand a half-precision step back: G-SGD then steps the gathered
+    layers, bit for bit as on the unsharded model, and moves the weights."""
+    plain = fw.build("gsgd_mlp").to(dtype)
+    model = fw.shard(copy.deepcopy(plain), init_device_mesh("cpu", (1,)))
+    x, y = (t.to(dtype) for t in fw.data(plain))
+    runs = [(m, fw.SCENARIOS["gsgd_mlp"][1](m)) for m in (plain, model)]
+    for m, opt in runs:
+        fw.train(m, opt, x, y, 3)
+    want, got = (fw.full_state(m, opt) for m, opt in runs)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    assert not torch.equal(want["param/2.weight"], fw.build("gsgd_mlp").to(dtype)[2].weight)
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

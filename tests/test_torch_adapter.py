@@ -220,13 +220,15 @@ def test_a_chains_state_is_torchs_momentum_buffers_and_one_step_count():
         assert set(opt.state[p]) == {"momentum_buffer"} | ({"step"} if p is first else set())
 
 
-@pytest.mark.parametrize("maximize", [False, True])
-def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums(maximize,
-                                                                                monkeypatch):
+@pytest.mark.parametrize("maximize, compile", [(False, False), (True, True)])
+def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums(
+        maximize, compile, monkeypatch):
     """The step hands each chain's update the step plan the optimizer keeps for it (built
-    once, reused while it fits) and the column sums taken during the backward pass (negated
-    to maximise, as the gradients are)."""
+    once, reused while it fits, of the compiled kernels under ``compile=True``) and the
+    column sums taken during the backward pass (negated to maximise, as the gradients
+    are)."""
     import gsgd_adapters.torch.optim as optim
+    import gsgd_backends.torch as gbt
     from gsgd_backends import StepPlan
 
     calls, update_ = [], optim.gsgd_update_
@@ -238,10 +240,11 @@ def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums
     monkeypatch.setattr(optim, "gsgd_update_", spy)
     model = mlp()
     x, y = data(model)
-    opt = GSGD(model, lr=0.05, momentum=0.9, maximize=maximize)
+    opt = GSGD(model, lr=0.05, momentum=0.9, maximize=maximize, compile=compile)
     train(model, opt, x, y, 3)
     assert len(calls) == 3 and all(isinstance(c["plan"], StepPlan) for c in calls)
     assert calls[0]["plan"] is calls[1]["plan"] is calls[2]["plan"]
+    assert (set(calls[0]["plan"].layer_kernels) == {gbt.COMPILED}) == compile
     assert all(c["column_sums"] is not None for c in calls)
     assert opt.describe().column_sums
 
