@@ -144,8 +144,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                  if s in ("survived", "no tests") and n in known
                  and n not in conf.get("equivalent", {})]
         mutmut_run(dest, module, jobs, rerun, env)
-    seconds = time.perf_counter() - start
     result = in_workers(dest, verdicts(dest, module, tests, env), conf, env)
+    seconds = time.perf_counter() - start
     result |= {"seconds": round(seconds, 1), "jobs": jobs}
     if again and (not before or before.get("stopped")):
         result["resumed"] = True

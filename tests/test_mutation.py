@@ -188,3 +188,20 @@ def test_survivors_of_functions_reached_in_workers_run_those_tests_again(tmp_pat
     fail_on.add("")
     with pytest.raises(RuntimeError, match="fail on the unmutated copy"):
         mutation.in_workers(tmp_path, json.loads(json.dumps(result)), conf, {})
+
+
+def test_the_run_time_counts_the_reruns_in_workers(tmp_path, monkeypatch):
+    """A run's time is mutmut's runs and the reruns of survivors in workers together."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    clock = [0.0]
+
+    def spend(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(mutation.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(mutation, "mutmut_run", lambda *args: spend(60.0))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
+    monkeypatch.setattr(mutation, "in_workers", lambda dest, result, conf, env:
+                        spend(120.0) or result)
+    assert mutation.run("backends/plan.py", 2, mutation.settings())["seconds"] == 180.0
