@@ -11,11 +11,13 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from _helpers import DEFAULT_INIT, spawn_workers
 from gsgd_adapters.torch import SkeletonWarning, fsdp
+from gsgd_core import Chain
 
 pytest.importorskip("torch.distributed.tensor", reason="torch.distributed missing")
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
@@ -239,6 +241,24 @@ def test_a_process_holding_other_rows_than_an_even_split_is_refused():
         with pytest.raises(ValueError, match=r"^0\.weight: this process holds 1 of its 7 "
                            r"rows, not the 2 of an even split over 4 processes$"):
             fsdp.row_range(w, "0.weight")
+        with pytest.raises(ValueError, match=r"^2\.weight: this process holds 1 of its 7"):
+            fsdp.row_ranges([_sharded(8, w.device_mesh), w], ["0.weight", "2.weight"])
+
+
+def test_a_row_shard_sums_over_the_process_group_of_the_chains_mesh(monkeypatch):
+    """The sums of a RowShard are all-reduces over the mesh's own process group: a mesh of
+    2 of 4 processes is not the world."""
+    calls = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, **kw: calls.append(kw))
+    with _as_rank(1, 4):
+        mesh = DeviceMesh("cpu", [0, 1])
+        W = [_sharded(8, mesh), _sharded(4, mesh)]
+        shard = fsdp.row_shard(Chain.mlp([2, 8, 4]), fsdp.row_ranges(W, ["a", "b"]), W[0])
+        assert shard.rows == ((4, 8), (2, 4))
+        v = np.zeros(3)
+        assert shard.reduce(v) is v
+        assert calls == [{"group": mesh.get_group()}]
+        assert mesh.get_group() is not torch.distributed.group.WORLD
 
 
 def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_parameter():
@@ -252,7 +272,8 @@ def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_para
         fsdp.check_chain([rows, _sharded(6, mesh)], names)
         for params, message in [
                 ([rows, plain], "2.weight is a plain tensor in a chain whose other parameters "
-                                "FSDP2 shards: shard every layer of the chain"),
+                                "FSDP2 shards: shard every layer of the chain (fully_shard on "
+                                "each layer or on a module holding them)"),
                 ([plain, rows], "0.weight is a plain tensor in a chain"),
                 ([_sharded(8, mesh, [Shard(1)]), rows],
                  "0.weight is a DTensor placed (Shard(dim=1),) on a 1-D mesh: G-SGD steps "
@@ -268,6 +289,7 @@ def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_para
             with pytest.raises(ValueError) as info:
                 fsdp.check_chain(params, names)
             assert str(info.value).startswith(message), str(info.value)
+    assert str(info.value).endswith("parameters")  # whole messages: the first and the last
 
 
 def test_a_non_finite_entry_of_a_sharded_array_is_found():
