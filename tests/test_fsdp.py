@@ -245,9 +245,10 @@ def test_a_process_holding_other_rows_than_an_even_split_is_refused():
             fsdp.row_ranges([_sharded(8, w.device_mesh), w], ["0.weight", "2.weight"])
 
 
-def test_a_row_shard_sums_over_the_process_group_of_the_chains_mesh(monkeypatch):
-    """The sums of a RowShard are all-reduces over the mesh's own process group: a mesh of
-    2 of 4 processes is not the world."""
+def test_the_collectives_of_a_chain_go_over_its_meshs_process_group(monkeypatch):
+    """A RowShard's sums and the finiteness of a DTensor are all-reduces over the mesh's
+    own process group (a mesh of 2 of 4 processes is not the world), the finiteness flag
+    reduced by its minimum."""
     calls = []
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, **kw: calls.append(kw))
     with _as_rank(1, 4):
@@ -259,6 +260,9 @@ def test_a_row_shard_sums_over_the_process_group_of_the_chains_mesh(monkeypatch)
         assert shard.reduce(v) is v
         assert calls == [{"group": mesh.get_group()}]
         assert mesh.get_group() is not torch.distributed.group.WORLD
+        calls.clear()
+        assert fsdp.all_finite(W[0])
+        assert calls == [{"op": torch.distributed.ReduceOp.MIN, "group": mesh.get_group()}]
 
 
 def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_parameter():

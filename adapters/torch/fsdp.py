@@ -39,10 +39,14 @@ def local(t):
 
 
 def all_finite(t) -> bool:
-    """Whether every entry of ``t`` is finite; for a DTensor, on every process (DTensor's
-    reduction is a collective over its mesh: every process gets the same answer, so all
+    """Whether every entry of ``t`` is finite; for a DTensor, on every process (a
+    collective over its mesh's process group: every process gets the same answer, so all
     raise or step together)."""
-    return bool(torch.isfinite(t).all())
+    if not is_sharded(t):
+        return bool(torch.isfinite(t).all())
+    flag = torch.isfinite(t.to_local()).all().to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=t.device_mesh.get_group())
+    return bool(flag)
 
 
 def every_finite(tensors) -> bool:
