@@ -162,19 +162,22 @@ def path_update_(chain: Chain, rule, state, weights, biases, grads, bias_grads, 
         weights, (list, tuple)) and weights else None
     if column_sums is not None or gradient_check is not None:
         check_column_sums(chain, column_sums, weights[0].dtype, gradient_check)
-    if (kernels is not None or plan is not None) and rule_step_(
-            kernels, chain, rule, state, weights, biases, grads, bias_grads, plan=plan,
-            column_sums=column_sums, gradient_check=gradient_check):
-        assign(state.count, state.count + 1)
-        return True
-    if not _finite(grads, bias_grads):
-        return False
+    finite = None  # known once the fast path has declined the step
+    if kernels is not None or plan is not None:
+        if rule_step_(kernels, chain, rule, state, weights, biases, grads, bias_grads,
+                      plan=plan, column_sums=column_sums, gradient_check=gradient_check):
+            assign(state.count, state.count + 1)
+            return True
+        finite = _finite(grads, bias_grads)
+        if not finite:
+            return False
+    # the core validates the arrays (a clear error for bad input) and skips a non-finite step
     W, b, new_state = gsgd_core.path_update(chain, rule, state, weights, biases, grads,
                                             bias_grads)
     _write(weights, W)
     _write(biases or [], b)
     _write_tree(state, new_state)
-    return True
+    return _finite(grads, bias_grads) if finite is None else finite
 
 
 def gsgd_step_(chain: Chain, weights, biases, grads, bias_grads, lr, *, kernels=None) -> None:

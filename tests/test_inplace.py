@@ -149,3 +149,183 @@ def test_a_rule_state_without_an_elementwise_rule_takes_the_core(xp):
     assert gb.path_update_(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), A, Ab, G, Gb)
     for a, e in zip(A + Ab, E + Eb):
         np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(e))
+
+
+class Counted:
+    """signSGD whose state is a dict: the steps taken and the last step of every path."""
+
+    def init(self, values):
+        import array_api_compat
+        xp = array_api_compat.array_namespace(*values)
+        return {"steps": xp.zeros((), dtype=values[0].dtype),
+                "last": [xp.zeros_like(v) for v in values]}
+
+    def update(self, grads, state, values):
+        import array_api_compat
+        xp = array_api_compat.array_namespace(*grads)
+        delta = tuple(0.01 * xp.sign(d) for d in grads)
+        return delta, {"steps": state["steps"] + 1, "last": list(delta)}
+
+
+def test_a_rule_state_of_dicts_and_lists_is_written_in_place(xp):
+    """The core's new state goes into the same arrays of the rule's own state (a dict
+    holding a 0-d array and a list), whatever its nesting."""
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    pb, A, Ab, G, Gb = _data(xp, 5)
+    rule = Counted()
+    state = gc.path_init(CHAIN, rule, A, Ab)
+    held = [state["steps"]] + state["last"]
+    _, _, want = gc.path_update(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), A, Ab, G, Gb)
+    assert gb.path_update_(CHAIN, rule, state, A, Ab, G, Gb) is True
+    assert [state["steps"]] + state["last"] == held and float(xp.to_numpy(held[0])) == 1.0
+    for a, e in zip(state["last"], want["last"]):
+        np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(e))
+    assert any(float(np.abs(xp.to_numpy(a)).max()) > 0 for a in state["last"])
+
+
+def _updates():
+    """gsgd_update_ and path_update_ (Adam), each as ``f(A, Ab, G, Gb, **kw)``."""
+    rule = gc.adam_rule(0.01)
+    return {"gsgd_update_": lambda A, Ab, G, Gb, **kw: gb.gsgd_update_(
+                CHAIN, None, A, Ab, G, Gb, lr=0.1, **kw),
+            "path_update_": lambda A, Ab, G, Gb, **kw: gb.path_update_(
+                CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), A, Ab, G, Gb, **kw)}
+
+
+@pytest.mark.parametrize("update", list(_updates()))
+def test_column_sums_and_their_check_are_refused_before_any_write(fxp, update):
+    """Column sums from the caller (DESIGN §12) are checked as a step plan hands them out:
+    one vector per layer 2..L of its input width and the weights' dtype, a 0-d check of
+    that dtype, and never a check without sums; a refusal writes nothing."""
+    pb, A, Ab, G, Gb = _data(fxp, 6)
+    before = [fxp.to_numpy(a).copy() for a in A + Ab]
+    sums = [fxp.asarray(np.ones(n)) for n in CHAIN.sizes[1:-1]]
+    check = fxp.asarray(np.zeros(()))
+    step = _updates()[update]
+    for kw, message in [
+            (dict(gradient_check=check), "gradient_check is the check of column_sums: pass "
+                                          "both"),
+            (dict(column_sums=sums[:1]), "column_sums: a chain of 3 layers takes 2 vectors "
+                                         r"\(layers 2..3\), got 1"),
+            (dict(column_sums=[sums[0], sums[0]]), r"column_sums of layer 3: expected shape "
+                                                  r"\(4,\)"),
+            (dict(column_sums=sums, gradient_check=fxp.asarray(np.zeros(2))),
+             r"gradient_check: expected a 0-d array of dtype .*, got shape \(2,\)")]:
+        with pytest.raises(ValueError, match=message):
+            step(A, Ab, G, Gb, **kw)
+    for a, b in zip(A + Ab, before):
+        np.testing.assert_array_equal(fxp.to_numpy(a), b)
+
+
+def test_a_wrong_layer_count_is_refused_with_the_counts():
+    pb = Problem(CHAIN, 11)
+    rule = gc.adam_rule(0.01)
+    state = gc.path_init(CHAIN, rule, pb.W, pb.b)
+    for step in (lambda: gb.path_update_(CHAIN, rule, state, [], None, [], None),
+                 lambda: gb.gsgd_update_(CHAIN, None, [], None, [], None, lr=0.1)):
+        with pytest.raises(ValueError, match="weights has 0 entries, but the chain has 3 "
+                                             "layers"):
+            step()
+
+
+@pytest.mark.parametrize("update", list(_updates()))
+def test_a_step_takes_the_given_plan_and_column_sums(monkeypatch, update):
+    """G-SGD's and an elementwise rule's steps on torch tensors take the plan and the
+    column sums they are given (the core never runs): other sums give another step."""
+    torch = pytest.importorskip("torch")
+    pb = Problem(CHAIN, 7)
+    G, Gb = pb.grads()
+    T = lambda xs: [torch.tensor(x) for x in xs]  # noqa: E731
+
+    def core(*args, **kwargs):
+        raise AssertionError("the core took the step")
+
+    step = _updates()[update]
+    monkeypatch.setattr(gc, "path_update", core)
+    monkeypatch.setattr(gc, "gsgd_update", core)
+    plan = gb.step_plan(CHAIN, T(pb.W))
+    steps = []
+    for scale in (1.0, 2.0):
+        A, Ab = T(pb.W), T(pb.b)
+        sums = [scale * (w * g).sum(0).reshape(-1) for w, g in zip(A[1:], T(G)[1:])]
+        assert step(A, Ab, T(G), T(Gb), plan=plan, column_sums=sums,
+                    gradient_check=torch.zeros((), dtype=torch.float64)) is True
+        steps.append(A)
+    assert not all(torch.equal(a, b) for a, b in zip(*steps))
+
+
+@pytest.mark.parametrize("where", ["weight", "bias"])
+def test_a_non_finite_gradient_on_the_cores_path_is_a_skip(xp, where):
+    """A step the core takes (a rule without a fast path; G-SGD on arrays without one) with
+    a NaN in a weight's or a bias's gradient is skipped: ``False``, nothing written."""
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    pb = Problem(CHAIN, 8)
+    G, Gb = pb.grads()
+    (G if where == "weight" else Gb)[1][0] = np.nan
+    rule = Sign()
+    for step in (lambda *a: gb.path_update_(CHAIN, rule, rule.init(()), *a),
+                 lambda *a: gb.gsgd_update_(CHAIN, None, *a, lr=0.1)):
+        A, Ab = xp.aslist(pb.W), xp.aslist(pb.b)
+        assert step(A, Ab, xp.aslist(G), xp.aslist(Gb)) is False
+        for a, e in zip(A + Ab, pb.W + pb.b):
+            np.testing.assert_array_equal(xp.to_numpy(a),
+                                          np.asarray(e, dtype=xp.to_numpy(a).dtype))
+
+
+def test_skeleton_init_in_place_keeps_signs_and_scales_the_rest_as_the_core(xp):
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    pb = Problem(CHAIN, 9)
+    A = xp.aslist(pb.W)
+    E, _ = gc.skeleton_init(CHAIN, xp.aslist(pb.W), keep_signs=True, rest_scale=0.5)
+    gb.skeleton_init_(CHAIN, A, keep_signs=True, rest_scale=0.5)
+    for a, e in zip(A, E):
+        np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(e))
+    assert any((xp.to_numpy(a) < 0).any() for a in A)  # signs kept: some skeleton edges < 0
+
+
+def test_step_plan_takes_the_kernels_given_and_none_without_a_fast_path(xp):
+    """step_plan builds the plan of the kernels given, else of the arrays' library; a
+    library without a fast path (array-api-strict, JAX) has no plan."""
+    W = xp.aslist(Problem(CHAIN, 10).W)
+    plan = gb.step_plan(CHAIN, W)
+    if xp.name not in ("numpy", "torch", "cupy"):
+        assert plan is None
+        return
+    assert plan is not None and plan.fits(CHAIN, W[0])
+    if xp.name == "torch":
+        import gsgd_backends.torch as gbt
+        assert set(gb.step_plan(CHAIN, W, kernels=gbt.COMPILED).layer_kernels) == {
+            gbt.COMPILED}
+
+
+def test_psi_update_of_torch_tensors_takes_its_fast_paths(monkeypatch):
+    """Every hyperparameter given (lr, momentum, max_norm): the multi-tensor step, not the
+    core; a PSIPlan given: its compiled step first."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    W = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    G = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+
+    def core(*args, **kwargs):
+        raise AssertionError("the core took the step")
+
+    want, state = [w.clone() for w in W], gc.psi_init([w.clone() for w in W])
+    want, _ = gc.psi_update(state, want, G, lr=0.1, momentum=0.9, max_norm=2.0)
+    monkeypatch.setattr(gc, "psi_update", core)
+    state = gc.psi_init(W)
+    gb.psi_update_(state, W, G, lr=0.1, momentum=0.9, max_norm=2.0)
+    for a, e in zip(W, want):
+        assert torch.allclose(a, e, rtol=1e-12, atol=0)
+
+    class Plan:
+        def step_(self, *args, **hyper):
+            calls.append(hyper)
+            return True
+
+    calls, before = [], [w.clone() for w in W]
+    gb.psi_update_(state, W, G, plan=Plan(), lr=0.1)
+    assert calls == [{"lr": 0.1, "momentum": 0.0, "max_norm": 1e4}]
+    assert all(torch.equal(a, b) for a, b in zip(W, before))  # the plan's step, not another
