@@ -306,6 +306,12 @@ def test_a_shard_follows_its_arrays_to_another_plan():
         for got, want in zip(W + b, list(want_W) + list(want_b)):
             assert_close(np.asarray(got), np.asarray(want), rtol)
     assert len({id(p) for p in plans}) == 3
+    # the same kernels: the plan is kept while it fits, rebuilt for another dtype
+    w64, w32 = torch.tensor(pb.W[0]), torch.tensor(pb.W[0], dtype=torch.float32)
+    kept = shard.plan(KERNELS, w64)
+    assert shard.plan(KERNELS, w64) is kept and kept.fits(chain, w64)
+    assert shard.plan(KERNELS, w32).fits(chain, w32)
+    assert shard.plan(KERNELS, w64).fits(chain, w64)
 
 
 @pytest.mark.parametrize("rule", list(RULES))
