@@ -133,7 +133,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
                             world_size=world, timeout=timedelta(seconds=90))
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        results = runs(rank, world, init_device_mesh("cpu", (world,)), ckpt_dir)
+        results = sharded_runs(rank, world, init_device_mesh("cpu", (world,)), ckpt_dir)
         if rank == 0:  # written whole, then renamed: the test reads it once it exists
             path = os.path.join(out_dir, f"world{world}.pt")
             torch.save(results, path + ".part")
@@ -143,7 +143,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -
         dist.destroy_process_group()
 
 
-def runs(rank: int, world: int, mesh, ckpt_dir: str = "") -> dict:
+def sharded_runs(rank: int, world: int, mesh, ckpt_dir: str = "") -> dict:
     """Every scenario and check on this process's share, sharded over ``mesh``: what
     tests/test_fsdp.py compares with one process."""
     results = {"steppers": {}}  # per scenario: what steps its chains, kept or rebuilt

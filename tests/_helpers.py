@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pathlib
 import sys
@@ -58,6 +59,20 @@ class Problem:
         _, G, Gb = loss_and_grads(self.chain, self.W if W is None else W,
                                   self.b if b is None else b, self.x, self.y)
         return G, Gb
+
+
+@contextlib.contextmanager
+def process_group(backend: str = "gloo", store=None, rank: int = 0, world_size: int = 1):
+    """This process as ``rank`` of a ``world_size`` process group (an in-memory store by
+    default), destroyed on leaving: gloo's world of one, or torch's fake group for one rank
+    of a larger world."""
+    import torch.distributed as dist
+    dist.init_process_group(backend, store=dist.HashStore() if store is None else store,
+                            rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:

@@ -37,6 +37,7 @@ if "MUTANT_UNDER_TEST" in os.environ:  # set by mutmut in each of its runs
 
     mutmut.mutation.trampoline.__name__ = "gsgd_adapters.mutmut_trampoline"
 
+from _helpers import process_group  # noqa: E402
 from _namespaces import available_namespaces  # noqa: E402
 from _strategies import fixed_shapes  # noqa: E402
 from gsgd_backends._dispatch import FAST  # noqa: E402
@@ -94,18 +95,14 @@ def rng():
 
 
 @pytest.fixture
-def one_process_group(tmp_path):
+def one_process_group():
     """A gloo process group of this process alone, for DDP and FSDP2 in one test (the runs
     over several processes are in test_torch_ddp.py and test_fsdp.py)."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed missing")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0,
-                            world_size=1)
-    try:
+    with process_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

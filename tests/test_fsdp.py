@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from _helpers import DEFAULT_INIT, spawn_workers
+from _helpers import DEFAULT_INIT, process_group, spawn_workers
 from gsgd_adapters.torch import SkeletonWarning, fsdp
 from gsgd_core import Chain
 
@@ -43,14 +43,9 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def in_process():
     """The runs of the spawned workers, sharded over a gloo world of one: this process."""
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0,
-                                         world_size=1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", SkeletonWarning)  # the twin's, as in workers
-            return fw.runs(0, 1, init_device_mesh("cpu", (1,)))
-    finally:
-        torch.distributed.destroy_process_group()
+    with process_group(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkeletonWarning)  # the twin's, as in workers
+        return fw.sharded_runs(0, 1, init_device_mesh("cpu", (1,)))
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3])
@@ -201,12 +196,8 @@ def _as_rank(rank: int, world: int):
     """This process as ``rank`` of ``world`` on torch's fake process group, where
     collectives do nothing: what one rank holds and decides, seen in this process."""
     fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    torch.distributed.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank,
-                                         world_size=world)
-    try:
+    with process_group("fake", fake_pg.FakeStore(), rank, world):
         yield
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _sharded(n: int, mesh, placements=None):

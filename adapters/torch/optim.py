@@ -428,8 +428,8 @@ class ScaleInvariantOptimizer(Optimizer):
         sums = self._sums.get(id(part))
         if sums is None:
             return None
-        # (a chain FSDP2 shards has no sums: fully_shard makes new parameters, and one
-        # made before the optimizer is not hooked)
+        # no sums for a chain FSDP2 shards: _hook_chains skips sharded weights, and
+        # fully_shard after construction makes new parameters, not these
         taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else "")
         if taken is not None and group.get("maximize"):
             taken = ([-s for s in taken[0]], taken[1])
