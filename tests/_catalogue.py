@@ -451,6 +451,135 @@ class Aliased(nn.Module):
         return self.head(F.relu(self.fc1(x)))
 
 
+class Between(nn.Module):
+    """``second(op(first(x)))``: one operation, written in forward() as people write it,
+    between two weight layers."""
+
+    def __init__(self, first, op, second):
+        super().__init__()
+        self.first, self.second, self.op = first, second, op
+
+    def forward(self, x):
+        return self.second(self.op(self.first(x)))
+
+
+def conv_between(op, fan_in, out=3):
+    """A Conv2d(2, 3, 3) (a (2, 2, 6, 6) input gives (2, 3, 4, 4)), ``op``, a Linear."""
+    return Between(nn.Conv2d(2, 3, 3), op, nn.Linear(fan_in, out))
+
+
+def clamps():
+    """ReLU written as clamps in four ways: ``torch.clamp(x, 0)``, ``x.clamp_min(0)``,
+    ``torch.clamp(x, min=0)``, ``x.clamp(0)``."""
+    ops = (lambda h: torch.clamp(h, 0), lambda h: h.clamp_min(0),
+           lambda h: torch.clamp(h, min=0), lambda h: h.clamp(0))
+
+    class Clamps(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.ModuleList(nn.Linear(5, 5) for _ in range(5))
+
+        def forward(self, x):
+            for layer, op in zip(self.fc, ops):
+                x = op(layer(x))
+            return self.fc[4](x)
+    return Clamps()
+
+
+class Checked(nn.Module):
+    """``torch._assert(h.dim() == 2, ...)`` reads only the shape of a layer's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.fc1(x).relu()
+        torch._assert(h.dim() == 2, "a batch of vectors")
+        return self.fc2(h)
+
+
+class Unused(nn.Module):
+    """A layer whose output forward() computes and drops."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.aux, self.fc2 = nn.Linear(5, 6), nn.Linear(5, 2), nn.Linear(6, 3)
+
+    def forward(self, x):
+        self.aux(x)
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+class NestedTied(nn.Module):
+    """The tied autoencoder inside a block: ``F.linear(z, self.block.enc.weight.t())``."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Module()
+        self.block.enc = nn.Linear(8, 4)
+        self.fc = nn.Linear(6, 8)
+
+    def forward(self, x):
+        z = self.block.enc(F.relu(self.fc(x))).relu()
+        return F.linear(z, self.block.enc.weight.t())
+
+
+class SharedThreeWays(nn.Module):
+    """One weight shared by three Linear modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
+        self.b.weight = self.c.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(F.relu(self.b(F.relu(self.a(x)))))
+
+
+class MethodNamedLikeModule(nn.Module):
+    """A submodule named ``relu`` that is a Tanh, and a call of the tensor method
+    ``x.relu()``: the method is ReLU, whatever the submodule of that name is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.relu = nn.Linear(5, 6), nn.Linear(6, 3), nn.Tanh()
+
+    def forward(self, x):
+        return self.relu(self.fc2(self.fc1(x).relu()))
+
+
+def frozen_then_gelu():
+    """A frozen layer, GELU, a trainable layer: the frozen layer's own reason is the one
+    given, not what stops its walk."""
+    model = seq(nn.Linear(5, 6), nn.GELU(), nn.Linear(6, 3))
+    model[0].requires_grad_(False)
+    return model
+
+
+def parametrised(wrap):
+    """A Linear whose weight a parametrisation or hook computes, between two Linears."""
+    return lambda: seq(nn.Linear(4, 5), nn.ReLU(), wrap(nn.Linear(5, 6)), nn.ReLU(),
+                       nn.Linear(6, 3))
+
+
+def qat_conv():
+    """QAT's fake-quantised Conv2d (a subclass of nn.Conv2d with a forward of its own)
+    between plain convs; its fake quantisation is no positive per-unit map."""
+    from torch.ao.nn.qat import Conv2d
+    from torch.ao.quantization import get_default_qat_qconfig
+    return seq(nn.Conv2d(2, 3, 3), nn.ReLU(),
+               Conv2d(3, 4, 1, qconfig=get_default_qat_qconfig()), nn.ReLU(),
+               nn.Conv2d(4, 2, 1))
+
+
+def plain_subclass():
+    """``NonDynamicallyQuantizableLinear`` (attention's output projection) subclasses
+    Linear without a forward of its own: it is a Linear."""
+    return seq(nn.Linear(4, 5), nn.ReLU(), nn.modules.linear.NonDynamicallyQuantizableLinear(
+        5, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
 # name: (factory, input shape, expected chains, expected PSI layers)
 CATALOGUE = {
     "mlp with dropout": (mlp_dropout, (4, 6), [["0", "3", "6"]], []),
@@ -514,6 +643,45 @@ CATALOGUE = {
                                                  [["c1", "c2"], ["fc1", "fc2"]], []),
     "tutorial net, x.view(-1, 16 * 5 * 5)": (TutorialNet, (2, 3, 32, 32),
                                              [["conv1", "conv2"], ["fc1", "fc2", "fc3"]], []),
+    "torch.flatten(x, start_dim=1)": (
+        lambda: conv_between(lambda h: torch.flatten(h.relu(), start_dim=1), 48),
+        (2, 2, 6, 6), [["first", "second"]], []),
+    "torch.flatten(x, start_dim=1, end_dim=2) then a Linear per row": (
+        lambda: conv_between(lambda h: torch.flatten(h, start_dim=1, end_dim=2), 4),
+        (2, 2, 6, 6), [], []),
+    "torch.flatten(x) (the batch axis too)": (
+        lambda: conv_between(lambda h: torch.flatten(h), 96), (2, 2, 6, 6), [], []),
+    "x.view((x.size(0), -1))": (
+        lambda: conv_between(lambda h: h.relu().view((h.size(0), -1)), 48),
+        (2, 2, 6, 6), [["first", "second"]], []),
+    "x.view(-1) into an unbatched Linear": (
+        lambda: conv_between(lambda h: h.view(-1), 96), (2, 2, 6, 6), [], []),
+    "torch.transpose(x, 1, -1) then a Linear per pixel": (
+        lambda: conv_between(lambda h: torch.transpose(h, 1, -1), 3), (2, 2, 6, 6), [], []),
+    "x.transpose(1, -1) then a Linear per pixel": (
+        lambda: conv_between(lambda h: h.transpose(1, -1), 3), (2, 2, 6, 6), [], []),
+    "nn.Flatten(2) then a Linear per channel": (
+        lambda: conv_between(nn.Flatten(2), 16), (2, 2, 6, 6), [], []),
+    "flatten then MaxPool1d": (
+        lambda: conv_between(nn.Sequential(nn.Flatten(), nn.MaxPool1d(2)), 24),
+        (2, 2, 6, 6), [], []),
+    "ReLU as clamps": (clamps, (4, 5), [["fc.0", "fc.1", "fc.2", "fc.3", "fc.4"]], []),
+    "x.clamp(min=0, max=6)": (
+        lambda: Between(nn.Linear(5, 6), lambda h: h.clamp(min=0, max=6), nn.Linear(6, 3)),
+        (4, 5), [], []),
+    "torch._assert on x.dim()": (Checked, (4, 5), [["fc1", "fc2"]], []),
+    "a layer whose output is unused": (Unused, (4, 5), [["fc1", "fc2"]], []),
+    "tied autoencoder inside a block": (NestedTied, (4, 6), [], []),
+    "weight shared by three Linears": (SharedThreeWays, (4, 5), [], []),
+    "a submodule named like a tensor method": (MethodNamedLikeModule, (4, 5),
+                                               [["fc1", "fc2"]], []),
+    "frozen layer, GELU, trainable layer": (frozen_then_gelu, (4, 5), [], []),
+    "weight_norm (parametrisation)": (parametrised(nn.utils.parametrizations.weight_norm),
+                                      (4, 4), [], []),
+    "spectral_norm (parametrisation)": (parametrised(nn.utils.parametrizations.spectral_norm),
+                                        (4, 4), [], []),
+    "weight_norm (hook)": (parametrised(nn.utils.weight_norm), (4, 4), [], []),
+    "NonDynamicallyQuantizableLinear": (plain_subclass, (4, 4), [["0", "2", "4"]], []),
 }
 
 # The unsound claims that shapes alone cannot rule out: forced by hand, a
@@ -528,4 +696,109 @@ UNSOUND = {
     "Linear + LayerNorm": ["0", "3"],
     "tied autoencoder (decoder = encoder transposed)": ["enc1", "enc2"],
     "partial flatten(1, 2) of a Conv2d output": ["c2", "fc1"],
+}
+
+# Why discover() leaves each layer of a catalogue entry out of every chain, whole (an entry
+# not listed has none): the reasons a user reads in describe() and in strict's error.
+END = "its output is the model's output"
+FLATTEN_LINEAR = ("the flatten of a Linear output may not be channel-major (a Linear applied "
+                  "per token, then flattened, is token-major)")
+TIED = "its parameters are also read outside the module (e.g. F.linear)"
+FROZEN = "frozen (requires_grad=False, or in no param group)"
+COMPUTED = ("its weight is computed from other tensors (weight_norm, spectral_norm or another "
+            "parametrisation), not a parameter of its own")
+MIXED = "which normalises several units together: a row is not scale-invariant on its own " \
+        "(no PSI either)"
+
+
+def goes(op):
+    return f"its output goes to {op}, which is not positively homogeneous per unit"
+
+
+def pools(pool, layout):
+    return f"{pool} pools over the unit axis of a {layout} output (it mixes units)"
+
+
+def shared(*others):
+    return f"a parameter is shared with {', '.join(others)} (tied weights)"
+
+
+def after(layer, why, then=END):
+    """The reason of the layer after ``layer``: what stopped ``layer``'s walk, then its own."""
+    return f"after {layer}: {why}; {then}"
+
+
+def stopped_at(why, first="first", second="second"):
+    """Both layers of a :func:`conv_between` (or :class:`Between`) stopped by ``why``."""
+    return {first: why, second: after(first, why)}
+
+
+def computed():
+    return {"2": COMPUTED, "0": "the next layer 2 cannot be in a chain", "4": END}
+
+
+REASONS = {
+    "per-token Linear then flatten": {"head": after("fc1", FLATTEN_LINEAR)},
+    "maxout (MaxPool1d over features)": stopped_at(pools("MaxPool1d", "Linear"), "fc1", "fc2"),
+    "weight shared by two Linears": {"a": shared("b"), "b": shared("a"), "c": END},
+    "head tied to an Embedding": {"head": shared("emb"),
+                                  "fc": "the next layer head cannot be in a chain"},
+    "head tied to an Embedding forward() does not call": {
+        "head": shared("emb"), "fc": "the next layer head cannot be in a chain"},
+    "channel max-pool (MaxPool3d((2,1,1)))": stopped_at(pools("MaxPool3d", "Conv2d"),
+                                                        "c1", "c2"),
+    "module called twice": {"a": "the module is called 2 times in forward()"},
+    "feature max-pool keeping the width": stopped_at(pools("MaxPool1d", "Linear"), "0", "3"),
+    "channel max-pool keeping the channels": stopped_at(pools("MaxPool3d", "Conv2d"),
+                                                        "0", "3"),
+    "channels-last permute then per-pixel Linears": {"conv": goes("permute")},
+    "grouped conv": {"0": "grouped or depthwise convolution (groups=2)"},
+    "depthwise conv + BN": {"0": "grouped or depthwise convolution (groups=4)",
+                            "3": "followed by BatchNorm2d",
+                            "8": after("3", "followed by BatchNorm2d")},
+    "residual block without norms": {
+        "stem": "its output is used by several operations (a branch or a residual add)",
+        "head": END},
+    "ResNet basic block with BN": {
+        "conv1": "followed by BatchNorm2d",
+        "conv2": after("conv1", "followed by BatchNorm2d", "followed by BatchNorm2d")},
+    "attention block + ReLU MLP": {
+        "q": goes("matmul"), "k": goes("transpose"),
+        "v": "its output is not the first input of matmul",
+        "o": after("q", goes("matmul"), "its output is not the first input of add")},
+    "PReLU, LeakyReLU, ReLU6": {"6": after("4", goes("ReLU6"))},
+    "GELU MLP": stopped_at(goes("GELU"), "0", "2"),
+    "clamp(0, 6) between Linears": stopped_at(goes("clamp"), "fc1", "fc2"),
+    "Linear + BatchNorm1d": {"0": "followed by BatchNorm1d"},
+    "Linear + LayerNorm": {"0": f"followed by LayerNorm, {MIXED}",
+                           "3": after("0", "followed by LayerNorm")},
+    "flatten between Linears (layout unknown)": stopped_at(FLATTEN_LINEAR, "0", "3"),
+    "Linear on a conv's width axis": stopped_at(
+        "the next layer 2 does not read the units of a Conv2d output", "0", "2"),
+    "frozen conv backbone, trainable head": {"0": FROZEN, "3": FROZEN},
+    "GroupNorm per channel (PSI) and in two groups": {
+        "0": "followed by GroupNorm", "3": f"followed by GroupNorm, {MIXED}",
+        "8": after("3", "followed by GroupNorm")},
+    "tied autoencoder (decoder = encoder transposed)": {
+        "enc2": TIED, "enc1": "the next layer enc2 cannot be in a chain"},
+    "ViT-style patch tokens, MLP per token": {"patch": goes("flatten")},
+    "MLP-Mixer token mixing after flatten(2)": {"patch": goes("flatten")},
+    "torch.flatten(x, start_dim=1, end_dim=2) then a Linear per row": stopped_at(
+        goes("flatten")),
+    "torch.flatten(x) (the batch axis too)": stopped_at(goes("flatten")),
+    "x.view(-1) into an unbatched Linear": stopped_at(goes("view")),
+    "torch.transpose(x, 1, -1) then a Linear per pixel": stopped_at(goes("transpose")),
+    "x.transpose(1, -1) then a Linear per pixel": stopped_at(goes("transpose")),
+    "nn.Flatten(2) then a Linear per channel": stopped_at(goes("Flatten")),
+    "flatten then MaxPool1d": stopped_at(pools("MaxPool1d", "flattened")),
+    "x.clamp(min=0, max=6)": stopped_at(goes("clamp")),
+    "a layer whose output is unused": {"aux": "its output is unused"},
+    "tied autoencoder inside a block": {"block.enc": TIED,
+                                        "fc": "the next layer block.enc cannot be in a chain"},
+    "weight shared by three Linears": {"a": shared("b", "c"), "b": shared("a", "c"),
+                                       "c": shared("a", "b")},
+    "frozen layer, GELU, trainable layer": {"0": FROZEN, "2": END},
+    "weight_norm (parametrisation)": computed(),
+    "spectral_norm (parametrisation)": computed(),
+    "weight_norm (hook)": computed(),
 }

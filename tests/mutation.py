@@ -43,8 +43,9 @@ def settings() -> dict:
     """``[tool.gsgd.mutation]``: ``tests`` (module -> test files), ``gpu_only`` (modules
     only a GPU runs), ``fork_unsafe`` (modules, or folders ending in ``/``, whose tests
     cannot run in a child forked after their collection), ``in_workers`` (function -> the
-    tests that reach it only in processes they spawn), ``equivalent`` (mutant name -> why no
-    test can tell it apart)."""
+    tests that reach it only in processes they spawn), ``dynamo_off`` (modules whose functions
+    torch.compile traces: dynamo cannot trace mutmut's trampolines, so their tests run them
+    eagerly), ``equivalent`` (mutant name -> why no test can tell it apart)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)
     return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
@@ -135,7 +136,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     dest = stage(module, tests, conf, keep=again)
     if before:
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
-    env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"}
+    env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
+        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {})
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)
     if before:

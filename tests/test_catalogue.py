@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _catalogue import CATALOGUE, UNSOUND
+from _catalogue import CATALOGUE, REASONS, UNSOUND, qat_conv
 from _helpers import DEFAULT_INIT
 from gsgd_adapters.torch import (GSGD, SkeletonWarning, chain_of, check_invariance, discover,
                                  random_rescale_, skeleton_init_)
@@ -40,7 +40,9 @@ def test_discovery_verdict(name):
     model, x, chains, psi = _build(name)
     model(x)  # the layout runs as written
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    assert [c.names for c in discover(model, trainable=trainable).chains] == chains
+    found = discover(model, trainable=trainable)
+    assert [c.names for c in found.chains] == chains
+    assert found.reasons == REASONS.get(name, {})
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always")
         d = GSGD(model, lr=0.1).describe()
@@ -112,7 +114,82 @@ def test_strict_raises_and_names_each_layer_and_its_reason():
 
 
 def test_chain_of_names_the_layers_by_class_without_names():
-    with pytest.raises(ValueError, match=r"^ReLU: a chain holds Linear and Conv1d/2d/3d"):
+    with pytest.raises(ValueError, match=r"^ReLU: a chain holds Linear and Conv1d/2d/3d "
+                       r"layers, got ReLU$"):
         chain_of([nn.Linear(3, 4), nn.ReLU()])
-    with pytest.raises(ValueError, match=r"^conv: grouped or depthwise"):
+    with pytest.raises(ValueError, match=r"^conv: grouped or depthwise convolutions "
+                       r"\(groups=2\) cannot be in a chain yet$"):
         chain_of([nn.Conv2d(4, 4, 3, groups=2)], names=["conv"])
+    with pytest.raises(ValueError, match=r"^layers \['Linear', 'Linear'\] do not form a "
+                       r"chain: "):
+        chain_of([nn.Linear(3, 4), nn.Linear(5, 2)])
+
+
+def test_chains_given_by_hand_are_refused_by_their_names_in_the_model():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"^1: a chain holds Linear and Conv1d/2d/3d layers, "
+                       r"got ReLU$"):
+        GSGD(model, lr=0.1, chains=[[model[0], model[1]]])
+    with pytest.raises(ValueError, match=r"^layers \['2', '0'\] do not form a chain: "):
+        GSGD(model, lr=0.1, chains=[[model[2], model[0]]])
+
+
+def test_a_layer_that_cannot_take_the_units_of_the_last_is_refused_without_running():
+    """torch.fx traces without shapes: a model that could not run has no chain, and
+    discovery says why (the next layer takes 12 inputs, not the 6 units)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(12, 3))
+    assert discover(model).reasons == {
+        "0": "the next layer 2 does not take its 6 units as inputs",
+        "2": "after 0: the next layer 2 does not take its 6 units as inputs; its output is "
+             "the model's output"}
+
+
+def test_a_fake_quantised_conv_is_in_no_chain_and_forcing_it_changes_the_output():
+    """QAT's Conv2d subclasses nn.Conv2d with a forward of its own (float32 only)."""
+    torch.manual_seed(0)
+    model = qat_conv()
+    found = discover(model)
+    assert found.chains == [] and found.reasons == {
+        "2": "torch.ao.nn.qat.modules.conv.Conv2d is a subclass of nn.Conv2d with a forward "
+             "of its own",
+        "0": "the next layer 2 cannot be in a chain", "4": "its output is the model's output"}
+    x = torch.randn(2, 2, 6, 6)
+    model(x)  # the observers see the input once, then keep their quantisation grid
+    model.apply(torch.ao.quantization.disable_observer)
+    before = model(x)
+    with torch.no_grad():  # unit j of layer 0 scaled by c_j, its outgoing weights by 1/c_j
+        c = torch.tensor([0.5, 1.7, 3.1])
+        model[0].weight.mul_(c[:, None, None, None])
+        model[0].bias.mul_(c)
+        model[2].weight.div_(c[None, :, None, None])
+    assert model(x).sub(before).abs().max() > 1e-2 * before.abs().max()
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if "norm (" in n])
+def test_a_layer_with_a_computed_weight_steps_as_sgd(name):
+    """A weight computed by a parametrisation or a hook is no parameter: G-SGD gives every
+    parameter of the model SGD's step (no chain is left)."""
+    (model, x, _, _), (twin, _, _, _) = _build(name), _build(name)  # a hook's weight: no deepcopy
+    opt, sgd = GSGD(model, lr=0.1, momentum=0.9), torch.optim.SGD(twin.parameters(), lr=0.1,
+                                                                    momentum=0.9)
+    for _ in range(2):
+        for m, o in ((model, opt), (twin, sgd)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_lazy_layers_are_refused_until_the_first_forward_pass():
+    """As any model discovery cannot read: ``discover`` raises, G-SGD warns and gives every
+    parameter SGD's rule (``strict=True`` raises)."""
+    model = nn.Sequential(nn.LazyConv2d(3, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    why = (r"0.weight, 0.bias, 3.weight, 3.bias: lazy parameters have no shape before the "
+           r"model's first forward pass; build the optimizer after one")
+    with pytest.raises(ValueError, match=f"^{why}$"):
+        discover(model)
+    with pytest.warns(UserWarning, match=f"^{why}. Every parameter takes SGD's rule.$"):
+        assert GSGD(model, lr=0.1).describe().chains == []
+    model(torch.randn(2, 2, 5, 5))
+    assert [c.names for c in discover(model).chains] == [["0", "3"]]

@@ -439,7 +439,8 @@ def test_compiled_torch_bulk_runs_and_equals_the_core(threads):
     A, Ab = T(pb.W), T(pb.b)
     frames = dynamo_utils.counters["stats"]["unique_graphs"]
     gb.gsgd_step_(CHAIN, A, Ab, T(G), T(Gb), 0.1, kernels=bt.COMPILED)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] > frames
+    if not torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1 runs every stage eagerly
+        assert dynamo_utils.counters["stats"]["unique_graphs"] > frames
     eW, eb = gc.gsgd_step(CHAIN, pb.W, pb.b, G, Gb, 0.1)
     for a, e in zip(A + Ab, eW + eb):
         if e is not None:

@@ -392,3 +392,48 @@ def test_example_script_runs_on_two_processes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1 chain(s)" in proc.stdout and "skeleton initialised (he)" in proc.stdout
     assert (tmp_path / "gsgd_checkpoint").is_dir()
+
+
+class _Block(torch.nn.Module):
+    """A module of the user's (fx traces through it), holding a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+def test_discovery_sees_through_fully_shard_as_on_the_unsharded_model(one_process_group):
+    """FSDP2 swaps each module's class for a subclass of its own: discovery still sees a
+    Linear/Conv (a leaf, called once), QAT's conv (a leaf of torch.ao.nn), a user's block and
+    a Sequential (traced through without FSDP's hooks), and finds what it finds unsharded."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from _catalogue import qat_conv
+    from gsgd_adapters.torch import discover
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(qat_conv(), torch.nn.ReLU(), _Block(), torch.nn.Sequential(
+            torch.nn.Conv2d(2, 3, 1), torch.nn.ReLU()), torch.nn.Flatten(),
+            torch.nn.Linear(48, 3))
+
+    plain, sharded = build(), build()
+    mesh = init_device_mesh("cpu", (1,))
+    for m in reversed([*sharded.modules()][1:]):  # the innermost first
+        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear, _Block, torch.nn.Sequential)):
+            fully_shard(m, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    want, got = discover(plain), discover(sharded)
+    assert [c.names for c in want.chains] == [["0.4", "2.conv", "3.0", "5"]]
+    assert [c.names for c in got.chains] == [["0.4", "2.conv", "3.0", "5"]]
+    assert got.reasons == want.reasons == {
+        "0.2": "torch.ao.nn.qat.modules.conv.Conv2d is a subclass of nn.Conv2d with a forward "
+               "of its own",
+        "0.0": "the next layer 0.2 cannot be in a chain"}
+    assert isinstance(sharded[2], FSDPModule) and all(  # the trace gathered nothing
+        isinstance(p, DTensor) for p in sharded.parameters())
+    x = torch.randn(2, 2, 6, 6)
+    torch.testing.assert_close(sharded(x), plain(x), rtol=0, atol=0)

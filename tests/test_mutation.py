@@ -205,3 +205,20 @@ def test_the_run_time_counts_the_reruns_in_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(mutation, "in_workers", lambda dest, result, conf, env:
                         spend(120.0) or result)
     assert mutation.run("backends/plan.py", 2, mutation.settings())["seconds"] == 180.0
+
+
+@pytest.mark.parametrize("module, disabled", [("backends/fast.py", True),
+                                              ("backends/plan.py", False)])
+def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypatch, module,
+                                                               disabled):
+    """dynamo cannot trace mutmut's trampolines: the tests of a ``dynamo_off`` module run
+    with ``TORCH_COMPILE_DISABLE=1``, and only those."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    envs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        envs.append(env))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
+    mutation.run(module, 2, mutation.settings())
+    assert [env.get("TORCH_COMPILE_DISABLE") for env in envs] == ["1" if disabled else None]

@@ -711,7 +711,9 @@ class Untraceable(nn.Module):
 @pytest.mark.parametrize("model, kwargs, message", [
     (Twice(), dict(strict=True), r"^strict=True: these layers are in no chain: a: the module "
      r"is called 2 times in forward\(\); b: its output is the model's output$"),
-    (Untraceable(), dict(strict=True), r"torch.fx cannot trace Untraceable.*chains=\[\["),
+    (Untraceable(), dict(strict=True), r"^torch.fx cannot trace Untraceable \(TraceError: "
+     r"symbolically traced variables cannot be used as inputs to control flow\); pass the "
+     r"chains by hand: GSGD\(model, chains=\[\[model.fc1, "),
     (mlp(), dict(lr=torch.tensor([0.1, 0.2])), "lr as a tensor must have one element"),
     (mlp(), dict(lr=-0.1), "^lr must be a finite number >= 0, got -0.1$"),
     (mlp(), dict(momentum=-1.0), "^momentum must be a finite number >= 0, got -1.0$"),

@@ -22,17 +22,22 @@ It passes an operation only if it commutes with per-unit positive scaling in tha
 Everything else ends a chain, with a reason recorded per layer: residual adds and other
 branches (a unit's output used twice), norms, other activations, pooling or flatten over the
 unit axis, a frozen or shared parameter, a weight also read outside its module (tied
-weights, ``F.linear(x, self.fc.weight)``), a module called twice, grouped convolutions.
+weights, ``F.linear(x, self.fc.weight)``), a module called twice, grouped convolutions, and
+layers that do not compute ``x @ weight.T + bias`` (or the convolution) from parameters of
+their own: a weight computed by ``weight_norm``, ``spectral_norm`` or another
+parametrisation, and subclasses with a forward of their own (QAT's fake-quantised layers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parameter import is_lazy
 
 from gsgd_core import Chain
 
@@ -161,29 +166,34 @@ def _is_relu_clamp(node: fx.Node) -> bool:
     return False
 
 
-def _through(node: fx.Node, mod, layout: tuple) -> tuple[tuple | None, str]:
-    """The layout after a non-weight op ``node`` on a tensor of ``layout``, or ``None`` and
-    why the op does not commute with per-unit positive scaling there."""
-    what = _cls(mod).__name__ if mod is not None else getattr(node.target, "__name__",
+def _name(node: fx.Node, mod) -> str:
+    """What ``node`` calls, as a reason names it: the module's class or the function's or
+    method's name."""
+    return _cls(mod).__name__ if mod is not None else getattr(node.target, "__name__",
                                                               str(node.target))
+
+
+def _through(node: fx.Node, mod, layout: tuple) -> tuple | str:
+    """The layout after a non-weight op ``node`` on a tensor of ``layout``, or why the op
+    does not commute with per-unit positive scaling there."""
     if isinstance(mod, ELEMENTWISE_MODULES) or (node.op == "call_function" and node.target in
                                                 ELEMENTWISE_FUNCTIONS) or (
             node.op == "call_method" and node.target in ELEMENTWISE_METHODS) or (
             node.op in ("call_function", "call_method") and _is_relu_clamp(node)):
-        return layout, ""
+        return layout
     dims = POOL_MODULES.get(_cls(mod)) if mod is not None else (
         POOL_FUNCTIONS.get(node.target) if node.op == "call_function" else None)
     if dims is not None:
         if layout == ("conv", dims):
-            return layout, ""
-        return None, (f"{what} pools over the unit axis of a {_describe(layout)} output "
-                      "(it mixes units)")
+            return layout
+        return (f"{_name(node, mod)} pools over the unit axis of a {_describe(layout)} output "
+                "(it mixes units)")
     if _is_flatten(node, mod, layout):
         if layout[0] == "conv":
-            return ("flat",), ""
-        return None, (f"the flatten of a {_describe(layout)} output may not be channel-major "
-                      "(a Linear applied per token, then flattened, is token-major)")
-    return None, f"its output goes to {what}, which is not positively homogeneous per unit"
+            return ("flat",)
+        return (f"the flatten of a {_describe(layout)} output may not be channel-major "
+                "(a Linear applied per token, then flattened, is token-major)")
+    return f"its output goes to {_name(node, mod)}, which is not positively homogeneous per unit"
 
 
 def _describe(layout: tuple) -> str:
@@ -217,6 +227,24 @@ def _metadata_only(node: fx.Node) -> bool:
         node.op == "call_function" and node.target is getattr)
 
 
+def _not_plain(mod: nn.Module) -> str:
+    """Why weight layer ``mod`` may not compute its class's map of parameters of its own
+    (``""`` when it does): its weight computed from other tensors (``weight_norm``,
+    ``spectral_norm``, any parametrisation), or a subclass's own ``forward`` (QAT's fake
+    quantisation), neither of them positively homogeneous per unit in the weight. A
+    computed weight is never read: reading it may move the model (spectral_norm's power
+    iteration)."""
+    if mod._parameters.get("weight") is None:
+        return ("its weight is computed from other tensors (weight_norm, spectral_norm or "
+                "another parametrisation), not a parameter of its own")
+    base = next(cls for cls in WEIGHT_LAYERS if isinstance(mod, cls))
+    cls = _cls(mod)
+    if cls.forward is not base.forward:
+        return (f"{cls.__module__}.{cls.__qualname__} is a subclass of nn.{base.__name__} "
+                "with a forward of its own")
+    return ""
+
+
 def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
               trainable: set | None) -> tuple[set, set, dict]:
     """Weight-layer nodes that may be in a chain, the grouped convolutions (in no chain, but
@@ -235,15 +263,16 @@ def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
     read_outside = {n.target.rsplit(".", 1)[0] for n in gm.graph.nodes if n.op == "get_attr"}
     ok, grouped, why = set(), set(), {}
     for name, nodes in calls.items():
-        mod = modules[name]
-        params = [p for p in (mod.weight, mod.bias) if p is not None]
-        if len(nodes) > 1:
+        mod, not_plain = modules[name], _not_plain(modules[name])
+        if not_plain:
+            why[name] = not_plain
+        elif len(nodes) > 1:
             why[name] = f"the module is called {len(nodes)} times in forward()"
         elif isinstance(mod, nn.modules.conv._ConvNd) and mod.groups != 1:
             why[name] = f"grouped or depthwise convolution (groups={mod.groups})"
             grouped.add(nodes[0])
-        elif any(len(owners[id(p)]) > 1 for p in params):
-            shared = sorted({o for p in params for o in owners[id(p)]} - {name})
+        elif shared := sorted({o for p in (mod.weight, mod.bias) if p is not None
+                               for o in owners[id(p)]} - {name}):
             why[name] = f"a parameter is shared with {', '.join(shared)} (tied weights)"
         elif name in read_outside:
             why[name] = "its parameters are also read outside the module (e.g. F.linear)"
@@ -258,54 +287,63 @@ def _reached(node: fx.Node, modules: dict) -> str | None:
     """The weight layer that ``node``'s value reaches through single-user ops of any kind,
     if any: the layer a stopped walk would have led to."""
     cur = node
-    for _ in range(64):
+    while True:  # a DAG: the walk ends at the output, which has no users
         users = [u for u in cur.users if not _metadata_only(u)]
         if len(users) != 1:
             return None
         cur = users[0]
         if cur.op == "call_module" and isinstance(modules[cur.target], WEIGHT_LAYERS):
             return cur.target
-    return None
 
 
-def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool):
-    """Walk from weight layer ``node`` through its single-user ops. Returns the next chain
-    layer (or ``None``), the norm directly after ``node`` (if any), whether a batch norm was
-    passed through, why the walk stopped (when it found no next layer), and the node where
-    it stopped."""
+class _Walk(NamedTuple):
+    """Where the walk from a weight layer ended: the norm directly after the layer (if any),
+    and the next chain layer, or why there is none and the node where the walk stopped."""
+
+    norm: nn.Module | None
+    next: fx.Node | None = None
+    why: str = ""
+    at: fx.Node | None = None
+
+
+def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool) -> _Walk:
+    """Walk from weight layer ``node`` through its single-user ops to the next chain layer,
+    or to where the walk must stop. A norm directly after ``node`` ends the walk unless
+    ``through_bn`` and it is a batch norm: a walk that finds a next layer with a norm has
+    passed through batch norm."""
     layout = _layout_of_layer(modules[node.target])
     cur, norm = node, None
     while True:
         users = [u for u in cur.users if not _metadata_only(u)]
         if len(users) != 1:
-            return None, norm, False, ("its output is used by several operations (a branch or "
-                                       "a residual add)" if users else "its output is unused"), None
+            return _Walk(norm, why="its output is used by several operations (a branch or a "
+                         "residual add)" if users else "its output is unused")
         user = users[0]
         if user.op == "output":
-            return None, norm, False, "its output is the model's output", None
-        if user.args[:1] != (cur,):
-            return None, norm, False, f"its output is not the first input of {user.target}", None
+            return _Walk(norm, why="its output is the model's output")
         mod = modules.get(user.target) if user.op == "call_module" else None
+        if user.args[:1] != (cur,):
+            what = user.target if mod is not None else _name(user, None)
+            return _Walk(norm, why=f"its output is not the first input of {what}")
         if isinstance(mod, WEIGHT_LAYERS):
             if user not in eligible:
-                return None, norm, False, f"the next layer {user.target} cannot be in a chain", None
+                return _Walk(norm, why=f"the next layer {user.target} cannot be in a chain")
             if not _reads(layout, mod):
-                return None, norm, False, (f"the next layer {user.target} does not read the "
-                                           f"units of a {_describe(layout)} output"), cur
+                return _Walk(norm, why=f"the next layer {user.target} does not read the units "
+                             f"of a {_describe(layout)} output", at=cur)
             if not _fits(modules[node.target], mod, layout):
-                return None, norm, False, (f"the next layer {user.target} does not take its "
-                                           f"{modules[node.target].weight.shape[0]} units as "
-                                           "inputs"), cur
-            return user, norm, norm is not None, "", None
+                return _Walk(norm, why=f"the next layer {user.target} does not take its "
+                             f"{modules[node.target].weight.shape[0]} units as inputs", at=cur)
+            return _Walk(norm, next=user)
         if isinstance(mod, NORMS) and cur is node:
             norm = mod
             if not (through_bn and isinstance(mod, BATCH_NORMS)):
-                return None, norm, False, f"followed by {_cls(mod).__name__}", user
+                return _Walk(norm, why=f"followed by {_cls(mod).__name__}", at=user)
             cur = user
             continue
-        layout, why = _through(user, mod, layout)
-        if layout is None:
-            return None, norm, False, why, user
+        layout = _through(user, mod, layout)
+        if isinstance(layout, str):
+            return _Walk(norm, why=layout, at=user)
         cur = user
 
 
@@ -324,12 +362,10 @@ class _Tracer(fx.Tracer):
     hooks, which would gather parameters and leave FSDP's state initialised by a trace."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if _FSDPModule is not None and isinstance(m, _FSDPModule):
-            base = _cls(m)
-            return ((base.__module__.startswith("torch.nn")
-                     or base.__module__.startswith("torch.ao.nn"))
-                    and not issubclass(base, nn.Sequential))
-        return super().is_leaf_module(m, qualname)
+        base = _cls(m)  # fx's own rule, on the class FSDP2 wrapped
+        return ((base.__module__.startswith("torch.nn")
+                 or base.__module__.startswith("torch.ao.nn"))
+                and not issubclass(base, nn.Sequential))
 
     def call_module(self, m: nn.Module, forward, args, kwargs):
         if (_FSDPModule is not None and isinstance(m, _FSDPModule)
@@ -349,6 +385,10 @@ def discover(model: nn.Module, through_bn: bool = False, *,
     ``normalised``. A model ``torch.fx`` cannot trace raises ``ValueError``.
     """
     model = unwrap(model)
+    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise ValueError(f"{', '.join(lazy)}: lazy parameters have no shape before the "
+                         "model's first forward pass; build the optimizer after one")
     try:
         gm = fx.GraphModule(model, _Tracer().trace(model))
     except Exception as exc:  # fx raises many types for untraceable code
@@ -359,20 +399,21 @@ def discover(model: nn.Module, through_bn: bool = False, *,
     layer_nodes = [n for n in gm.graph.nodes if n in eligible]
     nxt, normalised, has_prev, via_bn, stop, incoming = {}, [], set(), set(), {}, {}
     for n in gm.graph.nodes:
-        if n.op != "call_module" or not isinstance(modules[n.target], WEIGHT_LAYERS):
+        if n not in eligible and n not in grouped:  # its reason is known; the walk tells nothing
             continue
-        following, norm, passed, why, at = _follow(n, modules, eligible, through_bn)
-        if n in eligible and following is not None:
-            nxt[n] = following
-            has_prev.add(following)
-            if passed:
+        walk = _follow(n, modules, eligible, through_bn)
+        if walk.next is not None and n in eligible:
+            nxt[n] = walk.next
+            has_prev.add(walk.next)
+            if walk.norm is not None:
                 via_bn.add(n)
         else:
-            stop[n.target] = why
-            target = None if at is None else _reached(at, modules)
+            stop[n.target] = walk.why
+            target = None if walk.at is None else _reached(walk.at, modules)
             if target is not None and n.target not in reasons:
-                incoming.setdefault(target, f"after {n.target}: {why}")
-        if following is None and norm is not None and (n in eligible or n in grouped):
+                incoming.setdefault(target, f"after {n.target}: {walk.why}")
+        norm = walk.norm
+        if walk.next is None and norm is not None and (n in eligible or n in grouped):
             if _per_unit(norm):
                 normalised.append((n.target, modules[n.target]))
             else:

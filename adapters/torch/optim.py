@@ -28,8 +28,8 @@ from .backward_sums import BackwardSums, step_arguments
 from .discovery import ChainLayers, unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
-from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, hyper_value, partition,
-                     skeleton_is_initialised, warn_user)
+from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, explicit_chains,
+                     hyper_value, partition, skeleton_is_initialised, warn_user)
 from .model_ops import check_invariance
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
@@ -82,12 +82,11 @@ def _user_groups(params, model):
     return (None if model is None else unwrap(model)), [dict(g) for g in groups]
 
 
-def _add_chain_params(groups: list[dict], chains) -> None:
+def _add_chain_params(groups: list[dict], chains: list[ChainLayers]) -> None:
     """Parameters of chains given by hand join the first group unless a group has them
     (``GSGD(other_params, chains=...)``: ``params`` holds the parameters outside chains)."""
     have = {id(p) for g in groups for p in g["params"]}
-    extra = [p for layers in chains
-             for m in (layers.modules if isinstance(layers, ChainLayers) else layers)
+    extra = [p for layers in chains for m in layers.modules
              for p in (m.weight, m.bias) if p is not None and p.requires_grad
              and id(p) not in have]
     if not groups:
@@ -118,6 +117,7 @@ class ScaleInvariantOptimizer(Optimizer):
         replicated = isinstance(params if model is None else model, nn.DataParallel)
         model, groups = _user_groups(params, model)
         if chains is not None:
+            chains = explicit_chains(model, chains)  # validated before any parameter is read
             _add_chain_params(groups, chains)
         if not groups or not any(g["params"] for g in groups):
             raise ValueError("the optimizer got no parameters")
@@ -317,7 +317,8 @@ class ScaleInvariantOptimizer(Optimizer):
         return held[id(part)]
 
     def _name(self, p: torch.Tensor) -> str:
-        return self._names.get(id(p), f"<{tuple(p.shape)}>")
+        name = self._names.get(id(p))  # a lazy parameter has no shape yet
+        return f"<{tuple(p.shape)}>" if name is None else name
 
     def _grad(self, p: torch.Tensor, group: dict, name: str) -> torch.Tensor:
         """``p.grad`` as the update reads it (never modified): zeros if None, negated to
