@@ -25,9 +25,8 @@ import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from array_api_compat import array_namespace
-
 from gsgd_core import Chain, ElementwiseRule, GSGDState, RuleState
+from gsgd_core.arrays import check_list, alike, is_array
 from gsgd_core.rules import StepRule
 
 from . import rule_step
@@ -161,11 +160,34 @@ def _views(kernels, shard: RowShard, arrays, writable: bool = True):
     return out, ok
 
 
-def _refuses(weights) -> bool:
-    """Half precision is computed in float32 by the core (numerics guide), not in place."""
-    dtype = weights[0].dtype
-    return not any(dtype == getattr(array_namespace(weights[0]), n) for n in
-                   ("float32", "float64"))
+def _half(shard: RowShard, weights, grads, biases, bias_grads, buffers=()) -> bool:
+    """Check this process's rows as the core checks a chain's arrays, before any is read:
+    one entry per layer; weights, their gradients and ``buffers`` (lists of one array per
+    layer) holding the layer's local rows, ``r1 - r0`` of ``n_{l-1} k_l`` entries each;
+    biases and their gradients ``r1 - r0`` long, and of the weights' namespace, real
+    floating dtype and device (``ValueError`` otherwise; buffers of half-precision weights
+    are kept in float32). Returns whether the dtype is half precision, which the core
+    computes in float32 (numerics guide), not in place."""
+    chain = shard.chain
+    named = {"weights": weights, "grads": grads, "biases": biases, "bias_grads": bias_grads}
+    named = {name: [None] * chain.L if v is None and name.startswith("bias") else
+             check_list(chain, name, v) for name, v in named.items()}
+    for name, arrays in [*named.items(), *((f"buffers[{i}]", b) for i, b in enumerate(buffers))]:
+        bias = name.startswith("bias")
+        for l, (a, (r0, r1)) in enumerate(zip(arrays, shard.rows), 1):
+            if bias and a is None:
+                continue
+            if not is_array(a):
+                raise ValueError(f"layer {l}: {name}[{l - 1}] is a {type(a).__name__}, not an "
+                                 "array")
+            n_in = math.prod(chain.layer_shape(l)[1:])
+            if (tuple(a.shape) != (r1 - r0,) if bias else a.ndim < 2 or a.shape[0] != r1 - r0
+                    or math.prod(a.shape[1:]) != n_in):
+                raise ValueError(f"layer {l}: {name}[{l - 1}] has shape {tuple(a.shape)}, but "
+                                 f"this process holds its rows [{r0}, {r1})"
+                                 + ("" if bias else f" of {n_in} entries"))
+    xp, dtype, _ = alike([a for v in named.values() for a in v if a is not None])
+    return dtype not in (xp.float32, xp.float64)
 
 
 def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weights, biases,
@@ -178,9 +200,9 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
     with nothing written, on every process alike when the step holds a non-finite value or
     cannot be done in place: the caller then takes it on gathered full arrays."""
     L = shard.chain.L
-    refused = _refuses(weights)
-    plan = shard.plan(kernels, weights[0])
     M = state.momentum if state is not None and momentum else None
+    refused = _half(shard, weights, grads, biases, bias_grads, [] if M is None else [M])
+    plan = shard.plan(kernels, weights[0])
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
     Mb = list(state.bias_momentum) if M is not None else [None] * L
@@ -226,7 +248,8 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
     (as :func:`sharded_gsgd_update_`; ``state``'s buffers are local rows, in the rule's
     flat layout: layers, then biases; its count is the caller's)."""
     L, chain = shard.chain.L, shard.chain
-    refused = _refuses(weights)
+    refused = _half(shard, weights, grads, biases, bias_grads,
+                    [buf[:L] for buf in state.buffers])
     plan = shard.plan(kernels, weights[0])
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L

@@ -104,7 +104,9 @@ def check_weight_shape(chain: Chain, l: int, shape, what: str = "weight") -> Non
     raise _shape_error(chain, l, what, shape)
 
 
-def _check_list(chain: Chain, name: str, values) -> list:
+def check_list(chain: Chain, name: str, values) -> list:
+    """``values`` as a list of one entry per layer of ``chain`` (``ValueError`` naming
+    ``name`` otherwise)."""
     if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{name} must be a list with one entry per layer ({chain.L}), "
                          f"got {type(values).__name__}")
@@ -128,8 +130,8 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
     """
     if not isinstance(chain, Chain):
         raise ValueError(f"chain must be a gsgd_core.Chain, got {type(chain).__name__}")
-    weights = _check_list(chain, "weights", weights)
-    biases = [None] * chain.L if biases is None else _check_list(chain, "biases", biases)
+    weights = check_list(chain, "weights", weights)
+    biases = [None] * chain.L if biases is None else check_list(chain, "biases", biases)
     for l, (w, b) in enumerate(zip(weights, biases), start=1):
         if not is_array(w):
             raise ValueError(f"layer {l}: weight is a {type(w).__name__}, not an array")
@@ -150,7 +152,7 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
     if bias_grads is not None or grads is not None:
         lists.append(("bias_grads", [None] * chain.L if bias_grads is None else bias_grads))
     for name, values in lists:
-        values = _check_list(chain, name, values)
+        values = check_list(chain, name, values)
         is_bias = name.startswith("bias")
         for l, (v, w, b) in enumerate(zip(values, weights, biases), start=1):
             ref = b if is_bias else w
@@ -169,26 +171,34 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
                                  f"but the {'bias' if is_bias else 'weight'} has shape "
                                  f"{tuple(ref.shape)}")
             arrays.append(v)
+    xp, dtype, device = alike(arrays)
+    compute = xp.float32 if xp.finfo(dtype).bits < 32 else dtype
+    return Prepared(xp=xp, dtype=compute, store=dtype, device=device,
+                    shapes=tuple(tuple(w.shape) for w in weights),
+                    meta=layer_meta(chain, xp, device))
+
+
+def alike(arrays: Sequence) -> tuple[Any, Any, Any]:
+    """The namespace, dtype and device of ``arrays`` (the first weight first), which every
+    array must share; the dtype is real floating point. ``ValueError`` names the first array
+    that differs."""
     try:
         xp = array_api_compat.array_namespace(*arrays)
     except TypeError as exc:
         raise ValueError(f"all arrays must come from one array namespace: {exc}") from None
-    dtype = weights[0].dtype
+    dtype = arrays[0].dtype
     if not xp.isdtype(dtype, "real floating"):
         raise ValueError(f"weights must be real floating point, got dtype {dtype}")
     for a in arrays:
         if a.dtype != dtype:
             raise ValueError(f"all arrays must share the weights' dtype {dtype}; "
                              f"found an array of dtype {a.dtype} and shape {tuple(a.shape)}")
-    device = array_api_compat.device(weights[0])
+    device = array_api_compat.device(arrays[0])
     for a in arrays:
         if array_api_compat.device(a) != device:
             raise ValueError(f"all arrays must be on the weights' device {device}; found an "
                              f"array of shape {tuple(a.shape)} on {array_api_compat.device(a)}")
-    compute = xp.float32 if xp.finfo(dtype).bits < 32 else dtype
-    return Prepared(xp=xp, dtype=compute, store=dtype, device=device,
-                    shapes=tuple(tuple(w.shape) for w in weights),
-                    meta=layer_meta(chain, xp, device))
+    return xp, dtype, device
 
 
 def _cast(p: Prepared, a, dtype):

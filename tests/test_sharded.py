@@ -249,9 +249,78 @@ def test_a_buffer_unable_to_be_written_in_place_declines_everywhere():
 @pytest.mark.parametrize("rule", list(RULES))
 def test_half_precision_declines_everywhere(rule):
     def poison(rank, loc):
-        for k in ("W", "G"):
+        for k in ("W", "G", "b", "Gb"):
             loc[k] = [a.astype(np.float16) for a in loc[k]]
     _declined(2, poison, RULES[rule])
+
+
+def _bad(chain, rows, **change):
+    """A call's local arrays of ``chain`` (rows ``rows``), with the entries in ``change``
+    (name -> (layer, array)) replaced."""
+    pb = Problem(chain, 0)
+    G, Gb = pb.grads()
+    loc = dict(weights=_rows(pb.W, rows, np.copy), biases=_rows(pb.b, rows, np.copy),
+               grads=_rows(G, rows, np.copy), bias_grads=_rows(Gb, rows, np.copy))  # call order
+    for name, (l, a) in change.items():
+        loc[name][l] = a
+    return loc
+
+
+@pytest.mark.parametrize("rule", ["gsgd", "adamw"])
+@pytest.mark.parametrize("change, message", [
+    (dict(weights=(1, np.zeros((2, 6)))), r"^layer 2: weights\[1\] has shape \(2, 6\), but "
+     r"this process holds its rows \[0, 3\) of 6 entries$"),
+    (dict(weights=(0, np.zeros((2, 5)))), r"^layer 1: weights\[0\] has shape \(2, 5\), but "
+     r"this process holds its rows \[2, 4\) of 4 entries$"),
+    (dict(grads=(2, np.zeros((3,)))), r"^layer 3: grads\[2\] has shape \(3,\), but this "
+     r"process holds its rows \[1, 3\) of 5 entries$"),
+    (dict(biases=(0, np.zeros(4))), r"^layer 1: biases\[0\] has shape \(4,\), but this "
+     r"process holds its rows \[2, 4\)$"),
+    (dict(bias_grads=(1, np.zeros(2))), r"^layer 2: bias_grads\[1\] has shape \(2,\), but "
+     r"this process holds its rows \[0, 3\)$"),
+    (dict(weights=(2, np.zeros((2, 5), np.float32))), r"^all arrays must share the weights' "
+     r"dtype float64; found an array of dtype float32 and shape \(2, 5\)$"),
+    (dict(biases=(0, np.zeros(2, np.float32))), r"^all arrays must share the weights' dtype "
+     r"float64; found an array of dtype float32 and shape \(2,\)$"),
+    (dict(grads=(0, np.zeros((2, 4), np.int64))), "^all arrays must share the weights' dtype"),
+    (dict(weights=(0, np.zeros((2, 4), np.int64))), r"^weights must be real floating point, "
+     r"got dtype int64$"),
+    (dict(weights=(0, [[0.0] * 4] * 2)), r"^layer 1: weights\[0\] is a list, not an array$"),
+    (dict(bias_grads=(2, (0.0, 0.0))), r"^layer 3: bias_grads\[2\] is a tuple, not an array$"),
+    (dict(grads=(1, torch.zeros(3, 6, dtype=torch.float64))), "^all arrays must come from "
+     "one array namespace: Multiple namespaces"),
+])
+def test_local_rows_are_checked_as_the_core_checks_a_chain(rule, change, message):
+    """Every array of a sharded step is checked before any is read: the local rows' shapes,
+    one namespace, one real floating dtype (the weights'), one device."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(2, 4), (0, 3), (1, 3)]
+    loc = _bad(chain, rows, **change)
+    shard = RowShard(chain, rows, lambda v: pytest.fail("a refused step reduced a vector"))
+    with pytest.raises(ValueError, match=message):
+        _local_step(chain, shard, RULES[rule], loc)
+
+
+def _local_step(chain, shard, rule, loc):
+    kernels = gb.kernels_for(np.zeros(1))
+    if rule is None:
+        return sharded_gsgd_update_(kernels, shard, None, *loc.values(), lr=0.1)
+    pb = Problem(chain, 0)
+    state = gc.path_init(chain, rule, pb.W, pb.b)
+    local = gc.RuleState(tuple(tuple(_rows(buf[:chain.L], shard.rows, np.copy)
+                                     + _rows(buf[chain.L:], shard.rows, np.copy))
+                               for buf in state.buffers), state.count)
+    return sharded_path_update_(kernels, shard, rule, local, *loc.values())
+
+
+def test_a_sharded_step_needs_one_entry_per_layer():
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, 6), (0, 5), (0, 3)]
+    loc = _bad(chain, rows)
+    shard = RowShard(chain, rows, lambda v: v)
+    loc["grads"] = loc["grads"][:2]
+    with pytest.raises(ValueError, match="^grads has 2 entries, but the chain has 3 layers$"):
+        _local_step(chain, shard, None, loc)
 
 
 @pytest.mark.parametrize("rows, match", [
@@ -344,3 +413,23 @@ def test_a_chain_without_biases(rule):
     assert run_processes(2, step) == [True, True]
     for got, w in zip(_join(locs, np.asarray), want):
         assert_close(got, w, 1e-12)
+
+
+@pytest.mark.parametrize("rule", ["gsgd", "adamw"])
+def test_a_state_of_the_whole_layers_is_refused_naming_the_buffer(rule):
+    """A step's buffers hold this process's rows, as its weights do (G-SGD's momentum, the
+    rule's buffers)."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(2, 4), (0, 3), (1, 3)]
+    pb = Problem(chain, 0)
+    loc = _bad(chain, rows)
+    shard = RowShard(chain, rows, lambda v: pytest.fail("a refused step reduced a vector"))
+    kernels = gb.kernels_for(np.zeros(1))
+    with pytest.raises(ValueError, match=r"^layer 1: buffers\[0\]\[0\] has shape \(6, 4(, 1)?\), "
+                       r"but this process holds its rows \[2, 4\) of 4 entries$"):
+        if rule == "gsgd":
+            sharded_gsgd_update_(kernels, shard, gc.gsgd_init(chain, pb.W, pb.b),
+                                 *loc.values(), lr=0.1, momentum=0.9)
+        else:
+            sharded_path_update_(kernels, shard, RULES[rule], gc.path_init(
+                chain, RULES[rule], pb.W, pb.b), *loc.values())
