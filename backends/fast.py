@@ -44,6 +44,8 @@ import functools
 import math
 from typing import Any, NamedTuple
 
+from array_api_compat import device
+
 from gsgd_core import Chain
 from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finite_or_zero, kept,
                              path_gradient, safe_div, scaled, scaled_div, tau_ratio,
@@ -78,7 +80,7 @@ def plan_for(kernels, chain: Chain, weights, plan: StepPlan | None) -> StepPlan:
         return kernels.plan(chain, weights[0])
     if not plan.fits(chain, weights[0]):
         raise ValueError(f"{plan} does not fit this step: chain {chain}, weights of dtype "
-                         f"{weights[0].dtype} on {getattr(weights[0], 'device', 'cpu')}")
+                         f"{weights[0].dtype} on {device(weights[0])}")
     return plan
 
 

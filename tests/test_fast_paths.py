@@ -4,9 +4,11 @@ and the cases it must hand back to the core (non-finite gradients, views it cann
 
 import contextlib
 import copy
+import re
 import sys
 import warnings
 
+import array_api_compat
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -637,13 +639,14 @@ def test_compiled_reciprocal_bulk_keeps_its_finite_checks():
 
 @settings(max_examples=examples(40))
 @given(seed=seeds, hyper=_HYPERS, first=st.booleans(), zero_f=st.booleans(),
-       direct=st.booleans())
+       direct=st.booleans(), lr=st.sampled_from([0.1, 1.0, 1.5]))
 def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, first, zero_f,
-                                                              direct):
+                                                              direct, lr):
     """The eager kernels' in-place block (four scratch buffers) gives exactly
     ``rows_by_rules``'s numbers, its quotient by ``rho`` written into the weights directly
     or checked first; with a zero ``F`` (a frozen path, ``G/0``) it writes nothing and hands
-    the block to the rules."""
+    the block to the rules. ``lr * dir / fb`` is formed in the core's order either side of
+    ``|lr| = 1``."""
     from gsgd_core.rules import StepRule
 
     rng = np.random.default_rng(seed)
@@ -658,11 +661,11 @@ def test_in_place_momentum_block_is_the_core_rule_bit_for_bit(fxp, seed, hyper, 
     Wx, Gx, Mx = (fxp.asarray(a) for a in (W, G, M))
     Mx = Mx if mu else None
     Fx, Bx, Rx = (fxp.asarray(a) for a in (F, B, R))
-    expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=0.1,
+    expected = fast.rows_by_rules(kernels.xp, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=lr,
                                   rule=rule)
     before = [fxp.to_numpy(a).copy() for a in (Wx, Mx) if a is not None]
     with kernels.context():
-        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=0.1,
+        wrote = fast.momentum_block_(kernels, Wx, Gx, Mx, F=Fx, B_cols=Bx, rho_cols=Rx, lr=lr,
                                      rule=rule, scratch=Scratch(), direct=direct)
     assert wrote == (not zero_f)
     after = [fxp.to_numpy(a) for a in (Wx, Mx) if a is not None]
@@ -840,3 +843,33 @@ def test_a_plan_checks_the_same_hyperparameters_once():
                           (dict(lr=0.2, momentum=0), 4)):
         assert plan.checked(hyper, check) == checks
         assert len(seen) == checks
+
+
+def test_the_fast_step_checks_its_arrays_and_its_plan_as_the_core_does(fxp):
+    """Before anything is read: gradients and momentum buffers of the weights' shapes (the
+    core's messages), one dtype, and a given plan that fits the weights."""
+    pb = Problem(CHAIN, 3)
+    G, Gb = pb.grads()
+    A, Ab, Gx, Gbx = (fxp.aslist(x) for x in (pb.W, pb.b, G, Gb))
+    kernels = gb.kernels_for(A[0])
+    state = gc.gsgd_init(CHAIN, A, Ab)
+    bad = state._replace(momentum=[state.momentum[0], fxp.asarray(np.zeros((5, 4))),
+                                   *state.momentum[2:]])
+    with pytest.raises(ValueError, match=r"^layer 2: momentum\[1\] has shape \(5, 4\), but "
+                       r"the weight has shape \(5, 4, 4\)$"):
+        fast.fast_step_(kernels, CHAIN, A, Ab, Gx, Gbx, 0.1, bad, momentum=0.9)
+    with pytest.raises(ValueError, match=r"^layer 3: grads\[2\] has shape \(6, 4\), but the "
+                       r"weight has shape \(6, 5, 4\)$"):
+        fast.fast_step_(kernels, CHAIN, A, Ab, Gx[:2] + [fxp.asarray(np.zeros((6, 4)))]
+                        + Gx[3:], Gbx, 0.1)
+    plan = gb.step_plan(CHAIN, A)
+    other = gc.Chain.mlp([3, 4, 2])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(plan))} does not fit this step: "
+                       rf"chain {re.escape(str(other))}, weights of dtype "
+                       rf"{re.escape(str(A[0].dtype))} on "
+                       rf"{re.escape(str(array_api_compat.device(A[0])))}$"):
+        fast.fast_step_(kernels, other, A, Ab, Gx, Gbx, 0.1, plan=plan)
+    xp = fxp.xp
+    mixed = A[:1] + [xp.astype(A[1], xp.float32 if fxp.is_f64 else xp.float64)] + A[2:]
+    with pytest.raises(ValueError, match="^all arrays must share the weights' dtype"):
+        fast.fast_step_(kernels, CHAIN, mixed, Ab, Gx, Gbx, 0.1, plan=plan)
