@@ -873,3 +873,51 @@ def test_the_fast_step_checks_its_arrays_and_its_plan_as_the_core_does(fxp):
     mixed = A[:1] + [xp.astype(A[1], xp.float32 if fxp.is_f64 else xp.float64)] + A[2:]
     with pytest.raises(ValueError, match="^all arrays must share the weights' dtype"):
         fast.fast_step_(kernels, CHAIN, mixed, Ab, Gx, Gbx, 0.1, plan=plan)
+
+
+@pytest.mark.parametrize("scales, grad_scale", [
+    ((1, 1, 1, 1), 1), ((1e160, 1, 1, 1), 1), ((1, 1e-160, 1, 1), 1), ((1, 1, 1e160, 1), 1),
+    ((1, 1, 1, 1e-160), 1), ((1, 1, 1, 0), 1), ((1, 1, 1, 1), 1e156),
+    ((1, 1, 1e-310, 1e300), 1), ((1, 1e-310, 1, 1e160), 1), ((1, 1e-310, 1e300, 1), 1),
+    ((1, 1, 1e-310, 1), 1), ((1, 1e-310, 1e-160, 1e300), 1)])
+def test_a_layer_is_tame_when_its_three_node_vectors_are(monkeypatch, scales, grad_scale):
+    """Traced kernels flag layer ``l`` for :func:`recip_rows` exactly when ``F_l`` and
+    ``B_{l-1}`` (zeros allowed: a frozen path) and ``rho_{l-1}`` lie in ``[4 sqrt(tiny),
+    sqrt(max) / 4]``: layers' weights scaled far out of range (or zero: ``F = 0`` below),
+    or the first layer's gradients (``rho`` out of range above), move some layers' vectors
+    out and leave others in, and the step still equals the core's (with a subnormal ``F``
+    and a huge ``B`` the reciprocal rule would not)."""
+    torch = pytest.importorskip("torch")
+    import gsgd_backends.torch as bt
+
+    fi = np.finfo(np.float64)
+    lo, hi = 4 * np.sqrt(fi.smallest_normal), np.sqrt(fi.max) / 4
+
+    def inside(v, zero_ok):
+        a = np.abs(v.numpy())
+        return bool(np.all(((a >= lo) & (a <= hi)) | (zero_ok & (a == 0))))
+
+    seen = []
+    special_vectors = fast.special_vectors
+    monkeypatch.setattr(fast, "special_vectors", lambda *a, **k: seen.append(
+        special_vectors(*a, **k)) or seen[-1])
+    kernels = bt.TorchKernels(bt.CHUNK, compiled=True)
+    kernels.compile = lambda fn: fn  # traced kernels' stages, run eagerly
+    pb = Problem(CHAIN, 8)
+    G, Gb = pb.grads()
+    pb.W = [w * s for w, s in zip(pb.W, scales)]
+    G[0] = G[0] * grad_scale
+    A, Ab = [torch.tensor(w) for w in pb.W], [None if b is None else torch.tensor(b)
+                                              for b in pb.b]
+    assert fast.fast_step_(kernels, CHAIN, A, Ab, [torch.tensor(g) for g in G],
+                           [None if g is None else torch.tensor(g) for g in Gb], 0.1)
+    v = seen[0]
+    flags = [bool(f) for f in v.flags.tolist()[1:]]
+    assert flags == [inside(v.F[l], True) and inside(v.B[l - 1], True)
+                     and inside(v.rho[l - 1], False) for l in range(1, CHAIN.L + 1)]
+    if set(scales) - {0, 1} or grad_scale != 1:
+        assert 0 < sum(flags) < CHAIN.L  # the case tells the layers apart
+    eW, eb = gc.gsgd_step(CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    for a, e in zip(A + Ab, eW + eb):
+        if e is not None:
+            np.testing.assert_allclose(a.numpy(), e, rtol=1e-12, atol=0)
