@@ -511,15 +511,19 @@ def test_validation_is_not_skipped_after_a_valid_step(fxp):
     _assert_same(fxp, W + b, sum(_core(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1), []), "after")
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_compiled_momentum_step_equals_the_core(dtype):
-    """Weight decay and Nesterov momentum inside the compiled stages, through three steps."""
+@pytest.mark.parametrize("dtype, hyper", [
+    ("float64", dict(momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("float32", dict(momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("float64", dict(momentum=0.9, dampening=0.1, weight_decay=0.1))])
+def test_compiled_momentum_step_equals_the_core(dtype, hyper):
+    """Weight decay and momentum (Nesterov's, or with dampening) inside the compiled stages,
+    through three steps; hyperparameters that float32 cannot hold (0.1) are the weights'
+    dtype there."""
     pytest.importorskip("torch")
     import gsgd_backends.torch as bt
     from _namespaces import available_namespaces as names
 
     ns = next(n for n in names() if n.name == "torch" and n.dtype_name == dtype)
-    hyper = dict(momentum=0.9, nesterov=True, weight_decay=1e-2)
     got, expected = _momentum_steps(ns, CHAIN, 11, hyper, 3, fast_kernels=bt.COMPILED)
     for what, g, e in zip(("weights", "biases", "buffers", "bias buffers"), got, expected):
         _assert_same(ns, g, e, what)
@@ -877,7 +881,7 @@ def test_the_fast_step_checks_its_arrays_and_its_plan_as_the_core_does(fxp):
 
 @pytest.mark.parametrize("scales, grad_scale", [
     ((1, 1, 1, 1), 1), ((1e160, 1, 1, 1), 1), ((1, 1e-160, 1, 1), 1), ((1, 1, 1e160, 1), 1),
-    ((1, 1, 1, 1e-160), 1), ((1, 1, 1, 0), 1), ((1, 1, 1, 1), 1e156),
+    ((1, 1, 1, 1e-160), 1), ((1, 1, 1, 0), 1), ((0, 1, 1, 1), 1), ((1, 1, 1, 1), 1e156),
     ((1, 1, 1e-310, 1e300), 1), ((1, 1e-310, 1, 1e160), 1), ((1, 1e-310, 1e300, 1), 1),
     ((1, 1, 1e-310, 1), 1), ((1, 1e-310, 1e-160, 1e300), 1)])
 def test_a_layer_is_tame_when_its_three_node_vectors_are(monkeypatch, scales, grad_scale):

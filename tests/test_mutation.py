@@ -18,8 +18,10 @@ def test_every_module_has_tests_or_is_gpu_only():
     assert not set(conf["tests"]) & set(conf["gpu_only"])
     for module, tests in conf["tests"].items():
         assert tests, module
-        for test in tests:
-            assert (mutation.ROOT / test).is_file(), (module, test)
+        for test in tests:  # a file, or one test of it (a node id)
+            path, _, name = test.partition("::")
+            assert (mutation.ROOT / path).is_file(), (module, test)
+            assert not name or f"def {name}(" in (mutation.ROOT / path).read_text(), test
 
 
 def test_the_staged_copy_holds_the_packages_under_their_import_names(tmp_path, monkeypatch):
