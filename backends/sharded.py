@@ -25,8 +25,9 @@ import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
 from gsgd_core import Chain, ElementwiseRule, GSGDState, RuleState
-from gsgd_core.arrays import check_list, alike, is_array
+from gsgd_core.arrays import alike, check_list, is_array
 from gsgd_core.rules import StepRule
 
 from . import rule_step
@@ -160,7 +161,7 @@ def _views(kernels, shard: RowShard, arrays, writable: bool = True):
     return out, ok
 
 
-def _half(shard: RowShard, weights, grads, biases, bias_grads, buffers=()) -> bool:
+def _checked_half(shard: RowShard, weights, grads, biases, bias_grads, buffers=()) -> bool:
     """Check this process's rows as the core checks a chain's arrays, before any is read:
     one entry per layer; weights, their gradients and ``buffers`` (lists of one array per
     layer) holding the layer's local rows, ``r1 - r0`` of ``n_{l-1} k_l`` entries each;
@@ -201,7 +202,7 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
     cannot be done in place: the caller then takes it on gathered full arrays."""
     L = shard.chain.L
     M = state.momentum if state is not None and momentum else None
-    refused = _half(shard, weights, grads, biases, bias_grads, [] if M is None else [M])
+    refused = _checked_half(shard, weights, grads, biases, bias_grads, [] if M is None else [M])
     plan = shard.plan(kernels, weights[0])
     b = list(biases) if biases is not None else [None] * L
     Gb = list(bias_grads) if bias_grads is not None else [None] * L
@@ -248,7 +249,7 @@ def sharded_path_update_(kernels, shard: RowShard, rule: ElementwiseRule, state:
     (as :func:`sharded_gsgd_update_`; ``state``'s buffers are local rows, in the rule's
     flat layout: layers, then biases; its count is the caller's)."""
     L, chain = shard.chain.L, shard.chain
-    refused = _half(shard, weights, grads, biases, bias_grads,
+    refused = _checked_half(shard, weights, grads, biases, bias_grads,
                     [buf[:L] for buf in state.buffers])
     plan = shard.plan(kernels, weights[0])
     b = list(biases) if biases is not None else [None] * L

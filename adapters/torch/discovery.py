@@ -413,7 +413,7 @@ def discover(model: nn.Module, through_bn: bool = False, *,
             if target is not None and n.target not in reasons:
                 incoming.setdefault(target, f"after {n.target}: {walk.why}")
         norm = walk.norm
-        if walk.next is None and norm is not None and (n in eligible or n in grouped):
+        if walk.next is None and norm is not None:
             if _per_unit(norm):
                 normalised.append((n.target, modules[n.target]))
             else:
