@@ -181,7 +181,7 @@ def backward_sums(kernels, st, ws, gs, C):
     tau edges at once (``st.carry_from`` to ``st.carry_to``)."""
     xp = kernels.xp
     P = xp.take(ws, st.free) * xp.take(gs, st.free)
-    T = stacked(xp, C) - P if C else P
+    T = stacked(xp, C) - P  # a chain has two layers or more: C is never empty
     if st.carry_from.shape[0]:
         T = kernels.scatter_add(T, st.carry_to, xp.take(T, st.carry_from))
     return T
@@ -471,8 +471,6 @@ def _special(xp, st, ws, gs, ms, *, T, B, F, lr, h, one):
     step_dir, M_new = direction(xp, path_gradient(xp, w * g - T, V, g), M, V, h)
     R = tau_ratio(xp, scaled_div(xp, lr, step_dir, V), eps)
     rho = xp.take(xp.concat([one, R]), st.rho_from)
-    if not w.shape[0]:  # one layer: no tau edge
-        return ws, m_free, rho
     tau_new, rho = as_written(xp, st, w, R, rho, one)
     special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
     if ms is None:

@@ -158,8 +158,6 @@ def rule_special(xp, st, ws, gs, ms, *, rule, coef, T, B, F, one):
     delta, m_tau = _apply(xp, rule, coef, D, V, [xp.take(a, st.tau) for a in ms])
     R = tau_ratio(xp, safe_div(xp, delta, V), eps)
     rho = xp.take(xp.concat([one, R]), st.rho_from)
-    if not w.shape[0]:  # one layer: no tau edge
-        return ws, m_free, rho
     tau_new, rho = as_written(xp, st, w, R, rho, one)
     special = xp.where(st.moved, xp.take(tau_new, st.node), ws)
     return special, [xp.where(st.moved, xp.take(a, st.node), f)

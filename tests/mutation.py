@@ -156,9 +156,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                    if k in before} | {
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
-                 "survivors": len(rerun)}
-                # mutmut runs every mutant again once the tests of the table change
-                | ({"all": len(result["status"])} if before["tests"] != tests else {})]}
+                 "survivors": len(rerun)}]}
     return _save(result)
 
 

@@ -877,6 +877,9 @@ def test_the_fast_step_checks_its_arrays_and_its_plan_as_the_core_does(fxp):
     mixed = A[:1] + [xp.astype(A[1], xp.float32 if fxp.is_f64 else xp.float64)] + A[2:]
     with pytest.raises(ValueError, match="^all arrays must share the weights' dtype"):
         fast.fast_step_(kernels, CHAIN, mixed, Ab, Gx, Gbx, 0.1, plan=plan)
+    with pytest.raises(ValueError, match=rf"weights of dtype {re.escape(str(A[0].dtype))} on "
+                       rf"{re.escape(str(array_api_compat.device(A[0])))}$"):
+        fast.fast_step_(kernels, other, mixed, Ab, Gx, Gbx, 0.1, plan=plan)  # the first's
 
 
 @pytest.mark.parametrize("scales, grad_scale", [
