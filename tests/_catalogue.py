@@ -538,12 +538,12 @@ class SharedThreeWays(nn.Module):
 
 
 class MethodNamedLikeModule(nn.Module):
-    """A submodule named ``relu`` that is a Tanh, and a call of the tensor method
+    """A submodule named ``relu`` that is a batch norm, and a call of the tensor method
     ``x.relu()``: the method is ReLU, whatever the submodule of that name is."""
 
     def __init__(self):
         super().__init__()
-        self.fc1, self.fc2, self.relu = nn.Linear(5, 6), nn.Linear(6, 3), nn.Tanh()
+        self.fc1, self.fc2, self.relu = nn.Linear(5, 6), nn.Linear(6, 3), nn.BatchNorm1d(3)
 
     def forward(self, x):
         return self.relu(self.fc2(self.fc1(x).relu()))
@@ -675,6 +675,9 @@ CATALOGUE = {
     "weight shared by three Linears": (SharedThreeWays, (4, 5), [], []),
     "a submodule named like a tensor method": (MethodNamedLikeModule, (4, 5),
                                                [["fc1", "fc2"]], []),
+    "F.max_pool1d over a Linear's units": (
+        lambda: Between(nn.Linear(5, 6), lambda h: F.max_pool1d(h, 2), nn.Linear(3, 3)),
+        (4, 5), [], []),
     "frozen layer, GELU, trainable layer": (frozen_then_gelu, (4, 5), [], []),
     "weight_norm (parametrisation)": (parametrised(nn.utils.parametrizations.weight_norm),
                                       (4, 4), [], []),
@@ -791,6 +794,7 @@ REASONS = {
     "x.transpose(1, -1) then a Linear per pixel": stopped_at(goes("transpose")),
     "nn.Flatten(2) then a Linear per channel": stopped_at(goes("Flatten")),
     "flatten then MaxPool1d": stopped_at(pools("MaxPool1d", "flattened")),
+    "F.max_pool1d over a Linear's units": stopped_at(pools("max_pool1d", "Linear")),
     "x.clamp(min=0, max=6)": stopped_at(goes("clamp")),
     "a layer whose output is unused": {"aux": "its output is unused"},
     "tied autoencoder inside a block": {"block.enc": TIED,

@@ -193,3 +193,35 @@ def test_lazy_layers_are_refused_until_the_first_forward_pass():
         assert GSGD(model, lr=0.1).describe().chains == []
     model(torch.randn(2, 2, 5, 5))
     assert [c.names for c in discover(model).chains] == [["0", "3"]]
+
+
+class _Stops(nn.Module):
+    """A conv, batch norm, then what ``stop`` does with the normalised output."""
+
+    def __init__(self, stop):
+        super().__init__()
+        self.c, self.bn, self.stop = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), stop
+        self.p = nn.Parameter(torch.ones(4, 4))
+        self.frozen, self.wide, self.odd = nn.Conv2d(3, 2, 1), nn.Linear(4, 2), nn.Linear(7, 2)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.bn(self.c(x))
+        return {"branch": lambda: h + h.relu(), "output": lambda: h,
+                "second input": lambda: torch.matmul(self.p, h),
+                "frozen next": lambda: self.frozen(h.relu()),
+                "wrong axis": lambda: self.wide(h.relu()),
+                "units do not fit": lambda: self.odd(h.relu().flatten(1)),
+                "GELU": lambda: nn.functional.gelu(h)}[self.stop]()
+
+
+@pytest.mark.parametrize("stop", ["branch", "output", "second input", "frozen next",
+                                  "wrong axis", "units do not fit", "GELU"])
+def test_a_layer_whose_walk_passes_batch_norm_and_stops_is_normalised(stop):
+    """With batch norm passed through (the paper's BN variant), a layer followed by batch
+    norm whose walk then stops, however it stops, still has its rows normalised: PSI's."""
+    model = _Stops(stop)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    for through_bn in (False, True):
+        found = discover(model, through_bn, trainable=trainable)
+        assert [n for n, _ in found.normalised] == ["c"] and found.chains == [], through_bn

@@ -322,9 +322,8 @@ def _follow(node: fx.Node, modules: dict, eligible: set, through_bn: bool) -> _W
         if user.op == "output":
             return _Walk(norm, why="its output is the model's output")
         mod = modules.get(user.target) if user.op == "call_module" else None
-        if user.args[:1] != (cur,):
-            what = user.target if mod is not None else _name(user, None)
-            return _Walk(norm, why=f"its output is not the first input of {what}")
+        if user.args[:1] != (cur,):  # a module by its name, a function by its own
+            return _Walk(norm, why=f"its output is not the first input of {_name(user, None)}")
         if isinstance(mod, WEIGHT_LAYERS):
             if user not in eligible:
                 return _Walk(norm, why=f"the next layer {user.target} cannot be in a chain")
