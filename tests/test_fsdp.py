@@ -395,14 +395,22 @@ def test_example_script_runs_on_two_processes(tmp_path):
 
 
 class _Block(torch.nn.Module):
-    """A module of the user's (fx traces through it), holding a conv."""
+    """A module of the user's (fx traces through it), holding a conv, and called with a
+    keyword argument."""
 
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(2, 2, 1)
 
+    def forward(self, x, gelu=True):
+        return (torch.nn.functional.gelu if gelu else torch.relu)(self.conv(x))
+
+
+class _WithBlock(torch.nn.Sequential):
     def forward(self, x):
-        return torch.relu(self.conv(x))
+        h = self[1](self[0](x))
+        h = self[2](h, gelu=False)
+        return self[5](self[4](self[3](h)))
 
 
 def test_discovery_sees_through_fully_shard_as_on_the_unsharded_model(one_process_group):
@@ -416,7 +424,7 @@ def test_discovery_sees_through_fully_shard_as_on_the_unsharded_model(one_proces
 
     def build():
         torch.manual_seed(0)
-        return torch.nn.Sequential(qat_conv(), torch.nn.ReLU(), _Block(), torch.nn.Sequential(
+        return _WithBlock(qat_conv(), torch.nn.ReLU(), _Block(), torch.nn.Sequential(
             torch.nn.Conv2d(2, 3, 1), torch.nn.ReLU()), torch.nn.Flatten(),
             torch.nn.Linear(48, 3))
 
