@@ -433,3 +433,35 @@ def test_a_state_of_the_whole_layers_is_refused_naming_the_buffer(rule):
         else:
             sharded_path_update_(kernels, shard, RULES[rule], gc.path_init(
                 chain, RULES[rule], pb.W, pb.b), *loc.values())
+
+
+@pytest.mark.parametrize("rule", ["gsgd", "adamw"])
+def test_a_weight_that_cannot_be_written_in_place_hands_the_step_back(rule):
+    """A local weight that is not contiguous (a transposed view) has no in-place view: its
+    special edges are still gathered (from a copy of its rows), and the step is handed
+    back with nothing written."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, 6), (0, 5), (0, 3)]
+    loc = {k: [None if a is None else torch.tensor(a) for a in v]
+           for k, v in _bad(chain, rows).items()}
+    loc["weights"][1] = loc["weights"][1].T.contiguous().T  # the same values, strided
+    before = [w.clone() for w in loc["weights"] + loc["biases"]]
+    shard = RowShard(chain, rows, lambda v: v)
+    pb = Problem(chain, 0)
+    if RULES[rule] is None:
+        done = sharded_gsgd_update_(KERNELS, shard, None, *loc.values(), lr=0.1)
+    else:
+        state = gc.path_init(chain, RULES[rule], [torch.tensor(w) for w in pb.W],
+                             [torch.tensor(b) for b in pb.b])
+        done = sharded_path_update_(KERNELS, shard, RULES[rule], state, *loc.values())
+    assert done is False
+    assert all(torch.equal(a, b) for a, b in zip(loc["weights"] + loc["biases"], before))
+
+
+def test_a_layer_without_a_bias_does_not_end_the_checks_of_the_biases_above():
+    chain = gc.Chain.from_shapes([(6, 4), (5, 6), (3, 5)], bias=[False, True, True])
+    rows = [(0, 6), (0, 5), (0, 3)]
+    loc = _bad(chain, rows, biases=(2, np.zeros(2)))
+    with pytest.raises(ValueError, match=r"^layer 3: biases\[2\] has shape \(2,\), but this "
+                       r"process holds its rows \[0, 3\)$"):
+        _local_step(chain, RowShard(chain, rows, lambda v: v), None, loc)
