@@ -195,3 +195,30 @@ def test_path_sgd_and_psi_sgd_take_a_discovery():
     grads = jax.tree_util.tree_map(jnp.ones_like, params)
     updates, _ = psi_sgd(0.5, found).update(grads, psi_sgd(0.5, found).init(params), params)
     assert all(bool(jnp.all(u == -0.5)) for u in jax.tree_util.tree_leaves(updates))
+
+
+NORMS_BY_DIVISION = {  # the first layer's output h, normalised per unit over the batch
+    "(h - mean) / sqrt(var + eps)": (lambda h: (h - h.mean(0)) / jnp.sqrt(
+        ((h - h.mean(0)) ** 2).mean(0) + 1e-5), True),
+    "h * (1 / sqrt(mean(h**2)))": (lambda h: h * (1.0 / jnp.sqrt(jnp.mean(h ** 2, 0))), True),
+    "h * h / mean(h**2)": (lambda h: h * h / jnp.mean(h ** 2, 0), True),
+    "h / 2": (lambda h: h / 2.0, False),
+    "2 / h": (lambda h: 2.0 / h, False),
+    "h / mean(h**2)": (lambda h: h / jnp.mean(h ** 2, 0), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS_BY_DIVISION))
+def test_a_normalisation_written_with_a_division_has_the_quotients_degree(name):
+    """A quotient's degree is the numerator's minus the denominator's (a constant has 0):
+    the layer (without a bias, as before a batch norm) is PSI's only where its output's
+    degree reaches 0 per unit."""
+    norm, normalised = NORMS_BY_DIVISION[name]
+
+    def apply(params, x):
+        (w0, _), (w1, b1), (w2, b2) = params
+        h = jax.nn.relu(norm(x @ w0.T))
+        return jax.nn.relu(h @ w1.T + b1) @ w2.T + b2
+
+    found = find_chains(apply, pairs(), X)
+    assert [path_name(p) for p in found.normalised.weights] == (["0/0"] if normalised else [])
