@@ -167,6 +167,15 @@ class Scratch(threading.local):
         return buf
 
 
+
+def signature(lists) -> list:
+    """What validating a call's lists of arrays depends on: each list's length and each
+    entry's type, shape, dtype and device (a training loop passes the same every step)."""
+    return [-1 if v is None else len(v) for v in lists] + [
+        None if a is None else (type(a), getattr(a, "shape", None), getattr(a, "dtype", None),
+                                getattr(a, "device", None))
+        for a in concat.from_iterable([v for v in lists if v is not None])]
+
 class StepPlan:
     """Everything a fast step of ``chain`` reuses (module docstring).
 
@@ -265,9 +274,7 @@ class StepPlan:
         if not all([v is None or isinstance(v, (list, tuple)) for v in lists]):
             return prepare(self.chain, weights, biases, grads=grads, bias_grads=bias_grads,
                            extra=extra)
-        sig = [-1 if v is None else len(v) for v in lists] + [
-            None if a is None else (type(a), a.shape, a.dtype, getattr(a, "device", None))
-            for a in concat.from_iterable([v for v in lists if v is not None])]
+        sig = signature(lists)
         if sig != self._signature:
             self._prepared = prepare(self.chain, weights, biases, grads=grads,
                                      bias_grads=bias_grads, extra=extra)

@@ -32,7 +32,7 @@ from gsgd_core.rules import StepRule
 
 from . import rule_step
 from .fast import bulk_stage_, special_vectors
-from .plan import StepPlan, special_edges
+from .plan import StepPlan, signature, special_edges
 
 __all__ = ["RowShard", "sharded_gsgd_update_", "sharded_path_update_"]
 
@@ -70,6 +70,7 @@ class RowShard:
             self.spec_size.append(spec.size)
             self._local.append((i0, i1, spec[i0:i1] - r0 * cols))
         self._kernels = self._plan = self.local = None
+        self._checked = (None, False)  # (signature, half precision) of the last valid call
 
     def plan(self, kernels, array) -> StepPlan:
         """``kernels.plan`` of the chain for local arrays like ``array``, kept while it
@@ -168,7 +169,13 @@ def _checked_half(shard: RowShard, weights, grads, biases, bias_grads, buffers=(
     biases and their gradients ``r1 - r0`` long, and of the weights' namespace, real
     floating dtype and device (``ValueError`` otherwise; buffers of half-precision weights
     are kept in float32). Returns whether the dtype is half precision, which the core
-    computes in float32 (numerics guide), not in place."""
+    computes in float32 (numerics guide), not in place. Memoised on the arrays' signature
+    in ``shard``, as :meth:`StepPlan.prepared` is: a training loop passes the same one."""
+    lists = [weights, grads, biases, bias_grads, *buffers]
+    sig = signature(lists) if all(
+        v is None or isinstance(v, (list, tuple)) for v in lists) else None
+    if sig is not None and shard._checked[0] == sig:
+        return shard._checked[1]
     chain = shard.chain
     named = {"weights": weights, "grads": grads, "biases": biases, "bias_grads": bias_grads}
     named = {name: [None] * chain.L if v is None and name.startswith("bias") else
@@ -188,7 +195,8 @@ def _checked_half(shard: RowShard, weights, grads, biases, bias_grads, buffers=(
                                  f"this process holds its rows [{r0}, {r1})"
                                  + ("" if bias else f" of {n_in} entries"))
     xp, dtype, _ = alike([a for v in named.values() for a in v if a is not None])
-    return dtype not in (xp.float32, xp.float64)
+    shard._checked = (sig, dtype not in (xp.float32, xp.float64))
+    return shard._checked[1]
 
 
 def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weights, biases,

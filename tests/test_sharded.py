@@ -465,3 +465,12 @@ def test_a_layer_without_a_bias_does_not_end_the_checks_of_the_biases_above():
     with pytest.raises(ValueError, match=r"^layer 3: biases\[2\] has shape \(2,\), but this "
                        r"process holds its rows \[0, 3\)$"):
         _local_step(chain, RowShard(chain, rows, lambda v: v), None, loc)
+
+
+def test_a_shard_checks_again_when_the_arrays_change_after_a_valid_step():
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, 6), (0, 5), (0, 3)]
+    shard = RowShard(chain, rows, lambda v: v)
+    assert _local_step(chain, shard, None, _bad(chain, rows))
+    with pytest.raises(ValueError, match=r"^layer 2: biases\[1\] has shape \(4,\)"):
+        _local_step(chain, shard, None, _bad(chain, rows, biases=(1, np.zeros(4))))

@@ -263,8 +263,8 @@ def _eligible(gm: fx.GraphModule, model: nn.Module, modules: dict,
     read_outside = {n.target.rsplit(".", 1)[0] for n in gm.graph.nodes if n.op == "get_attr"}
     ok, grouped, why = set(), set(), {}
     for name, nodes in calls.items():
-        mod, not_plain = modules[name], _not_plain(modules[name])
-        if not_plain:
+        mod = modules[name]
+        if not_plain := _not_plain(mod):
             why[name] = not_plain
         elif len(nodes) > 1:
             why[name] = f"the module is called {len(nodes)} times in forward()"
