@@ -150,7 +150,7 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
         W_new.append(Wl)
         if l < chain.L:
             tau_w = xp.take(xp.reshape(Wl, (-1,)), m.tau_idx)
-            B = xp.take(B, m.tau_src) * in_units(tau_w, chain.skeleton_scale[l - 1])
+            B = xp.take(B, m.tau_src) * in_units(xp, tau_w, chain.skeleton_scale[l - 1], p.device)
     b_new = [None if v is None else safe_div(xp, v, F[l + 1])
              for l, v in enumerate(vecs(p, Vb, chain.L))]
     return restore(p, W_new), unvecs(p, b_new)

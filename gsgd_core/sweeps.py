@@ -40,18 +40,20 @@ def products_of_edges(xp, chain, meta, tau_w, free_w, dtype, device):
     L, r = chain.L, chain.skeleton_scale
     B = [xp.ones(chain.sizes[0], dtype=dtype, device=device)] + [None] * L
     for l in range(1, L):
-        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * in_units(tau_w[l - 1], r[l - 1])
+        B[l] = xp.take(B[l - 1], meta[l - 1].tau_src) * in_units(xp, tau_w[l - 1], r[l - 1], device)
     F = [None] * L + [xp.ones(chain.sizes[L], dtype=dtype, device=device)]
     for l in range(L - 1, 0, -1):
-        F[l] = in_units(free_w[l - 1], r[l]) * xp.take(F[l + 1], meta[l].sigma)
+        F[l] = in_units(xp, free_w[l - 1], r[l], device) * xp.take(F[l + 1], meta[l].sigma)
     return B, F
 
 
-def in_units(w, r: float):
+def in_units(xp, w, r: float, device):
     """Skeleton edges ``w`` of a layer in units of its reference magnitude ``r``
     (:attr:`Chain.skeleton_scale`); untouched, bit for bit, in the paper's units (``r = 1``).
-    Dividing each factor, rather than the finished product, keeps deep products in range."""
-    return w if r == 1.0 else w / r
+    Dividing each factor, rather than the finished product, keeps deep products in range.
+    ``r`` divides as an array: torch on CUDA multiplies by the reciprocal of a Python
+    scalar divisor instead, whose product misses the quotient by an ulp (``r / r != 1``)."""
+    return w if r == 1.0 else w / xp.asarray(r, dtype=w.dtype, device=device)
 
 
 def path_values3(xp, meta, W, b, B, F):

@@ -152,16 +152,20 @@ class FlaxSameScaleSum(nn.Module):
 
 
 class FlaxBatchNorm(nn.Module):
+    squared_head: bool = False   # a last layer without a bias, its output squared
+
     @nn.compact
     def __call__(self, x, train: bool = True):
         x = nn.Conv(4, (3, 3), use_bias=False)(x)
         x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
         x = nn.relu(nn.Conv(3, (3, 3))(x))
-        return nn.Dense(3)(x.reshape((x.shape[0], -1)))
+        y = nn.Dense(3, use_bias=not self.squared_head)(x.reshape((x.shape[0], -1)))
+        return y * y if self.squared_head else y
 
 
-def flax_batchnorm():
-    model = FlaxBatchNorm()
+def flax_batchnorm(squared_head=False):
+    """Applied in training mode: the output is ``(y, {"batch_stats": ...})``."""
+    model = FlaxBatchNorm(squared_head)
     variables = model.init(KEY, IMAGES)
     return (lambda v, x: model.apply(v, x, mutable=["batch_stats"])), variables, (IMAGES,), {}
 
@@ -308,6 +312,11 @@ CATALOGUE = {
     "flax_batch_norm": Case(flax_batchnorm, [[C(1, "kernel"), D(0, "kernel")]],
                             {"params/BatchNorm_0/scale": "read by"},
                             normalised=[C(0, "kernel")], trains=False),
+    # the last layer's units end at a square, not a normalisation: only the model's output
+    # (not the statistics returned beside it) shows that its scale still matters
+    "flax_batch_norm_squared_head": Case(
+        lambda: flax_batchnorm(squared_head=True), [[C(1, "kernel"), D(0, "kernel")]],
+        {"params/BatchNorm_0/scale": "read by"}, normalised=[C(0, "kernel")], trains=False),
     "eqx_mlp_vmap": Case(lambda: vmapped(eqx.nn.MLP(5, 3, 6, 2, key=KEY)),
                          [["layers/0/weight", "layers/1/weight", "layers/2/weight"]]),
     "eqx_mlp_tanh": Case(lambda: vmapped(eqx.nn.MLP(5, 3, 6, 2, activation=jnp.tanh, key=KEY)),

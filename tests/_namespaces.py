@@ -19,10 +19,12 @@ class Namespace:
     device: Any = None
     skip_reason: str | None = None
     _from_np: Callable | None = None
+    #: Where the arrays live when it is not the library's default place ("cuda").
+    place: str = ""
 
     @property
     def id(self) -> str:
-        return f"{self.name}-{self.dtype_name}"
+        return "-".join(filter(None, (self.name, self.place, self.dtype_name)))
 
     @property
     def is_f64(self) -> bool:
@@ -76,6 +78,16 @@ def _torch(dt):
                      _from_np=lambda a: torch.as_tensor(a))
 
 
+def _torch_cuda(dt):
+    import torch
+    if not torch.cuda.is_available():
+        return Namespace("torch", dt, skip_reason="no CUDA device", place="cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())   # as tensors report it
+    return Namespace("torch", dt, array_api_compat.array_namespace(torch.zeros(1)),
+                     getattr(torch, dt), cuda, place="cuda",
+                     _from_np=lambda a: torch.as_tensor(a, device=cuda))
+
+
 def _jax(dt):
     import jax
     jax.config.update("jax_enable_x64", True)
@@ -96,7 +108,7 @@ def _cupy(dt):
 def available_namespaces() -> list[Namespace]:
     out = []
     for module, make in (("numpy", _numpy), ("array_api_strict", _strict), ("torch", _torch),
-                         ("jax", _jax), ("cupy", _cupy)):
+                         ("torch", _torch_cuda), ("jax", _jax), ("cupy", _cupy)):
         for dt in ("float64", "float32"):
             if importlib.util.find_spec(module) is None:
                 out.append(Namespace(module, dt, skip_reason=f"{module} is not installed"))

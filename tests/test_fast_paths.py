@@ -48,12 +48,12 @@ def _chunk(kernels, chunk):
             kernels.small = small
 
 
-def _fast(ns, chain, W, b, G, Gb, lr, chunk=None):
+def _fast(ns, chain, W, b, G, Gb, lr, chunk=None, plan=None):
     """One fast step on copies in ``ns``; returns (ran fast, weights, biases) on the host."""
     A, Ab = ns.aslist(W), ns.aslist(b)
     kernels = gb.kernels_for(A[0])
     with _chunk(kernels, chunk):
-        ran = fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr)
+        ran = fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr, plan=plan)
     return ran, ns.tolist(A), ns.tolist(Ab)
 
 
@@ -497,17 +497,19 @@ def test_compiled_step_follows_a_learning_rate_schedule_without_recompiling():
 
 
 def test_validation_is_not_skipped_after_a_valid_step(fxp):
-    """The fast step remembers the last validated signature; a call whose arrays differ from
-    it (a wrong shape, another dtype) is validated again."""
+    """The step's plan remembers the last validated signature; a call whose arrays differ
+    from it (a wrong shape, another dtype) is validated again."""
     pb = Problem(CHAIN, 9)
     G, Gb = pb.grads()
-    ran, *_ = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    like = fxp.asarray(pb.W[0])
+    plan = gb.kernels_for(like).plan(CHAIN, like)
+    ran, *_ = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1, plan=plan)
     assert ran
     bad = list(Gb)
     bad[0] = np.ones(CHAIN.sizes[1] + 1)
     with pytest.raises(ValueError, match="layer 1"):
-        _fast(fxp, CHAIN, pb.W, pb.b, G, bad, 0.1)
-    ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
+        _fast(fxp, CHAIN, pb.W, pb.b, G, bad, 0.1, plan=plan)
+    ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1, plan=plan)
     _assert_same(fxp, W + b, sum(_core(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1), []), "after")
 
 

@@ -197,28 +197,64 @@ def test_path_sgd_and_psi_sgd_take_a_discovery():
     assert all(bool(jnp.all(u == -0.5)) for u in jax.tree_util.tree_leaves(updates))
 
 
-NORMS_BY_DIVISION = {  # the first layer's output h, normalised per unit over the batch
-    "(h - mean) / sqrt(var + eps)": (lambda h: (h - h.mean(0)) / jnp.sqrt(
+def _over_mean_abs(f):
+    """``f(h, x)`` divided by its mean magnitude over the batch: degree 0 wherever
+    ``f(h, x)`` has one degree per unit."""
+    def norm(h, x):
+        s = f(h, x)
+        return s / jnp.mean(jnp.abs(s), 0)
+    return norm
+
+
+def _outer(h, x):
+    """``h_i * h_j / mean(h_j**2)`` summed over ``i``: scales as ``c_i / c_j``, not per unit
+    (the product holds the units on two axes)."""
+    return (h[:, :, None] * h[:, None, :] / jnp.mean(h * h, 0)).sum(1)
+
+
+def _relu_by_where(h, x):
+    r = jnp.where(h > 0, h, 0.0)   # a sign test (no degree) selects a value of degree 1
+    return r * jax.lax.rsqrt(jnp.mean(r * r, 0) + 1e-5)
+
+
+NORMS_BY_DEGREE = {  # of the first layer's output h (x: the input), per unit over the batch
+    "(h - mean) / sqrt(var + eps)": (lambda h, x: (h - h.mean(0)) / jnp.sqrt(
         ((h - h.mean(0)) ** 2).mean(0) + 1e-5), True),
-    "h * (1 / sqrt(mean(h**2)))": (lambda h: h * (1.0 / jnp.sqrt(jnp.mean(h ** 2, 0))), True),
-    "h * h / mean(h**2)": (lambda h: h * h / jnp.mean(h ** 2, 0), True),
-    "h / 2": (lambda h: h / 2.0, False),
-    "2 / h": (lambda h: 2.0 / h, False),
-    "h / mean(h**2)": (lambda h: h / jnp.mean(h ** 2, 0), False),
+    "h * (1 / sqrt(mean(h**2)))": (lambda h, x: h * (1.0 / jnp.sqrt(jnp.mean(h ** 2, 0))),
+                                   True),
+    "h * h / mean(h**2)": (lambda h, x: h * h / jnp.mean(h ** 2, 0), True),
+    "h / 2": (lambda h, x: h / 2.0, False),
+    "2 / h": (lambda h, x: 2.0 / h, False),
+    "h / mean(h**2)": (lambda h, x: h / jnp.mean(h ** 2, 0), False),
+    "h**3 / mean(|h|**3)": (lambda h, x: h ** 3 / jnp.mean(jnp.abs(h) ** 3, 0), True),
+    "h**3 / mean(h**2)": (lambda h, x: h ** 3 / jnp.mean(h ** 2, 0), False),
+    "where(h > 0, h, 0), normalised": (_relu_by_where, True),
+    "sum over i of h_i * h_j / mean(h_j**2)": (_outer, False),
+    # sums and extrema: of one degree, or with a zero or an eps, they keep it
+    "(h + 2h) / mean|.|": (_over_mean_abs(lambda h, x: h + 2.0 * h), True),
+    "max(h, 2h) / mean|.|": (_over_mean_abs(lambda h, x: jnp.maximum(h, 2.0 * h)), True),
+    "(h + h*h) / mean|.|": (_over_mean_abs(lambda h, x: h + h * h), False),
+    "(h - h*h) / mean|.|": (_over_mean_abs(lambda h, x: h - h * h), False),
+    "max(h, h*h) / mean|.|": (_over_mean_abs(lambda h, x: jnp.maximum(h, h * h)), False),
+    "min(h, h*h) / mean|.|": (_over_mean_abs(lambda h, x: jnp.minimum(h, h * h)), False),
+    "(h - 1) / mean|.|": (_over_mean_abs(lambda h, x: h - 1.0), False),
+    "(h + sum(x)) / mean|.|": (_over_mean_abs(lambda h, x: h + x.sum()), False),
 }
 
 
-@pytest.mark.parametrize("name", sorted(NORMS_BY_DIVISION))
-def test_a_normalisation_written_with_a_division_has_the_quotients_degree(name):
-    """A quotient's degree is the numerator's minus the denominator's (a constant has 0):
-    the layer (without a bias, as before a batch norm) is PSI's only where its output's
-    degree reaches 0 per unit."""
-    norm, normalised = NORMS_BY_DIVISION[name]
+@pytest.mark.parametrize("name", sorted(NORMS_BY_DEGREE))
+def test_a_normalisation_is_found_by_the_degree_of_its_value(name):
+    """A value scales as ``c**degree`` in its layer's unit scales: products add degrees,
+    quotients subtract them (a constant has 0), powers multiply them, sums and extrema need
+    one degree (or a zero, or ``eps``). The layer (without a bias, as before a batch norm,
+    and the program's first equation) is PSI's only where its output's degree reaches 0 per
+    unit before any layer or output reads it."""
+    norm, normalised = NORMS_BY_DEGREE[name]
 
     def apply(params, x):
         (w0, _), (w1, b1), (w2, b2) = params
-        h = jax.nn.relu(norm(x @ w0.T))
-        return jax.nn.relu(h @ w1.T + b1) @ w2.T + b2
+        h = norm(jax.lax.dot_general(x, w0, (((1,), (1,)), ((), ()))), x)   # x @ w0.T
+        return jax.nn.relu(jax.nn.relu(h) @ w1.T + b1) @ w2.T + b2
 
     found = find_chains(apply, pairs(), X)
     assert [path_name(p) for p in found.normalised.weights] == (["0/0"] if normalised else [])

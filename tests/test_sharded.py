@@ -22,7 +22,10 @@ from gsgd_backends.torch import KERNELS, ON_DEVICE  # noqa: E402 - needs torch
 
 LIBS = {"numpy": (lambda a: a.copy(), lambda a: np.asarray(a)),
         "torch": (lambda a: torch.tensor(a), lambda a: a.numpy()),
-        "torch-device": (lambda a: torch.tensor(a), lambda a: a.numpy())}
+        "torch-device": (lambda a: torch.tensor(a), lambda a: a.numpy()),
+        "torch-cuda": (lambda a: torch.tensor(a, device="cuda"), lambda a: a.cpu().numpy())}
+LIB_PARAMS = [pytest.param(k, marks=pytest.mark.skipif(
+    k == "torch-cuda" and not torch.cuda.is_available(), reason="no CUDA device")) for k in LIBS]
 
 
 def _kernels(lib, array):
@@ -89,7 +92,7 @@ def _join(parts, from_):
             for l in range(len(parts[0]))]
 
 
-@pytest.mark.parametrize("lib", list(LIBS))
+@pytest.mark.parametrize("lib", LIB_PARAMS)
 @settings(max_examples=examples(15))
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4),
        hyper=st.sampled_from(HYPERS))
@@ -130,7 +133,7 @@ def test_sharded_gsgd_equals_the_core(lib, data, chain, seed, world, hyper):
                 f"step {count} momentum")
 
 
-@pytest.mark.parametrize("lib", list(LIBS))
+@pytest.mark.parametrize("lib", LIB_PARAMS)
 @settings(max_examples=examples(10))
 @given(data=st.data(), chain=chains(max_depth=4), seed=seeds, world=st.integers(1, 4))
 def test_sharded_rule_equals_the_core(lib, data, chain, seed, world):
@@ -435,27 +438,56 @@ def test_a_state_of_the_whole_layers_is_refused_naming_the_buffer(rule):
                 chain, RULES[rule], pb.W, pb.b), *loc.values())
 
 
+def _reversed_axes(a):
+    return a.permute(*reversed(range(a.ndim)))
+
+
+@pytest.mark.parametrize("lib", [p for p in LIB_PARAMS if p.values[0] in ("torch", "torch-cuda")])
 @pytest.mark.parametrize("rule", ["gsgd", "adamw"])
-def test_a_weight_that_cannot_be_written_in_place_hands_the_step_back(rule):
+def test_a_weight_that_cannot_be_written_in_place_hands_the_step_back(rule, lib):
     """A local weight that is not contiguous (a transposed view) has no in-place view: its
     special edges are still gathered (from a copy of its rows), and the step is handed
     back with nothing written."""
+    to, _ = LIBS[lib]
     chain = gc.Chain.mlp([4, 6, 5, 3])
     rows = [(0, 6), (0, 5), (0, 3)]
-    loc = {k: [None if a is None else torch.tensor(a) for a in v]
-           for k, v in _bad(chain, rows).items()}
-    loc["weights"][1] = loc["weights"][1].T.contiguous().T  # the same values, strided
+    loc = {k: [None if a is None else to(a) for a in v] for k, v in _bad(chain, rows).items()}
+    loc["weights"][1] = _reversed_axes(_reversed_axes(loc["weights"][1]).contiguous())
     before = [w.clone() for w in loc["weights"] + loc["biases"]]
     shard = RowShard(chain, rows, lambda v: v)
     pb = Problem(chain, 0)
+    kernels = gb.kernels_for(loc["weights"][0])
     if RULES[rule] is None:
-        done = sharded_gsgd_update_(KERNELS, shard, None, *loc.values(), lr=0.1)
+        done = sharded_gsgd_update_(kernels, shard, None, *loc.values(), lr=0.1)
     else:
-        state = gc.path_init(chain, RULES[rule], [torch.tensor(w) for w in pb.W],
-                             [torch.tensor(b) for b in pb.b])
-        done = sharded_path_update_(KERNELS, shard, RULES[rule], state, *loc.values())
+        state = gc.path_init(chain, RULES[rule], [to(w) for w in pb.W], [to(b) for b in pb.b])
+        done = sharded_path_update_(kernels, shard, RULES[rule], state, *loc.values())
     assert done is False
     assert all(torch.equal(a, b) for a, b in zip(loc["weights"] + loc["biases"], before))
+
+
+@pytest.mark.parametrize("lib", LIB_PARAMS)
+def test_a_process_without_rows_of_a_layer_steps_as_the_core(lib):
+    """Process 1 holds no rows of layer 2 and process 0 none of layer 3: their column sums
+    there are zeros, made where the step computes."""
+    to, from_ = LIBS[lib]
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+    want, want_b, _ = gc.gsgd_update(chain, None, pb.W, pb.b, G, Gb, lr=0.1)
+    split = [[(0, 3), (0, 5), (0, 0)], [(3, 6), (5, 5), (0, 3)]]
+    locs = [dict(W=_rows(pb.W, r, to), b=_rows(pb.b, r, to)) for r in split]
+
+    def step(rank, reduce):
+        rows, loc = split[rank], locs[rank]
+        return sharded_gsgd_update_(_kernels(lib, loc["W"][0]), RowShard(chain, rows, reduce),
+                                    None, loc["W"], loc["b"], _rows(G, rows, to),
+                                    _rows(Gb, rows, to), lr=0.1)
+
+    assert run_processes(2, step) == [True, True]
+    got = _join([p["W"] for p in locs], from_) + _join([p["b"] for p in locs], from_)
+    for g, w in zip(got, want + want_b):
+        assert_close(g, w, 1e-12)
 
 
 def test_a_layer_without_a_bias_does_not_end_the_checks_of_the_biases_above():

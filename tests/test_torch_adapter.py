@@ -740,8 +740,9 @@ def test_params_are_a_model_or_tensors_or_groups_and_a_model_is_given_once():
 def test_data_parallel_replicas_read_w_times_grad():
     """A DataParallel model's replicas run the forward pass on copies of the layers, whose
     backward pass the chains' hooks cannot follow: its steps read ``W * grad``."""
-    model = mlp()
-    x, y = data(model)
+    here = "cuda" if torch.cuda.is_available() else "cpu"   # replicas only on a GPU
+    model = mlp().to(here)
+    x, y = (t.to(here) for t in data(model))
     opt = GSGD(nn.DataParallel(model), lr=0.1)
     train(model, opt, x, y, 1)
     assert opt.describe().column_sums == {}

@@ -20,7 +20,7 @@ import numpy as np
 from gsgd_core import Chain
 
 from .layers import find_layers, leaf_readers
-from .norms import is_statistic, normalised_by
+from .norms import is_normalised, is_statistic
 from .leaves import ChainLeaves, key_paths, path_name
 from .ops import default_rtol, output_changes
 from .program import Program, flatten
@@ -229,7 +229,7 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
     walks = {i: walk(program, layer, layers, n, readers) for i, layer in layers.items()}
     cut = {i for i, layer in layers.items()
            if walks[i].end and walks[i].bias is None
-           and not normalised_by(program, layer, outputs)}
+           and is_normalised(program, layer, outputs)}
     chains, reasons, ends = [], {}, {}
     for run in _runs(layers, walks, cut):
         if len(run) == 1:

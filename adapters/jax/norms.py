@@ -3,8 +3,9 @@
 PSI-SGD (seed 004) needs each row of the weight to be scale-invariant: scaling output unit
 ``j``'s incoming weights by ``c_j > 0`` must leave the model's output unchanged. Here the
 layer's output is followed as for a chain, with a *degree* per value (it scales as
-``c**d``): squares double it, ``rsqrt`` halves and negates it, products add degrees, sums
-and means over other axes keep it, and a value of degree 0 no longer depends on the scales.
+``c**d``): squares double it, ``rsqrt`` halves and negates it, products add degrees and
+quotients subtract them, sums of one degree and means over other axes keep it (a sum of two
+degrees has none), and a value of degree 0 no longer depends on the scales.
 The layer is normalised when nothing of non-zero degree reaches the model's output or a
 layer. Batch norm's ``var + eps`` counts as degree 2 (exact only up to ``eps``, as on the
 torch side); its running statistics, returned under ``batch_stats`` (Flax) or by ``*_ema``
@@ -14,7 +15,7 @@ norm, RMS norm, group norm with several channels a group) mixes rows: not per un
 
 from __future__ import annotations
 
-from .layers import CONTRACTIONS, Layer
+from .layers import Layer
 from .program import Eqn, Program
 from .units import step
 
@@ -36,44 +37,49 @@ def _matters(program: Program, outputs) -> set:
     return live
 
 
-def _degree(e: Eqn, st: list) -> list | str:
-    """``(units, degree)`` of each output of ``e`` (``None``: independent of the scales)."""
+def _degree(e: Eqn, st: list) -> list | None:
+    """``(units, degree)`` of each output of ``e`` (``None`` for an output independent of
+    the scales), or ``None`` where ``e`` takes its operands out of the degree rules: values
+    with their units on two axes, a sum of two degrees, a primitive that is not per-unit
+    homogeneous."""
     carried = [s for s in st if s is not None]
     units, d = carried[0]
     if len(carried) == 2 and not units.same(carried[1][0]):
-        return f"{e.describe()} meets values with their units on different axes"
-    others = [v for v, s in zip(e.ins, st) if s is None]
+        return None
     if e.prim == "mul":
         return [(units, sum(s[1] for s in carried))]
     if e.prim == "div":
         return [(units, (st[0][1] if st[0] else 0.0) - (st[1][1] if st[1] else 0.0))]
-    if e.prim in _POWERS or e.prim == "integer_pow":
-        return [(units, d * _POWERS.get(e.prim, e.params.get("y", 1)))]
+    if e.prim in _POWERS:
+        return [(units, d * _POWERS[e.prim])]
+    if e.prim == "integer_pow":
+        return [(units, d * e.params["y"])]
     if e.prim in ("add", "sub", "max", "min"):
-        if len(carried) == 2 and carried[0][1] == carried[1][1]:
+        others = [v for v, s in zip(e.ins, st) if s is None]
+        # a zero, or the eps of var + eps; two operands of one degree
+        if all(s[1] == d for s in carried) and all(
+                v.zero or (e.prim == "add" and v.const and not v.shape) for v in others):
             return [(units, d)]
-        if all(v.zero or (e.prim == "add" and v.const and not v.shape) for v in others):
-            return [(units, d)]   # a zero, or the eps of var + eps
-        return f"{e.describe()} adds a value of another degree in its scales"
+        return None
     out = step(e, [None if s is None else s[0] for s in st])
     if isinstance(out, str):
-        return out
+        return None
     return [None if u is None else (u, d) for u in out]
 
 
-def normalised_by(program: Program, layer: Layer, outputs) -> str:
-    """``""`` when every row of ``layer``'s weight is scale-invariant through a per-unit
-    normalisation, else why not. ``outputs``: the model's outputs that are not statistics."""
+def is_normalised(program: Program, layer: Layer, outputs) -> bool:
+    """Whether every row of ``layer``'s weight is scale-invariant through a per-unit
+    normalisation: no value of non-zero degree in its scales reaches ``outputs`` (the
+    model's outputs that are not statistics) or a layer. A value that leaves the degree
+    rules counts as reaching them."""
     live = _matters(program, outputs)
     carried = {program.eqns[layer.eqn].outs[0]: (layer.out_units, 1.0)}
     for e in program.eqns[layer.eqn + 1:]:
         st = [carried.get(v) for v in e.ins]
         if all(s is None for s in st) or not any(v in live for v in e.outs):
             continue
-        if e.prim in CONTRACTIONS:
-            return f"{e.describe()} reads its scale before any normalisation"
-        out = _degree(e, st)
-        if isinstance(out, str):
-            return out
+        out = _degree(e, st)   # None at a layer too: a contraction is in no rule
+        if out is None:
+            return False
         carried.update((v, s) for v, s in zip(e.outs, out) if s is not None and s[1] != 0)
-    return "its scale reaches the model's output" if any(v in carried for v in outputs) else ""
+    return not any(v in carried for v in outputs)
