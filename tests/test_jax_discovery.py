@@ -238,6 +238,11 @@ NORMS_BY_DEGREE = {  # of the first layer's output h (x: the input), per unit ov
     "max(h, h*h) / mean|.|": (_over_mean_abs(lambda h, x: jnp.maximum(h, h * h)), False),
     "min(h, h*h) / mean|.|": (_over_mean_abs(lambda h, x: jnp.minimum(h, h * h)), False),
     "(h - 1) / mean|.|": (_over_mean_abs(lambda h, x: h - 1.0), False),
+    # a scalar constant is an eps only beside a statistic (a value reduced over the batch)
+    "(h + 1) / mean|.|": (_over_mean_abs(lambda h, x: h + 1.0), False),
+    "h / (mean|h| + eps)": (lambda h, x: h / (jnp.mean(jnp.abs(h), 0) + 1e-5), True),
+    "(h - mean) / (std + eps)": (lambda h, x: (h - h.mean(0)) / (jnp.sqrt(
+        ((h - h.mean(0)) ** 2).mean(0)) + 1e-5), True),
     "(h + sum(x)) / mean|.|": (_over_mean_abs(lambda h, x: h + x.sum()), False),
 }
 
