@@ -42,6 +42,9 @@ ACTIVATIONS = {
     "custom_vjp": vjp_relu,
     "where": lambda x: jnp.where(x >= 0, x, 0.0),     # select_n
     "clip": lambda x: jnp.clip(x, 0.0),               # max with a broadcast zero
+    # select_n on a test of the batch size, fixed when traced: the ReLU, not the constant
+    "where on a static test": lambda x: jnp.where(jnp.asarray(x.shape[0]) - 1 > 0,
+                                                  jax.nn.relu(x), 0.5),
 }
 
 
@@ -223,6 +226,12 @@ NORMS_BY_DEGREE = {  # of the first layer's output h (x: the input), per unit ov
     "h * (1 / sqrt(mean(h**2)))": (lambda h, x: h * (1.0 / jnp.sqrt(jnp.mean(h ** 2, 0))),
                                    True),
     "h * h / mean(h**2)": (lambda h, x: h * h / jnp.mean(h ** 2, 0), True),
+    # jnp.var selects the variance or NaN on the sample count, a test fixed when traced
+    "(h - mean) / sqrt(jnp.var + eps)": (lambda h, x: (h - h.mean(0)) / jnp.sqrt(
+        jnp.var(h, 0) + 1e-5), True),
+    "h / jnp.std": (lambda h, x: h / jnp.std(h, 0), True),
+    "where(static test, h, h*h) / mean|h|": (lambda h, x: jnp.where(
+        jnp.asarray(h.shape[0]) > 0, h, h * h) / jnp.mean(jnp.abs(h), 0), True),
     "h / 2": (lambda h, x: h / 2.0, False),
     "2 / h": (lambda h, x: 2.0 / h, False),
     "h / mean(h**2)": (lambda h, x: h / jnp.mean(h ** 2, 0), False),

@@ -58,6 +58,8 @@ def _degree(e: Eqn, st: list) -> list | None:
         return [(units, d * _POWERS[e.prim], stat)]
     if e.prim == "integer_pow":
         return [(units, d * e.params["y"], stat)]
+    if e.prim == "select_n" and e.ins[0].scalar is not None:
+        return [st[1 + int(e.ins[0].scalar)]]   # fixed when traced: that case, as it is
     if e.prim in ("add", "sub", "max", "min"):
         others = [v for v, s in zip(e.ins, st) if s is None]
         # two operands of one degree; a zero; the eps of var + eps

@@ -25,15 +25,17 @@ _ZERO_PRESERVING = {"convert_element_type", "broadcast_in_dim", "reshape", "sque
 
 class Value:
     """One value of the flattened program: its shape and dtype, whether it is a constant
-    (computed from literals and the jaxpr's constants alone) and a known all-zero one."""
+    (computed from literals and the jaxpr's constants alone), a known all-zero one, and
+    the value itself where it is a scalar constant (``scalar``; else ``None``)."""
 
-    __slots__ = ("shape", "dtype", "const", "zero")
+    __slots__ = ("shape", "dtype", "const", "zero", "scalar")
 
-    def __init__(self, aval, const: bool = False, zero: bool = False) -> None:
+    def __init__(self, aval, const: bool = False, zero: bool = False, scalar=None) -> None:
         self.shape = tuple(getattr(aval, "shape", ()))
         self.dtype = getattr(aval, "dtype", None)
         self.const = const
         self.zero = zero
+        self.scalar = scalar
 
     def __repr__(self) -> str:
         return f"Value{self.shape}"
@@ -80,6 +82,25 @@ def _is_zero_const(x) -> bool:
         return False
 
 
+def _const(aval, x) -> Value:
+    """The value of a literal or of one of the jaxpr's constants."""
+    scalar = np.asarray(x) if np.ndim(x) == 0 else None
+    return Value(aval, True, _is_zero_const(x), scalar)
+
+
+def _folded(eqn, ins: list):
+    """The scalar an equation of scalar constants computes (a shape's count, ``jnp.var``'s
+    test of it), or ``None``: such a value is fixed when the model is traced."""
+    if len(eqn.outvars) != 1 or eqn.effects or any(v.scalar is None for v in ins):
+        return None
+    if getattr(eqn.outvars[0].aval, "shape", None) != ():
+        return None
+    try:
+        return np.asarray(eqn.primitive.bind(*[v.scalar for v in ins], **eqn.params))
+    except Exception:  # noqa: BLE001 - a primitive that cannot run eagerly is not folded
+        return None
+
+
 def _body(eqn):
     """The body of a call equation that is its forward function, or ``None``."""
     if eqn.primitive.name not in INLINED:
@@ -97,13 +118,11 @@ def _body(eqn):
 
 
 def _inline(jaxpr: Jaxpr, consts, in_values: list, out: list, where: tuple) -> list:
-    env = {v: Value(v.aval, True, _is_zero_const(c)) for v, c in zip(jaxpr.constvars, consts)}
+    env = {v: _const(v.aval, c) for v, c in zip(jaxpr.constvars, consts)}
     env.update(zip(jaxpr.invars, in_values))
 
     def read(atom):
-        if isinstance(atom, Literal):
-            return Value(atom.aval, True, _is_zero_const(atom.val))
-        return env[atom]
+        return _const(atom.aval, atom.val) if isinstance(atom, Literal) else env[atom]
 
     for eqn in jaxpr.eqns:
         ins = [read(a) for a in eqn.invars]
@@ -114,7 +133,8 @@ def _inline(jaxpr: Jaxpr, consts, in_values: list, out: list, where: tuple) -> l
         else:
             const = all(v.const for v in ins) and not eqn.effects
             zero = eqn.primitive.name in _ZERO_PRESERVING and bool(ins) and ins[0].zero
-            outs = [Value(v.aval, const, zero) for v in eqn.outvars]
+            scalar = _folded(eqn, ins) if const else None
+            outs = [Value(v.aval, const, zero, scalar) for v in eqn.outvars]
             out.append(Eqn(eqn.primitive.name, tuple(ins), tuple(outs), dict(eqn.params), where))
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
