@@ -238,7 +238,8 @@ def test_rows_wider_than_a_block(fxp, sizes, monkeypatch):
     """A row of more elements than a block (one row per block) and blocks that hold a
     fraction of the layer's rows (blocks of 2^12 elements here); a finite step checks every
     block rather than applying the per-entry rules to it (``path_gradient`` then sees only
-    the node vectors)."""
+    the node vectors). The plan of CUDA tensors reads nothing on the host: every block
+    takes the per-entry rules there."""
     import gsgd_backends.rule_step as rule_step
 
     monkeypatch.setattr(rule_step, "BLOCK", 1 << 12)
