@@ -107,7 +107,7 @@ def _skip_unless_finite(grads, updates: list, new_state, state):
     """``(updates, new_state)``, or zero updates and the old ``state`` when a gradient
     holds a NaN or Inf: such a step is skipped whole (numerics guide: never written into the
     weights, nor into a momentum buffer), with no host round-trip."""
-    ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in grads], dtype=bool))
+    ok = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in grads]))
     updates = [jnp.where(ok, u, jnp.zeros_like(u)) for u in updates]
     return updates, jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new_state, state)
 

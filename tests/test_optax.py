@@ -160,6 +160,22 @@ def test_dict_layout_with_transposed_kernels_equals_pairs():
         assert_close(np.asarray(ud[f"l{i}"]["b"]), np.asarray(ub), 1e-14)
 
 
+def test_pairs_of_kernels_read_in_out_with_transposed():
+    """``chains_from_pairs(..., transposed=True)``: ``(in, out)`` kernels, as Flax's and
+    Haiku's, step as the ``(out, in)`` pairs they transpose."""
+    params = make_params()
+    kernels = [(w.T, b) for w, b in params]
+    chains = chains_from_pairs(kernels, transposed=True)
+    assert chains[0].chain == chains_from_pairs(params)[0].chain
+    g = grad(params)
+    opt_k, opt_p = gsgd(0.1, chains), gsgd(0.1, chains_from_pairs(params))
+    uk, _ = opt_k.update([(gw.T, gb) for gw, gb in g], opt_k.init(kernels), kernels)
+    up, _ = opt_p.update(g, opt_p.init(params), params)
+    for (kw, kb), (uw, ub) in zip(uk, up):
+        assert_close(np.asarray(kw.T), np.asarray(uw), 1e-14)
+        assert_close(np.asarray(kb), np.asarray(ub), 1e-14)
+
+
 def test_dict_layout_reads_out_in_weights_by_default_and_layers_without_a_bias():
     """Without ``transposed`` a dict's weights are ``(out, in)``, as pairs' are; a layer
     whose bias is absent or None has none in the chain, and its step equals the pairs'."""
