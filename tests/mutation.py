@@ -245,7 +245,9 @@ def report(conf: dict) -> str:
            "as killed when a test fails or times out on it; an equivalent mutant (no test",
            "can tell it from the original, for the reason given below) is left out of the",
            "score of the others, and so is one that only a GPU could tell (its reason says",
-           "\"GPU only\").", "",
+           "\"GPU only\"). mutmut runs on the CPU; the GPU-only mutants were planted one at a",
+           "time on a GPU against the CUDA tests ([Testing](testing.md#on-a-gpu)), and each",
+           "reason says whether they killed it or why it is equivalent there too.", "",
            "| module | mutants | killed | of which timeouts | score | equivalent or GPU only "
            "| score of the others | open survivors | run time |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
