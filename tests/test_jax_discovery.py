@@ -35,6 +35,8 @@ def vjp_relu(x):
 vjp_relu.defvjp(lambda x: (vjp_relu(x), x), lambda x, g: (g * (x > 0),))
 
 
+TYPED_KEY = jax.random.key(3)
+MASK = jnp.arange(4 * 6).reshape(4, 6) % 3 > 0
 ACTIVATIONS = {
     "jax.nn.relu": jax.nn.relu,                       # custom_jvp_call around max
     "jit": jax.jit(lambda x: jnp.maximum(x, 0.0)),    # a pjit body
@@ -45,6 +47,13 @@ ACTIVATIONS = {
     # select_n on a test of the batch size, fixed when traced: the ReLU, not the constant
     "where on a static test": lambda x: jnp.where(jnp.asarray(x.shape[0]) - 1 > 0,
                                                   jax.nn.relu(x), 0.5),
+    # a test of a loop's count (a primitive of several results), fixed when traced
+    "where on a loop's count": lambda x: jnp.where(
+        jax.lax.fori_loop(0, 2, lambda i, c: c + 1.0, 0.0) > 1.0, jax.nn.relu(x), 0.5),
+    # dropout by a captured typed key (a constant with no NumPy value); a constant mask
+    "dropout, captured key": lambda x: jnp.where(jax.random.bernoulli(
+        TYPED_KEY, 0.9, x.shape), jax.nn.relu(x) / 0.9, 0.0),
+    "where on a constant mask": lambda x: jnp.where(MASK[:, :x.shape[1]], jax.nn.relu(x), 0.0),
 }
 
 

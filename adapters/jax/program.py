@@ -75,30 +75,29 @@ class Program:
                 self.producer[v] = i
 
 
-def _is_zero_const(x) -> bool:
-    try:
-        return bool(np.all(np.asarray(x) == 0))
-    except (TypeError, ValueError):
-        return False
-
-
 def _const(aval, x) -> Value:
-    """The value of a literal or of one of the jaxpr's constants."""
-    scalar = np.asarray(x) if np.ndim(x) == 0 else None
-    return Value(aval, True, _is_zero_const(x), scalar)
-
-
-def _folded(eqn, ins: list):
-    """The scalar an equation of scalar constants computes (a shape's count, ``jnp.var``'s
-    test of it), or ``None``: such a value is fixed when the model is traced."""
-    if len(eqn.outvars) != 1 or eqn.effects or any(v.scalar is None for v in ins):
-        return None
-    if getattr(eqn.outvars[0].aval, "shape", None) != ():
-        return None
+    """A literal or one of the jaxpr's constants: whether it is all zeros, and its value
+    where it is a scalar (a typed PRNG key has no NumPy value: neither)."""
     try:
-        return np.asarray(eqn.primitive.bind(*[v.scalar for v in ins], **eqn.params))
-    except Exception:  # noqa: BLE001 - a primitive that cannot run eagerly is not folded
-        return None
+        a = np.asarray(x)
+        zero = bool(np.all(a == 0))
+    except (TypeError, ValueError):
+        return Value(aval, True)
+    return Value(aval, True, zero, a if a.ndim == 0 else None)
+
+
+def _folded(eqn, ins: list) -> list:
+    """The scalars an equation of scalar constants computes (a shape's count, ``jnp.var``'s
+    test of it, a loop's count), one per output, or ``None`` for each: such values are fixed
+    when the model is traced."""
+    unknown = [None] * len(eqn.outvars)
+    if any(v.scalar is None for v in ins) or any(v.aval.shape != () for v in eqn.outvars):
+        return unknown
+    try:
+        out = eqn.primitive.bind(*[v.scalar for v in ins], **eqn.params)
+        return [np.asarray(o) for o in (out if eqn.primitive.multiple_results else [out])]
+    except Exception:  # noqa: BLE001 - what cannot run eagerly, or has no NumPy value (a key)
+        return unknown
 
 
 def _body(eqn):
@@ -133,8 +132,8 @@ def _inline(jaxpr: Jaxpr, consts, in_values: list, out: list, where: tuple) -> l
         else:
             const = all(v.const for v in ins) and not eqn.effects
             zero = eqn.primitive.name in _ZERO_PRESERVING and bool(ins) and ins[0].zero
-            scalar = _folded(eqn, ins) if const else None
-            outs = [Value(v.aval, const, zero, scalar) for v in eqn.outvars]
+            scalars = _folded(eqn, ins) if const else [None] * len(eqn.outvars)
+            outs = [Value(v.aval, const, zero, x) for v, x in zip(eqn.outvars, scalars)]
             out.append(Eqn(eqn.primitive.name, tuple(ins), tuple(outs), dict(eqn.params), where))
         env.update(zip(eqn.outvars, outs))
     return [read(a) for a in jaxpr.outvars]
