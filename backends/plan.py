@@ -167,14 +167,17 @@ class Scratch(threading.local):
         return buf
 
 
-
-def signature(lists) -> list:
+def signature(lists) -> list | None:
     """What validating a call's lists of arrays depends on: each list's length and each
-    entry's type, shape, dtype and device (a training loop passes the same every step)."""
+    entry's type, shape, dtype and device (a training loop passes the same every step);
+    ``None`` where an entry of ``lists`` is neither a list, a tuple nor ``None``."""
+    if not all([v is None or isinstance(v, (list, tuple)) for v in lists]):
+        return None
     return [-1 if v is None else len(v) for v in lists] + [
         None if a is None else (type(a), getattr(a, "shape", None), getattr(a, "dtype", None),
                                 getattr(a, "device", None))
         for a in concat.from_iterable([v for v in lists if v is not None])]
+
 
 class StepPlan:
     """Everything a fast step of ``chain`` reuses (module docstring).
@@ -271,10 +274,10 @@ class StepPlan:
         (type, shape, dtype and device of each): a training loop passes the same signature
         every step, and validating it anew costs as much as updating a small layer."""
         lists = [weights, biases, grads, bias_grads] + [v for _, v in extra]
-        if not all([v is None or isinstance(v, (list, tuple)) for v in lists]):
+        sig = signature(lists)
+        if sig is None:
             return prepare(self.chain, weights, biases, grads=grads, bias_grads=bias_grads,
                            extra=extra)
-        sig = signature(lists)
         if sig != self._signature:
             self._prepared = prepare(self.chain, weights, biases, grads=grads,
                                      bias_grads=bias_grads, extra=extra)

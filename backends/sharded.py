@@ -171,9 +171,7 @@ def _checked_half(shard: RowShard, weights, grads, biases, bias_grads, buffers=(
     are kept in float32). Returns whether the dtype is half precision, which the core
     computes in float32 (numerics guide), not in place. Memoised on the arrays' signature
     in ``shard``, as :meth:`StepPlan.prepared` is: a training loop passes the same one."""
-    lists = [weights, grads, biases, bias_grads, *buffers]
-    sig = signature(lists) if all(
-        v is None or isinstance(v, (list, tuple)) for v in lists) else None
+    sig = signature([weights, grads, biases, bias_grads, *buffers])
     if sig is not None and shard._checked[0] == sig:
         return shard._checked[1]
     chain = shard.chain

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_, sharded_path_update_
-from _helpers import Problem, assert_close
+from _helpers import Problem, assert_close, reverse_axes
 from _conditioning import (assert_buffers_close, assert_step_close, gradient_rounding,
                           gsgd_tolerance, step_tolerance)
 from _strategies import chains, examples, seeds
@@ -438,10 +438,6 @@ def test_a_state_of_the_whole_layers_is_refused_naming_the_buffer(rule):
                 chain, RULES[rule], pb.W, pb.b), *loc.values())
 
 
-def _reversed_axes(a):
-    return a.permute(*reversed(range(a.ndim)))
-
-
 @pytest.mark.parametrize("lib", [p for p in LIB_PARAMS if p.values[0] in ("torch", "torch-cuda")])
 @pytest.mark.parametrize("rule", ["gsgd", "adamw"])
 def test_a_weight_that_cannot_be_written_in_place_hands_the_step_back(rule, lib):
@@ -452,7 +448,7 @@ def test_a_weight_that_cannot_be_written_in_place_hands_the_step_back(rule, lib)
     chain = gc.Chain.mlp([4, 6, 5, 3])
     rows = [(0, 6), (0, 5), (0, 3)]
     loc = {k: [None if a is None else to(a) for a in v] for k, v in _bad(chain, rows).items()}
-    loc["weights"][1] = _reversed_axes(_reversed_axes(loc["weights"][1]).contiguous())
+    loc["weights"][1] = reverse_axes(reverse_axes(loc["weights"][1]).contiguous())
     before = [w.clone() for w in loc["weights"] + loc["biases"]]
     shard = RowShard(chain, rows, lambda v: v)
     pb = Problem(chain, 0)
