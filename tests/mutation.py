@@ -16,13 +16,16 @@ stages a copy laid out under the import names (``build/mutation/<module>/``), wr
 ``[tool.mutmut]`` of ``pyproject.toml`` there with the module and its tests
 (``[tool.gsgd.mutation]``), and runs ``mutmut run`` in it. Hypothesis runs its ``mutate``
 profile (``ci`` without shrinking). Results (every mutant's status, survivors with their
-diff, the run's duration) go to ``results/mutation/<module>.json``; ``--report`` turns them
-into ``docs/mutation.md`` together with the reasons given in ``[tool.gsgd.mutation]``.
+diff, the run's duration) go to ``tests/mutation-results/<module>.json``, kept with the
+sources; ``--report`` turns them into ``docs/mutation.md`` together with the reasons given
+in ``[tool.gsgd.mutation]``. A result whose per-mutant statuses were not kept holds their
+``counts`` instead (``{"killed": 150, "survived": 1}``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -35,14 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: Folders as the repository holds them -> the package names the tests import.
 PACKAGES = {"gsgd_core": "gsgd_core", "backends": "gsgd_backends", "adapters": "gsgd_adapters"}
-BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "results" / "mutation"
+BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "tests" / "mutation-results"
 MUTMUT = Path(sys.executable).with_name("mutmut")  # beside this interpreter
 
 
 def settings() -> dict:
     """``[tool.gsgd.mutation]``: ``tests`` (module -> test files), ``gpu_only`` (modules
     only a GPU runs), ``fork_unsafe`` (modules, or folders ending in ``/``, whose tests
-    cannot run in a child forked after their collection), ``in_workers`` (function -> the
+    cannot run in a child forked after their collection: it is forked after importing
+    ``preload`` instead), ``in_workers`` (function -> the
     tests that reach it only in processes they spawn), ``dynamo_off`` (modules whose functions
     torch.compile traces: dynamo cannot trace mutmut's trampolines, so their tests run them
     eagerly), ``equivalent`` (mutant name -> why no test can tell it apart)."""
@@ -57,7 +61,7 @@ def _staged(module: str) -> Path:
 
 
 def _saved(module: str) -> Path:
-    """Where ``module``'s result is kept (``results/mutation/backends.plan.py.json``)."""
+    """Where ``module``'s result is kept (``tests/mutation-results/backends.plan.py.json``)."""
     return RESULTS / (module.replace("/", ".") + ".json")
 
 
@@ -71,6 +75,18 @@ def import_path(module: str) -> str:
     """``backends/plan.py`` -> ``gsgd_backends/plan.py``: where the staged copy holds it."""
     top, _, rest = module.partition("/")
     return f"{PACKAGES[top]}/{rest}"
+
+
+#: Each mutant's child compiles the JAX tests' functions anew: XLA's persistent cache on
+#: disk, keyed by the compiled program, lets them reuse each other's (six times faster).
+JAX_CACHE = {"JAX_COMPILATION_CACHE_DIR": str(BUILD / "jax-cache"),
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _fork_unsafe(module: str, conf: dict) -> bool:
+    """Whether ``module``'s tests run JAX (``fork_unsafe``)."""
+    return any(module.startswith(prefix) for prefix in conf.get("fork_unsafe", []))
 
 
 def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path:
@@ -89,14 +105,18 @@ def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path
         shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns(
             "__pycache__", ".hypothesis"))
     target = import_path(module)
-    fresh = any(module.startswith(prefix) for prefix in conf.get("fork_unsafe", []))
-    mutmut = conf["mutmut"] | ({"forkserver_warmup": "none"} if fresh else {}) | {
+    mutmut = conf["mutmut"] | {
         "source_paths": [target.split("/")[0] + "/"],
         "only_mutate": [target],
         "also_copy": [name + "/" for name in PACKAGES.values()] + ["tests/", "benchmarks/",
                                                                      "docs/"],
         "pytest_add_cli_args_test_selection": tests,
     }
+    if _fork_unsafe(module, conf):
+        # the fork server imports the libraries only: no test has run, so no JAX thread
+        (dest / "preload.txt").write_text("\n".join(conf["preload"]) + "\n")
+        mutmut |= {"forkserver_warmup": "import",
+                   "preload_modules_file": str(dest / "preload.txt")}
     lines = ["[tool.mutmut]"] + [f"{k} = {json.dumps(v)}" for k, v in mutmut.items()]
     pytest_conf = ['[tool.pytest.ini_options]', 'addopts = ["-ra"]',
                    'filterwarnings = ["error::RuntimeWarning"]']
@@ -121,7 +141,7 @@ def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) 
 
 
 def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
-    """mutmut over ``module`` with its tests; the result as written to ``results/``.
+    """mutmut over ``module`` with its tests; the result as written to ``RESULTS``.
 
     ``again``: keep the verdicts of the last run, run the mutants of the functions changed
     since (mutmut regenerates those), then run that run's survivors (and those no test
@@ -137,13 +157,15 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     if before:
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
-        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {})
+        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
+        JAX_CACHE if _fork_unsafe(module, conf) else {})
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)
     if before:
         known = statuses(dest, module)
-        rerun = [n for n, s in before["status"].items()  # equivalents need no new look
-                 if s in ("survived", "no tests") and n in known
+        # a result kept as counts names its survivors only; equivalents need no new look
+        status = before.get("status", dict.fromkeys(before["survivors"], "survived"))
+        rerun = [n for n, s in status.items() if s in ("survived", "no tests") and n in known
                  and n not in conf.get("equivalent", {})]
         mutmut_run(dest, module, jobs, rerun, env)
     result = in_workers(dest, verdicts(dest, module, tests, env), conf, env)
@@ -207,7 +229,7 @@ def save_stopped(module: str, conf: dict) -> dict:
     left count as not run (out of the score); ``--again`` goes on from it."""
     dest = _staged(module)
     result = verdicts(dest, module, conf["tests"][module], os.environ)
-    result["stopped"] = sum(s == "not checked" for s in result["status"].values())
+    result["stopped"] = counts(result)["not checked"]
     return _save(result)
 
 
@@ -226,12 +248,19 @@ def run_time(r: dict) -> str:
         for a in r.get("again", [])])
 
 
+def counts(result: dict) -> collections.Counter:
+    """How many mutants have each status: counted from ``status``, or the ``counts`` a
+    result holds instead."""
+    return collections.Counter(result["status"].values()) if "status" in result else \
+        collections.Counter(result["counts"])
+
+
 def score(result: dict) -> tuple[int, int]:
     """``(killed, counted)``: killed counts mutmut's "killed" and "timeout" (a mutant that
     hangs the tests is caught); "no tests" counts as a survivor; the mutants a stopped run
     did not reach ("not checked") are not counted."""
-    counted = [s for s in result["status"].values() if s not in ("skipped", "not checked")]
-    return sum(s in ("killed", "timeout") for s in counted), len(counted)
+    n = counts(result)
+    return n["killed"] + n["timeout"], n.total() - n["skipped"] - n["not checked"]
 
 
 def report(conf: dict) -> str:
@@ -254,7 +283,7 @@ def report(conf: dict) -> str:
     for r in results:
         killed, counted = score(r)
         same = sum(name in why for name in r["survivors"])
-        timeouts = sum(s == "timeout" for s in r["status"].values())
+        timeouts = counts(r)["timeout"]
         out.append(f"| `{r['module']}` | {counted} | {killed} | {timeouts} "
                    f"| {100 * killed / counted:.1f}% | {same} "
                    f"| {100 * killed / max(counted - same, 1):.1f}% "

@@ -3,6 +3,7 @@ copy puts each package under its import name, and scores and the page follow the
 
 import json
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -40,9 +41,12 @@ def test_the_staged_copy_holds_the_packages_under_their_import_names(tmp_path, m
     assert table["pytest_add_cli_args_test_selection"] == ["tests/test_step_plan.py"]
     assert table["process_isolation"] == conf["mutmut"]["process_isolation"]
     assert table["forkserver_warmup"] == "collect"
+    assert "preload_modules_file" not in table
     jax = mutation.stage("adapters/jax/norms.py", ["tests/test_jax_discovery.py"], conf)
-    assert tomllib.loads((jax / "pyproject.toml").read_text())["tool"]["mutmut"][
-        "forkserver_warmup"] == "none", "JAX's tests run in children that import it"
+    table = tomllib.loads((jax / "pyproject.toml").read_text())["tool"]["mutmut"]
+    assert table["forkserver_warmup"] == "import", "JAX's tests are not collected before a fork"
+    assert Path(table["preload_modules_file"]).read_text().split() == conf["preload"]
+    assert "jax" in conf["preload"]
 
 
 @pytest.mark.parametrize("module, path", [
@@ -224,3 +228,47 @@ def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypa
     monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
     mutation.run(module, 2, mutation.settings())
     assert [env.get("TORCH_COMPILE_DISABLE") for env in envs] == ["1" if disabled else None]
+
+
+def test_a_result_kept_as_counts_scores_and_reruns_as_one_kept_by_mutant(tmp_path,
+                                                                          monkeypatch):
+    """A result that holds ``counts`` instead of every mutant's status gives the same row,
+    and ``--again`` reruns the survivors it names."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    status = {"m1": "killed", "m2": "survived", "m3": "timeout", "m4": "skipped"}
+    by_mutant = {"module": "backends/plan.py", "tests": [], "seconds": 90.0, "jobs": 2,
+                 "date": "2026-11-25", "status": status, "survivors": {"m2": "-y\n+z"},
+                 "again": []}
+    as_counts = {k: v for k, v in by_mutant.items() if k != "status"} | {
+        "counts": {"killed": 1, "survived": 1, "timeout": 1, "skipped": 1}}
+    conf = {"tests": {"backends/plan.py": []}, "gpu_only": []}
+    pages = []
+    for r in (by_mutant, as_counts):
+        mutation._save(r)
+        pages.append(mutation.report(conf))
+    assert pages[0] == pages[1] and "| `backends/plan.py` | 3 | 2 | 1 | 66.7% |" in pages[1]
+    runs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        runs.append(list(names)))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: status)
+    monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
+        "stdout": "-y\n+z"})())
+    mutation.run("backends/plan.py", 2, mutation.settings(), again=True)
+    assert runs == [[], ["m2"]]
+
+
+@pytest.mark.parametrize("module, cached", [("adapters/jax/walk.py", True),
+                                            ("backends/plan.py", False)])
+def test_the_jax_modules_share_a_compilation_cache(tmp_path, monkeypatch, module, cached):
+    """Each mutant's child would compile the JAX tests' functions anew: the JAX modules'
+    runs share XLA's persistent cache (every compilation kept), the others leave it be."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    envs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        envs.append(env))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
+    mutation.run(module, 2, mutation.settings())
+    assert (envs[0].get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") == "0") is cached
+    assert ("JAX_COMPILATION_CACHE_DIR" in envs[0]) is cached
