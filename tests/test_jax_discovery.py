@@ -1,6 +1,8 @@
 """find_chains beyond the catalogue: the jaxpr forms it sees through, its self-check, bad
 input, models with nothing to prove, layouts, hand descriptions checked like found ones."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -281,3 +283,84 @@ def test_a_normalisation_is_found_by_the_degree_of_its_value(name):
 
     found = find_chains(apply, pairs(), X)
     assert [path_name(p) for p in found.normalised.weights] == (["0/0"] if normalised else [])
+
+
+C = jnp.linspace(-1.0, 1.0, 6)   # a model input laid out like a bias
+BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the value (and
+    # one more term of the model's output), b's shape, whether b joins the layer
+    "h + b": (lambda h, b, c: h + b, (6,), True),
+    "b + h": (lambda h, b, c: b + h, (6,), True),
+    "h + b of shape (1, n)": (lambda h, b, c: h + b, (1, 6), True),
+    "one unit, h + b of shape (1,)": (lambda h, b, c: h + b, (1,), True),
+    # not a bias of the layer: the add ends the chain
+    "h + scalar b": (lambda h, b, c: h + b, (), False),
+    "h + b of shape (2, 3), flattened": (lambda h, b, c: h + b.reshape(6), (2, 3), False),
+    "h + b cast to integers": (lambda h, b, c: h + b.astype(jnp.int32), (6,), False),
+    "h + b.T, b of shape (6, 1)": (lambda h, b, c: h + b.T, (6, 1), False),
+    "relu(h) + b": (lambda h, b, c: jax.nn.relu(h) + b, (6,), False),
+    "h + b + b": (lambda h, b, c: h + b + b, (6,), False),
+    "h + b, b read again by the output": (lambda h, b, c: (h + b, jnp.sum(b)), (6,), False),
+    "h + c, an input": (lambda h, b, c: h + c, (6,), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BIASES))
+def test_a_bias_joins_its_layer_only_as_the_guide_says(name):
+    """A leaf laid out along the units (one axis of them, through reshapes, broadcasts and
+    float casts), added to the layer's output before any other operation and read nowhere
+    else, is the layer's bias; anything else added there ends the chain, claimed or not
+    (``check=False``) and whatever side of the addition it is on."""
+    form, shape, joined = BIASES[name]
+    width = math.prod(shape) if name.startswith("one unit") else 6
+
+    def apply(p, x, c):
+        h = form(x @ p["w1"], p["b"], c[:width])
+        h, term = h if isinstance(h, tuple) else (h, 0.0)
+        return jax.nn.relu(h) @ p["w2"] + term
+
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w1": jax.random.normal(ks[0], (5, width)), "w2": jax.random.normal(
+        ks[1], (width, 3)), "b": 0.1 + jax.random.uniform(ks[2], shape)}
+    for check in (False, True):
+        found = find_chains(apply, params, X, C, check=check)
+        assert [[path_name(p) for p in c.weights] for c in found] == (
+            [["w1", "w2"]] if joined else [])
+        if joined:
+            assert [None if p is None else path_name(p) for p in found[0].biases] == [
+                "b", None]
+        else:
+            assert "b" in found.reasons and "w1" in found.reasons
+
+
+ENDS = {  # what follows the first layer's output h -> a fragment of the first weight's reason
+    "h @ w2 + h @ w4": (lambda h, p: h @ p["w2"] + h @ p["w4"],
+                        "its output feeds two layers (a branch)"),
+    "w3.T @ h": (lambda h, p: p["w3"].T @ h,
+                 "the next layer does not contract its units (they stay a free axis)"),
+    "h @ a constant": (lambda h, p: h @ jnp.ones((6, 3)),
+                       "its output goes to dot_general, which is not a layer that can be in a "
+                       "chain (see the reason given for its weight)"),
+    "h @ h.T @ w3": (lambda h, p: h @ h.T @ p["w3"], "its output goes to dot_general"),
+    "(h @ w2, h)": (lambda h, p: (h @ p["w2"], h),
+                    "its output is returned by the model and also feeds the next layer"),
+    "nothing read": (lambda h, p: jnp.ones(3), "its output is not used"),
+    "h + c, an input": (lambda h, p: (h + C) @ p["w2"],
+                        "it is added to a value that does not carry its unit scales"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENDS))
+def test_a_layer_whose_units_stop_says_where(name):
+    """The first layer's units reach no single next layer that reads them as its input
+    units: it is in no chain, and its weight's reason says where its units stop."""
+    then, why = ENDS[name]
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    params = {"w1": jax.random.normal(ks[0], (5, 6)), "w2": jax.random.normal(ks[1], (6, 3)),
+              "w3": jax.random.normal(ks[2], (4, 3)), "w4": jax.random.normal(ks[3], (6, 3))}
+    for check in (False, True):
+        found = find_chains(lambda p, x: then(jax.nn.relu(x @ p["w1"]), p), params, X,
+                            check=check)
+        assert "w1" not in {path_name(p) for c in found for p in c.weights}
+        reason = found.reasons["w1"]
+        assert reason.startswith("its layer is in no chain of two or more layers: ") and (
+            why in reason), reason

@@ -5,15 +5,15 @@ PSI-SGD (seed 004) needs each row of the weight to be scale-invariant: scaling o
 layer's output is followed as for a chain, with a *degree* per value (it scales as
 ``c**d``): squares double it, ``rsqrt`` halves and negates it, products add degrees and
 quotients subtract them, sums of one degree and means over other axes keep it (a sum of two
-degrees has none), and a value of degree 0 no longer depends on the scales.
-The layer is normalised when nothing of non-zero degree reaches the model's output or a
-layer. Batch norm's ``var + eps`` counts as degree 2 (exact only up to ``eps``, as on the
-torch side): a scalar constant counts as such an ``eps`` only where it is added to a
-*statistic*, a value reduced over the batch or the positions (a variance, a standard
+degrees has none), and a value of degree 0 no longer depends on the scales. The layer is
+normalised when its output is used and nothing of non-zero degree reaches the model's
+output or a layer. Batch norm's ``var + eps`` counts as degree 2 (exact only up to ``eps``,
+as on the torch side): a scalar constant counts as such an ``eps`` only where it is added
+to a *statistic*, a value reduced over the batch or the positions (a variance, a standard
 deviation, a mean square), never to the layer's output itself (``h + 1``); its running
-statistics, returned under ``batch_stats`` (Flax) or by ``*_ema``
-modules (Haiku), do not count as the model's output. A norm over the units' axis (layer
-norm, RMS norm, group norm with several channels a group) mixes rows: not per unit.
+statistics, returned under ``batch_stats`` (Flax) or by ``*_ema`` modules (Haiku), do not
+count as the model's output. A norm over the units' axis (layer norm, RMS norm, group norm
+with several channels a group) mixes rows: not per unit.
 """
 
 from __future__ import annotations
@@ -77,11 +77,14 @@ def _degree(e: Eqn, st: list) -> list | None:
 
 def is_normalised(program: Program, layer: Layer, outputs) -> bool:
     """Whether every row of ``layer``'s weight is scale-invariant through a per-unit
-    normalisation: no value of non-zero degree in its scales reaches ``outputs`` (the
-    model's outputs that are not statistics) or a layer. A value that leaves the degree
-    rules counts as reaching them."""
+    normalisation: its output reaches ``outputs`` (the model's outputs that are not
+    statistics), but no value of non-zero degree in its scales reaches them or a layer. A
+    value that leaves the degree rules counts as reaching them."""
     live = _matters(program, outputs)
-    carried = {program.eqns[layer.eqn].outs[0]: (layer.out_units, 1.0, False)}
+    h = program.eqns[layer.eqn].outs[0]
+    if h not in live:   # an unused layer: nothing normalises it, it is not used
+        return False
+    carried = {h: (layer.out_units, 1.0, False)}
     for e in program.eqns[layer.eqn + 1:]:
         st = [carried.get(v) for v in e.ins]
         if all(s is None for s in st) or not any(v in live for v in e.outs):

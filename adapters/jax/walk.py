@@ -9,7 +9,7 @@ out along the units is added before any other operation (JAX guide).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .layers import CONTRACTIONS, Layer, linked_layout, source_leaf
 from .leaves import Layout
@@ -47,18 +47,17 @@ def bias_units(program: Program, value, n_params: int, readers) -> tuple[int, Un
     if not shape or len(long) > 1 or len(readers[leaf]) != 1 or axes != tuple(range(len(shape))):
         return None
     units = Units(long[0] if long else 0, math.prod(shape))
-    for e in reversed(ops):
-        if e.prim != "convert_element_type":
-            out = step(e, [units])
-            if isinstance(out, str):
-                return None
-            units = out[0]
+    for e in reversed(ops):   # a cast to integers rounds: step refuses it
+        out = step(e, [units])
+        if isinstance(out, str):
+            return None
+        units = out[0]
     return leaf, units
 
 
 def _add_bias(e: Eqn, st: list, program, n_params, readers, walk: Walk) -> Units | None:
     """The units after ``e`` when it adds the layer's bias, else ``None``."""
-    if e.prim not in ("add", "add_any") or walk.bias is not None:
+    if e.prim != "add" or walk.bias is not None:
         return None
     carried = [(s, v) for s, v in zip(st, e.ins) if s is not None]
     if len(carried) != 1 or not carried[0][0].linear:
@@ -68,8 +67,8 @@ def _add_bias(e: Eqn, st: list, program, n_params, readers, walk: Walk) -> Units
     found = bias_units(program, other, n_params, readers)
     if found is None or not found[1].same(units):
         return None
-    walk.bias = found[0]
-    return replace(units, linear=False)
+    walk.bias = found[0]   # no second bias joins
+    return units
 
 
 def walk(program: Program, layer: Layer, layers: dict, n_params: int, readers) -> Walk:
