@@ -56,6 +56,8 @@ ACTIVATIONS = {
     "dropout, captured key": lambda x: jnp.where(jax.random.bernoulli(
         TYPED_KEY, 0.9, x.shape), jax.nn.relu(x) / 0.9, 0.0),
     "where on a constant mask": lambda x: jnp.where(MASK[:, :x.shape[1]], jax.nn.relu(x), 0.0),
+    "where, zero first": lambda x: jnp.where(x < 0, 0.0, x),   # select_n(x < 0, x, 0)
+    "flip of the batch": lambda x: jnp.flip(jax.nn.relu(x), 0),
 }
 
 
@@ -285,6 +287,19 @@ def test_a_normalisation_is_found_by_the_degree_of_its_value(name):
     assert [path_name(p) for p in found.normalised.weights] == (["0/0"] if normalised else [])
 
 
+def _max_pool(h, window, stride):
+    """``h``'s max over windows of its two axes (batch, units), without padding."""
+    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, window, stride, "VALID")
+
+
+def _inner(h):
+    return jnp.tanh(h)
+
+
+def _outer(h):
+    return jax.jit(_inner)(h)
+
+
 C = jnp.linspace(-1.0, 1.0, 6)   # a model input laid out like a bias
 BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the value (and
     # one more term of the model's output), b's shape, whether b joins the layer
@@ -299,6 +314,9 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "h + b.T, b of shape (6, 1)": (lambda h, b, c: h + b.T, (6, 1), False),
     "relu(h) + b": (lambda h, b, c: jax.nn.relu(h) + b, (6,), False),
     "h + b + b": (lambda h, b, c: h + b + b, (6,), False),
+    "where(h > 0, h, 0) + b": (lambda h, b, c: jnp.where(h > 0, h, 0.0) + b, (6,), False),
+    "max-pool of the batch + b": (lambda h, b, c: _max_pool(h, (2, 1), (1, 1)) + b, (6,),
+                                  False),
     "h + b, b read again by the output": (lambda h, b, c: (h + b, jnp.sum(b)), (6,), False),
     "h + c, an input": (lambda h, b, c: h + c, (6,), False),
 }
@@ -344,6 +362,22 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
     "(h @ w2, h)": (lambda h, p: (h @ p["w2"], h),
                     "its output is returned by the model and also feeds the next layer"),
     "nothing read": (lambda h, p: jnp.ones(3), "its output is not used"),
+    "flip of the units": (lambda h, p: jnp.flip(h, 1) @ p["w2"],
+                          "reverses its units"),
+    "where(h > 0, h, 1)": (lambda h, p: jnp.where(h > 0, h, 1.0) @ p["w2"],
+                           "chooses between it and a value that does not carry its scales"),
+    "tanh in nested jits": (lambda h, p: jax.jit(_outer)(h) @ p["w2"],
+                            "its output goes to tanh (inside _outer/_inner), which is not "
+                            "positively homogeneous per unit"),
+    "max-pool of 2 units, stride 1": (lambda h, p: _max_pool(h, (1, 2), (1, 1)) @ p["w2"][:5],
+                                      "pools across its units (it mixes units)"),
+    "h * h": (lambda h, p: (h * h) @ p["w2"], "mul of two values that carry its units is "
+              "not of degree 1 in their scales"),
+    "h ** h": (lambda h, p: (h ** h) @ p["w2"], "of two values that carry its units"),
+    "atan2(h, h)": (lambda h, p: jnp.arctan2(h, h) @ p["w2"], "of two values that carry"),
+    "h % h": (lambda h, p: (h % h) @ p["w2"], "of two values that carry its units"),
+    "sum over i of h_i * h_j": (lambda h, p: (h[:, :, None] * h[:, None, :]).sum(1) @ p["w2"],
+                                "it meets a value with its units on another axis in mul"),
     "h + c, an input": (lambda h, p: (h + C) @ p["w2"],
                         "it is added to a value that does not carry its unit scales"),
 }
@@ -364,3 +398,24 @@ def test_a_layer_whose_units_stop_says_where(name):
         reason = found.reasons["w1"]
         assert reason.startswith("its layer is in no chain of two or more layers: ") and (
             why in reason), reason
+
+
+POSITIONS = jnp.array([1.0, -2.0])
+FLATTENS = {  # the first layer's output h (4, 6) spread over two positions and flattened
+    "channel-major": (lambda h: (h[:, :, None] * POSITIONS).reshape(4, 12), 1, 2),
+    "position-major": (lambda h: (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12), 2, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLATTENS))
+def test_a_flatten_gives_the_next_layer_its_units_positions(name):
+    """After a flatten, unit ``j`` of the next layer's input sits at ``(p * n + j) * Q + q``:
+    ``Q`` positions after each unit (channel-major, as Equinox flattens CHW), ``P`` blocks
+    of all units (position-major, as Flax flattens HWC); the chain holds and checks."""
+    flat, P, Q = FLATTENS[name]
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {"w1": jax.random.normal(ks[0], (5, 6)), "w2": jax.random.normal(ks[1], (12, 3))}
+    found = find_chains(lambda p, x: flat(jax.nn.relu(x @ p["w1"])) @ p["w2"], params, X)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
+    assert found[0].layouts[1] == Layout(1, 0, P=P, Q=Q)
+    assert found[0].chain.sizes == (5, 6, 3) and found[0].chain.slots[1] == 2

@@ -136,10 +136,13 @@ def _layout(e: Eqn, u: Units) -> Units | str:
 
 
 def _window(e: Eqn, u: Units) -> Units | str:
+    """A pooling passes the units when its window along their axis is one entry, unpadded
+    and undilated: each entry there (after a flatten too) is pooled with entries of other
+    axes only."""
     a, prm = u.axis, e.params
     whole = (prm["window_dimensions"][a] == 1 and prm["window_strides"][a] == 1
              and tuple(prm["padding"][a]) == (0, 0) and prm["base_dilation"][a] == 1)
-    if not whole or u.P * u.Q != 1:
+    if not whole:
         return f"{e.describe()} pools across its units (it mixes units)"
     return replace(u, linear=False)
 
