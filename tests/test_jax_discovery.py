@@ -58,6 +58,14 @@ ACTIVATIONS = {
     "where on a constant mask": lambda x: jnp.where(MASK[:, :x.shape[1]], jax.nn.relu(x), 0.0),
     "where, zero first": lambda x: jnp.where(x < 0, 0.0, x),   # select_n(x < 0, x, 0)
     "flip of the batch": lambda x: jnp.flip(jax.nn.relu(x), 0),
+    "-min(-x, 0)": lambda x: -jnp.minimum(-x, 0.0),
+    "relu(x) + zeros": lambda x: jax.nn.relu(x) + jnp.zeros(x.shape[-1]),
+    "relu(x) - zeros": lambda x: jax.nn.relu(x) - jnp.zeros_like(x),
+    # dead code (make_jaxpr keeps it) cannot change the output
+    "relu(x), tanh(x) unused": lambda x: (jnp.tanh(x), jax.nn.relu(x))[1],
+    # the gradient of |h|**2 / 2 at relu(x): its cotangents meet in add_any
+    "grad of sum(h * h) / 2 at relu(x)": lambda x: jax.grad(
+        lambda h: 0.5 * jnp.sum(h * h))(jax.nn.relu(x)),
 }
 
 
@@ -314,6 +322,8 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "h + b.T, b of shape (6, 1)": (lambda h, b, c: h + b.T, (6, 1), False),
     "relu(h) + b": (lambda h, b, c: jax.nn.relu(h) + b, (6,), False),
     "h + b + b": (lambda h, b, c: h + b + b, (6,), False),
+    "2h + b": (lambda h, b, c: 2.0 * h + b, (6,), False),
+    "h + h + b": (lambda h, b, c: h + h + b, (6,), False),
     "where(h > 0, h, 0) + b": (lambda h, b, c: jnp.where(h > 0, h, 0.0) + b, (6,), False),
     "max-pool of the batch + b": (lambda h, b, c: _max_pool(h, (2, 1), (1, 1)) + b, (6,),
                                   False),

@@ -31,15 +31,6 @@ def is_statistic(path: tuple) -> bool:
     return any(str(k) == "batch_stats" or str(k).endswith("_ema") for k in path)
 
 
-def _matters(program: Program, outputs) -> set:
-    """Values from which some of ``outputs`` (the model's own) can be reached."""
-    live = {v for v in outputs}
-    for e in reversed(program.eqns):
-        if any(v in live for v in e.outs):
-            live.update(e.ins)
-    return live
-
-
 def _degree(e: Eqn, st: list) -> list | None:
     """``(units, degree, statistic)`` of each output of ``e`` (``None`` for an output
     independent of the scales), or ``None`` where ``e`` takes its operands out of the degree
@@ -80,7 +71,7 @@ def is_normalised(program: Program, layer: Layer, outputs) -> bool:
     normalisation: its output reaches ``outputs`` (the model's outputs that are not
     statistics), but no value of non-zero degree in its scales reaches them or a layer. A
     value that leaves the degree rules counts as reaching them."""
-    live = _matters(program, outputs)
+    live = program.reaching(outputs)
     h = program.eqns[layer.eqn].outs[0]
     if h not in live:   # an unused layer: nothing normalises it, it is not used
         return False

@@ -74,6 +74,15 @@ class Program:
             for v in e.outs:
                 self.producer[v] = i
 
+    def reaching(self, outputs) -> set:
+        """The values from which some of ``outputs`` can be reached: the others are dead
+        code (``jax.make_jaxpr`` keeps it), which cannot change them."""
+        live = set(outputs)
+        for e in reversed(self.eqns):
+            if any(v in live for v in e.outs):
+                live.update(e.ins)
+        return live
+
 
 def _const(aval, x) -> Value:
     """A literal or one of the jaxpr's constants: whether it is all zeros, and its value

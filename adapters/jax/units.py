@@ -86,9 +86,9 @@ def _binary(e: Eqn, st: list) -> list | str:
         return [replace(first, linear=False)]
     if e.prim == "mul" or (e.prim == "div" and st[0] is not None):
         return [replace(first, linear=False)]
-    if e.prim in ("add", "sub", "max", "min", "add_any") and all(v.zero for v in others):
+    if e.prim in ("add", "sub", "max", "min") and all(v.zero for v in others):
         return [replace(first, linear=False)]
-    if e.prim in ("add", "sub", "add_any"):
+    if e.prim in ("add", "sub"):
         return (f"it is added to a value that does not carry its unit scales in "
                 f"{e.describe()} (a constant, a residual or another branch)")
     return f"its output goes to {e.describe()}, {NOT_HOMOGENEOUS}"

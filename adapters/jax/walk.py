@@ -1,6 +1,7 @@
 """Follow one layer's units forward through the program, to the next layer or to a reason.
 
-From the layer's output, every value computed from it is followed in program order
+From the layer's output, every value computed from it that reaches the model's output (dead
+code cannot change it) is followed in program order
 (:func:`gsgd_adapters.jax.units.step`). The units pass on only if all of it ends in one
 weight layer that reads them as its input units; a bias joins the layer when a leaf laid
 out along the units is added before any other operation (JAX guide).
@@ -75,11 +76,12 @@ def walk(program: Program, layer: Layer, layers: dict, n_params: int, readers) -
     """Follow ``layer``'s units (see the module's docstring)."""
     out = Walk()
     carried = {program.eqns[layer.eqn].outs[0]: layer.out_units}
+    live = program.reaching(program.outputs)
     for i in range(layer.eqn + 1, len(program.eqns)):
         e = program.eqns[i]
         st = [carried.get(v) for v in e.ins]
-        if all(s is None for s in st):
-            continue
+        if all(s is None for s in st) or not any(v in live for v in e.outs):
+            continue   # dead code cannot change the output
         if i in layers and st[layers[i].weight_operand] is None:
             linked = linked_layout(e, layers[i], st[1 - layers[i].weight_operand])
             if isinstance(linked, str) or out.next is not None:
