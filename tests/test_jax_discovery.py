@@ -59,6 +59,7 @@ ACTIVATIONS = {
     "where, zero first": lambda x: jnp.where(x < 0, 0.0, x),   # select_n(x < 0, x, 0)
     "flip of the batch": lambda x: jnp.flip(jax.nn.relu(x), 0),
     "-min(-x, 0)": lambda x: -jnp.minimum(-x, 0.0),
+    "relu(x)[:, None] squeezed": lambda x: jnp.squeeze(jax.nn.relu(x)[:, None, :], 1),
     "relu(x) + zeros": lambda x: jax.nn.relu(x) + jnp.zeros(x.shape[-1]),
     "relu(x) - zeros": lambda x: jax.nn.relu(x) - jnp.zeros_like(x),
     # dead code (make_jaxpr keeps it) cannot change the output
@@ -323,6 +324,7 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "relu(h) + b": (lambda h, b, c: jax.nn.relu(h) + b, (6,), False),
     "h + b + b": (lambda h, b, c: h + b + b, (6,), False),
     "2h + b": (lambda h, b, c: 2.0 * h + b, (6,), False),
+    "h + zeros + b": (lambda h, b, c: h + jnp.zeros(6) + b, (6,), False),
     "h + h + b": (lambda h, b, c: h + h + b, (6,), False),
     "where(h > 0, h, 0) + b": (lambda h, b, c: jnp.where(h > 0, h, 0.0) + b, (6,), False),
     "max-pool of the batch + b": (lambda h, b, c: _max_pool(h, (2, 1), (1, 1)) + b, (6,),
@@ -429,3 +431,10 @@ def test_a_flatten_gives_the_next_layer_its_units_positions(name):
     assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
     assert found[0].layouts[1] == Layout(1, 0, P=P, Q=Q)
     assert found[0].chain.sizes == (5, 6, 3) and found[0].chain.slots[1] == 2
+
+
+def test_a_squeeze_of_the_units_axis_ends_the_chain():
+    params = {"w1": jnp.ones((5, 1)), "w2": jnp.ones((1, 3))}
+    found = find_chains(lambda p, x: jnp.squeeze(jax.nn.relu(x @ p["w1"]), 1)[:, None]
+                        @ p["w2"], params, X)
+    assert len(found) == 0 and "squeeze removes its unit axis" in found.reasons["w1"]

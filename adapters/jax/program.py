@@ -20,7 +20,7 @@ INLINED = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom
            "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_lin"}
 # Ops through which an all-zero constant stays all zero (dropout's and where's zeros).
 _ZERO_PRESERVING = {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-                    "expand_dims", "transpose", "copy", "copy_p"}
+                    "transpose", "copy"}
 
 
 class Value:

@@ -42,7 +42,7 @@ class Units:
         return (self.axis, self.n, self.P, self.Q) == (other.axis, other.n, other.P, other.Q)
 
 
-ELEMENTWISE = {"neg", "copy", "copy_p", "reduce_precision", "abs"}
+ELEMENTWISE = {"neg", "copy", "reduce_precision", "abs"}
 COMPARISONS = {"gt", "ge", "lt", "le", "eq", "ne"}
 REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 WINDOWS = {"reduce_window_max", "reduce_window_min", "reduce_window_sum", "reduce_window"}
@@ -121,15 +121,10 @@ def _layout(e: Eqn, u: Units) -> Units | str:
     if p == "broadcast_in_dim":
         return replace(u, axis=int(e.params["broadcast_dimensions"][u.axis]))
     if p == "squeeze":
-        dims = [d % len(shape) for d in e.params["dimensions"]]
+        dims = [int(d) for d in e.params["dimensions"]]   # lax keeps them non-negative
         if u.axis in dims:
             return f"{e.describe()} removes its unit axis"
         return replace(u, axis=u.axis - sum(d < u.axis for d in dims))
-    if p == "expand_dims":
-        axis = u.axis
-        for d in sorted(int(d) for d in e.params["dimensions"]):
-            axis += d <= axis
-        return replace(u, axis=axis)
     if p == "rev":
         return f"{e.describe()} reverses its units" if _along(u, e.params["dimensions"]) else u
     return f"its output goes to {e.describe()}, {NOT_HOMOGENEOUS}"
@@ -187,7 +182,7 @@ def step(e: Eqn, st: list) -> list | str:
             return f"it is converted to {e.params['new_dtype']} (rounding is not homogeneous)"
         return [carried[0]]
     if p in ELEMENTWISE:
-        return [carried[0] if p in ("copy", "copy_p") else replace(carried[0], linear=False)]
+        return [carried[0] if p == "copy" else replace(carried[0], linear=False)]
     if p == "select_n":
         return _select(e, st)
     if p in ("mul", "div", "add", "sub", "max", "min", "add_any", "pow", "atan2", "rem"):

@@ -17,7 +17,7 @@ from .leaves import Layout
 from .program import Eqn, Program
 from .units import Units, step
 
-_BIAS_LAYOUT = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze", "expand_dims"}
+_BIAS_LAYOUT = {"reshape", "broadcast_in_dim", "convert_element_type", "squeeze"}
 
 
 @dataclass
