@@ -438,3 +438,45 @@ def test_a_squeeze_of_the_units_axis_ends_the_chain():
     found = find_chains(lambda p, x: jnp.squeeze(jax.nn.relu(x @ p["w1"]), 1)[:, None]
                         @ p["w2"], params, X)
     assert len(found) == 0 and "squeeze removes its unit axis" in found.reasons["w1"]
+
+
+def _conv(x, k, groups=1):
+    """An NCHW convolution by an OIHW kernel ``k`` (stride 1, no padding)."""
+    return jax.lax.conv_general_dilated(x, k, (1, 1), "VALID", feature_group_count=groups)
+
+
+IMAGES = jax.random.normal(jax.random.PRNGKey(3), (2, 4, 5, 5))   # NCHW
+REFUSED = {  # a model of w (and v) -> the reason that w is in no chain
+    "grouped conv": (lambda p, x: _conv(jax.nn.relu(_conv(x, p["w"], 2)), p["v"]),
+                     (6, 2, 3, 3), (3, 6, 1, 1),
+                     "grouped or depthwise convolution (feature_group_count=2, "
+                     "batch_group_count=1)"),
+    "the weight as the convolution's input": (
+        lambda p, x: _conv(p["w"], x[:1, :, :3, :3]).sum() + _conv(x, p["v"]).sum(),
+        (1, 4, 5, 5), (3, 4, 1, 1), "its weight is the convolution's input, not its kernel"),
+    "a weight per example": (lambda p, x: jnp.einsum("bi,bij->bj", x.reshape(2, -1)[:, :4],
+                                                     p["w"]) @ p["v"], (2, 4, 6), (6, 3),
+                             "its weight has batch dimensions in dot_general"),
+    "two output axes": (lambda p, x: jnp.einsum("bi,ijk->bjk", x.reshape(2, -1)[:, :4],
+                                                p["w"]).reshape(2, 6) @ p["v"], (4, 2, 3),
+                        (6, 3), "its weight (4, 2, 3) has 2 output axes and 1 contracted ones"),
+    "read twice": (lambda p, x: jax.nn.relu(x.reshape(2, -1)[:, :4] @ p["w"]) @ p["v"]
+                   + jnp.sum(p["w"]), (4, 6), (6, 3),
+                   "the weight is read 2 times (a layer applied twice, tied weights, or a "
+                   "weight read outside its layer)"),
+    "a product of two leaves": (lambda p, x: x.reshape(2, -1)[:, :4] @ (p["w"] @ p["v"]),
+                                (4, 6), (6, 3), "read by dot_general, not as the weight"),
+    "units on a spatial axis of the next conv": (
+        lambda p, x: _conv(jax.nn.relu(x.reshape(2, -1)[:, :4] @ p["w"]).reshape(2, 1, 6, 1),
+                           p["v"]), (4, 6), (3, 1, 1, 1),
+        "the next convolution does not read its units as input channels"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_weight_that_is_no_layer_of_a_chain_says_why(name):
+    model, w_shape, v_shape, why = REFUSED[name]
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {"w": jax.random.normal(ks[0], w_shape), "v": jax.random.normal(ks[1], v_shape)}
+    found = find_chains(model, params, IMAGES)
+    assert len(found) == 0 and why in found.reasons["w"], found.reasons["w"]
