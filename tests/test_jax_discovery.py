@@ -59,6 +59,9 @@ ACTIVATIONS = {
     "where, zero first": lambda x: jnp.where(x < 0, 0.0, x),   # select_n(x < 0, x, 0)
     "flip of the batch": lambda x: jnp.flip(jax.nn.relu(x), 0),
     "-min(-x, 0)": lambda x: -jnp.minimum(-x, 0.0),
+    # sign tests: of one value, or between two of the same units
+    "where(x > x / 2, x, 0)": lambda x: jnp.where(x > x / 2, x, 0.0),
+    "x * (sign(x) > 0)": lambda x: x * (jnp.sign(x) > 0),
     # along the batch, not the units: cumulative sums, slices and zero padding
     "cumsum over the batch": lambda x: jnp.cumsum(jax.nn.relu(x), 0),
     "every other example": lambda x: jax.nn.relu(x)[::2],
@@ -405,6 +408,13 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
                                    "pads it with a value other than zero or along its units"),
     "zero-padded units": (lambda h, p: jnp.pad(h, ((0, 0), (1, 0))) @ jnp.ones((7, 3)),
                           "pads it with a value other than zero or along its units"),
+    "where(h > 1, h, 0)": (lambda h, p: jnp.where(h > 1.0, h, 0.0) @ p["w2"],
+                           "it is compared with a non-zero value in gt"),
+    "h * (h_i > h_j for some j)": (
+        lambda h, p: (h * (h[:, :, None] > h[:, None, :]).any(2)) @ p["w2"],
+        "it meets a value with its units on another axis in gt"),
+    "h cast to integers": (lambda h, p: h.astype(jnp.int32) @ p["w2"].astype(jnp.int32),
+                           "it is converted to int32 (rounding is not homogeneous)"),
     "h * h": (lambda h, p: (h * h) @ p["w2"], "mul of two values that carry its units is "
               "not of degree 1 in their scales"),
     "h ** h": (lambda h, p: (h ** h) @ p["w2"], "of two values that carry its units"),
@@ -502,3 +512,12 @@ def test_a_weight_that_is_no_layer_of_a_chain_says_why(name):
     params = {"w": jax.random.normal(ks[0], w_shape), "v": jax.random.normal(ks[1], v_shape)}
     found = find_chains(model, params, IMAGES)
     assert len(found) == 0 and why in found.reasons["w"], found.reasons["w"]
+
+
+def test_a_float_cast_passes_the_units():
+    """A cast to another float type keeps each unit's entries (up to rounding, which the
+    self-check in float64 would see: the claim is read without it)."""
+    params = {"w1": jnp.ones((5, 6)), "w2": jnp.ones((6, 3))}
+    found = find_chains(lambda p, x: jax.nn.relu(x @ p["w1"]).astype(jnp.float32)
+                        @ p["w2"].astype(jnp.float32), params, X, check=False)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]

@@ -172,10 +172,12 @@ def step(e: Eqn, st: list) -> list | str:
     or why ``e`` does not commute with a per-unit positive rescaling of them."""
     p = e.prim
     carried = [s for s in st if s is not None]
-    if p in COMPARISONS or p == "sign":
-        others = [v for v, s in zip(e.ins, st) if s is None]
-        if all(v.zero for v in others) or (len(carried) == 2 and carried[0].same(carried[1])):
-            return [None] * len(e.outs)   # a sign test: invariant under positive scaling
+    if p in COMPARISONS or p == "sign":   # a sign test is invariant under positive scaling
+        if len(carried) == 2:
+            return [None] * len(e.outs) if carried[0].same(carried[1]) else (
+                f"it meets a value with its units on another axis in {e.describe()}")
+        if all(v.zero for v, s in zip(e.ins, st) if s is None):
+            return [None] * len(e.outs)
         return f"it is compared with a non-zero value in {e.describe()}"
     if p == "convert_element_type":
         if not np.issubdtype(np.dtype(e.params["new_dtype"]), np.floating):
