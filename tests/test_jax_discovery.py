@@ -332,6 +332,9 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "h + b + b": (lambda h, b, c: h + b + b, (6,), False),
     "2h + b": (lambda h, b, c: 2.0 * h + b, (6,), False),
     "h + zeros + b": (lambda h, b, c: h + jnp.zeros(6) + b, (6,), False),
+    "copy(h) + b": (lambda h, b, c: jnp.copy(h) + b, (6,), True),
+    "-h + b": (lambda h, b, c: -h + b, (6,), False),
+    "|h| + b": (lambda h, b, c: jnp.abs(h) + b, (6,), False),
     "sum over the batch + b": (lambda h, b, c: h.sum(0) + b, (6,), False),
     "cumsum over the batch + b": (lambda h, b, c: jnp.cumsum(h, 0) + b, (6,), False),
     "h[1:] + b": (lambda h, b, c: h[1:] + b, (6,), False),
@@ -413,6 +416,11 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
     "h * (h_i > h_j for some j)": (
         lambda h, p: (h * (h[:, :, None] > h[:, None, :]).any(2)) @ p["w2"],
         "it meets a value with its units on another axis in gt"),
+    "h written into zeros": (
+        lambda h, p: jax.lax.dynamic_update_slice(jnp.zeros((4, 6)), h, (0, 0)) @ p["w2"],
+        "its output goes to dynamic_update_slice, which is not positively homogeneous"),
+    "top 2 of h": (lambda h, p: jax.lax.top_k(h, 2)[0] @ p["w2"][:2],
+                   "its output goes to top_k, which is not positively homogeneous"),
     "h cast to integers": (lambda h, p: h.astype(jnp.int32) @ p["w2"].astype(jnp.int32),
                            "it is converted to int32 (rounding is not homogeneous)"),
     "h * h": (lambda h, p: (h * h) @ p["w2"], "mul of two values that carry its units is "
