@@ -239,7 +239,7 @@ def run_time(r: dict) -> str:
     def took(run: dict) -> str:
         return f"{run['seconds'] / 60:.1f} min, {run['jobs']} job{'s' * (run['jobs'] > 1)}, " \
                f"{run['date']}"
-    if r.get("stopped"):
+    if "stopped" in r:   # its count may be 0: stopped after the last mutant, before the save
         return f"stopped before its end, {r['stopped']} mutants not run, {r['date']}"
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
     return "; ".join([first] + [

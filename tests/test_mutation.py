@@ -153,6 +153,7 @@ def test_a_stopped_run_is_saved_with_what_it_reached_and_again_goes_on(tmp_path,
     r = mutation.save_stopped("backends/plan.py", conf)
     assert r["stopped"] == 2 and mutation.score(r) == (1, 2) and list(r["survivors"]) == ["b"]
     assert mutation.run_time(r) == f"stopped before its end, 2 mutants not run, {r['date']}"
+    assert mutation.run_time(r | {"stopped": 0}).startswith("stopped before its end, 0 mutants")
     page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": []})
     assert "| `backends/plan.py` | 2 | 1 | 0 | 50.0% |" in page
     runs = []
