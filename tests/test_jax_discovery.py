@@ -431,6 +431,8 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
     "h % h": (lambda h, p: (h % h) @ p["w2"], DEGREE_2),
     "sum over i of h_i * h_j": (lambda h, p: (h[:, :, None] * h[:, None, :]).sum(1) @ p["w2"],
                                 "it meets a value with its units on another axis in mul"),
+    "h - c": (lambda h, p: (h - C) @ p["w2"],
+              "it is added to a value that does not carry its unit scales in sub"),
     "h + c, an input": (lambda h, p: (h + C) @ p["w2"],
                         "it is added to a value that does not carry its unit scales"),
 }
