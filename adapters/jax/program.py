@@ -10,6 +10,7 @@ its own: its batching rules are already applied in the traced equations.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +74,12 @@ class Program:
                 self.users.setdefault(v, []).append(i)
             for v in e.outs:
                 self.producer[v] = i
+
+    @functools.cached_property
+    def live(self) -> set:
+        """The values that reach any of the program's outputs (:meth:`reaching`), once per
+        program: every layer's walk reads them."""
+        return self.reaching(self.outputs)
 
     def reaching(self, outputs) -> set:
         """The values from which some of ``outputs`` can be reached: the others are dead

@@ -76,11 +76,10 @@ def walk(program: Program, layer: Layer, layers: dict, n_params: int, readers) -
     """Follow ``layer``'s units (see the module's docstring)."""
     out = Walk()
     carried = {program.eqns[layer.eqn].outs[0]: layer.out_units}
-    live = program.reaching(program.outputs)
     for i in range(layer.eqn + 1, len(program.eqns)):
         e = program.eqns[i]
         st = [carried.get(v) for v in e.ins]
-        if all(s is None for s in st) or not any(v in live for v in e.outs):
+        if all(s is None for s in st) or not any(v in program.live for v in e.outs):
             continue   # dead code cannot change the output
         if i in layers and st[layers[i].weight_operand] is None:
             linked = linked_layout(e, layers[i], st[1 - layers[i].weight_operand])
