@@ -6,6 +6,7 @@ Usage, from the repository root (``pip install -e .[test,torch,jax,jax-test,muta
     python tests/mutation.py backends/plan.py adapters/optax.py --jobs 2
     python tests/mutation.py --all                         # every module of the table
     python tests/mutation.py backends/plan.py --again      # its survivors, with new tests
+    python tests/mutation.py adapters/jax/units.py --again --tests tests/test_jax_discovery.py
     python tests/mutation.py --report                      # docs/mutation.md from results/
 
 mutmut names a mutant by its file's path (``backends/plan.py`` gives ``backends.plan.*``)
@@ -140,7 +141,8 @@ def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) 
         raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
 
 
-def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
+def run(module: str, jobs: int, conf: dict, again: bool = False,
+        only: list[str] | None = None) -> dict:
     """mutmut over ``module`` with its tests; the result as written to ``RESULTS``.
 
     ``again``: keep the verdicts of the last run, run the mutants of the functions changed
@@ -149,18 +151,28 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
     rebuilt first: it traces only tests new by name, so a test changed to reach a function
     would not be run on that function's survivors. A run stopped before its end has no
     result yet: ``again`` then runs the mutants it left without a verdict (the result says
-    "resumed") with the record it had."""
+    "resumed") with the record it had.
+
+    ``only``: with ``again``, the survivors run with these of the module's tests alone, the
+    ones changed since the last run (a survivor has passed the others already); the module
+    must not have changed since, as its new mutants would miss the other tests."""
     tests = conf["tests"][module]
     saved = _saved(module)
     before = json.loads(saved.read_text()) if again and saved.exists() else None
-    dest = stage(module, tests, conf, keep=again)
+    if only and not before:
+        raise ValueError(f"--tests reruns the survivors of a saved run of {module}: none")
+    files = {t.split("::")[0] for t in tests}
+    if only and any(t.split("::")[0] not in files for t in only):
+        raise ValueError(f"--tests {only}: not among {module}'s tests {tests}")
+    dest = stage(module, only or tests, conf, keep=again)
     if before:
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
         {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
         JAX_CACHE if _fork_unsafe(module, conf) else {})
     start = time.perf_counter()
-    mutmut_run(dest, module, jobs, [], env)
+    if not only:  # the mutants without a verdict, all of them on a first run
+        mutmut_run(dest, module, jobs, [], env)
     if before:
         known = statuses(dest, module)
         # a result kept as counts names its survivors only; equivalents need no new look
@@ -169,6 +181,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                  and n not in conf.get("equivalent", {})]
         mutmut_run(dest, module, jobs, rerun, env)
     result = in_workers(dest, verdicts(dest, module, tests, env), conf, env)
+    if only and counts(result)["not checked"]:  # mutmut made them anew: nothing ran them
+        raise ValueError(f"{module} changed since its last run: run --again without --tests")
     seconds = time.perf_counter() - start
     result |= {"seconds": round(seconds, 1), "jobs": jobs}
     if again and (not before or before.get("stopped")):
@@ -178,7 +192,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False) -> dict:
                    if k in before} | {
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
-                 "survivors": len(rerun)}]}
+                 "survivors": len(rerun)} | ({"tests": only} if only else {})]}
     return _save(result)
 
 
@@ -244,7 +258,9 @@ def run_time(r: dict) -> str:
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
     return "; ".join([first] + [
         (f"all {a['all']} again, with a changed test table: " if "all" in a else
-         f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again: ") + took(a)
+         f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again"
+         + (" with " + ", ".join(f"`{t}`" for t in a["tests"]) if "tests" in a else "")
+         + ": ") + took(a)
         for a in r.get("again", [])])
 
 
@@ -313,6 +329,9 @@ def main(argv=None) -> int:
     parser.add_argument("--again", action="store_true",
                         help="keep the last run's verdicts; run its survivors and the mutants "
                              "of changed functions again")
+    parser.add_argument("--tests", nargs="+", metavar="TEST",
+                        help="with --again: run the survivors with these of the module's tests "
+                             "only (those changed since its run)")
     parser.add_argument("--stopped", action="store_true",
                         help="save the result of these modules' runs stopped before their end")
     parser.add_argument("--report", action="store_true", help="write docs/mutation.md")
@@ -322,9 +341,11 @@ def main(argv=None) -> int:
     unknown = [m for m in modules if m not in conf["tests"]]
     if unknown:
         parser.error(f"not in [tool.gsgd.mutation.tests]: {unknown}")
+    if args.tests and not args.again:
+        parser.error("--tests goes with --again")
     for module in modules:
-        r = save_stopped(module, conf) if args.stopped else run(module, args.jobs, conf,
-                                                                 again=args.again)
+        r = save_stopped(module, conf) if args.stopped else run(
+            module, args.jobs, conf, again=args.again, only=args.tests)
         killed, counted = score(r)
         print(f"{module}: {killed}/{counted} killed ({100 * killed / counted:.1f}%), "
               f"{len(r['survivors'])} survivors; {run_time(r)}", flush=True)

@@ -273,3 +273,38 @@ def test_the_jax_modules_share_a_compilation_cache(tmp_path, monkeypatch, module
     mutation.run(module, 2, mutation.settings())
     assert (envs[0].get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") == "0") is cached
     assert ("JAX_COMPILATION_CACHE_DIR" in envs[0]) is cached
+
+
+def test_survivors_run_again_with_the_tests_changed_since_alone(tmp_path, monkeypatch):
+    """``--again --tests`` reruns the survivors with those of the module's tests only, and no
+    plain run first (it would give new mutants the narrow tests); the result keeps the
+    module's tests and names the narrow ones in its rerun. Refused: without a saved run,
+    tests that are not the module's, and a module changed since (mutants without a verdict)."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    module, narrow = "adapters/jax/units.py", ["tests/test_jax_discovery.py"]
+    conf = mutation.settings()
+    with pytest.raises(ValueError, match="saved run"):
+        mutation.run(module, 2, conf, again=True, only=narrow)
+    status = {"a": "killed", "b": "survived", "c": "no tests"}
+    mutation._save({"module": module, "tests": conf["tests"][module], "seconds": 60.0,
+                    "jobs": 2, "date": "2026-11-25", "status": status,
+                    "survivors": {"b": "-x\n+y"}, "again": []})
+    runs = []
+
+    def mutmut_run(dest, m, jobs, names, env):
+        mutmut = tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["mutmut"]
+        runs.append((list(names), mutmut["pytest_add_cli_args_test_selection"]))
+    monkeypatch.setattr(mutation, "mutmut_run", mutmut_run)
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: status)
+    monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
+        "stdout": "-x\n+y"})())
+    with pytest.raises(ValueError, match="not among"):
+        mutation.run(module, 2, conf, again=True, only=["tests/test_optax.py"])
+    r = mutation.run(module, 2, conf, again=True, only=narrow)
+    assert runs == [(["b", "c"], narrow)]
+    assert r["tests"] == conf["tests"][module] and r["again"][0]["tests"] == narrow
+    assert "2 survivors again with `tests/test_jax_discovery.py`: " in mutation.run_time(r)
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: status | {"d": "not checked"})
+    with pytest.raises(ValueError, match="changed since"):
+        mutation.run(module, 2, conf, again=True, only=narrow)
