@@ -65,6 +65,7 @@ ACTIVATIONS = {
     # along the batch, not the units: cumulative sums, slices and zero padding
     "cumsum over the batch": lambda x: jnp.cumsum(jax.nn.relu(x), 0),
     "every other example": lambda x: jax.nn.relu(x)[::2],
+    "all examples but the first": lambda x: jax.nn.relu(x)[1:],   # a slice without strides
     "zero-padded batch": lambda x: jnp.pad(jax.nn.relu(x), ((1, 0), (0, 0))),
     "relu(x)[:, None] squeezed": lambda x: jnp.squeeze(jax.nn.relu(x)[:, None, :], 1),
     "relu(x) + zeros": lambda x: jax.nn.relu(x) + jnp.zeros(x.shape[-1]),
