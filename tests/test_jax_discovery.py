@@ -56,6 +56,11 @@ ACTIVATIONS = {
     "dropout, captured key": lambda x: jnp.where(jax.random.bernoulli(
         TYPED_KEY, 0.9, x.shape), jax.nn.relu(x) / 0.9, 0.0),
     "where on a constant mask": lambda x: jnp.where(MASK[:, :x.shape[1]], jax.nn.relu(x), 0.0),
+    # a mask computed from constants when traced (iota < 3), not a scalar test
+    "where on an iota mask": lambda x: jnp.where(jnp.arange(x.shape[1]) < 3, jax.nn.relu(x),
+                                                 0.0),
+    # a value with no shape (a token) in the program
+    "relu(x), a token made and dropped": lambda x: (jax.lax.create_token(), jax.nn.relu(x))[1],
     "where, zero first": lambda x: jnp.where(x < 0, 0.0, x),   # select_n(x < 0, x, 0)
     "flip of the batch": lambda x: jnp.flip(jax.nn.relu(x), 0),
     "-min(-x, 0)": lambda x: -jnp.minimum(-x, 0.0),
@@ -283,6 +288,14 @@ NORMS_BY_DEGREE = {  # of the first layer's output h (x: the input), per unit ov
     "(h - mean) / (std + eps)": (lambda h, x: (h - h.mean(0)) / (jnp.sqrt(
         ((h - h.mean(0)) ** 2).mean(0)) + 1e-5), True),
     "(h + sum(x)) / mean|.|": (_over_mean_abs(lambda h, x: h + x.sum()), False),
+    # an eps is a scalar computed from constants only: a captured key's draw is one, a
+    # constant per unit or a scalar of the input is not
+    "h / (mean|h| + eps drawn from a captured key)": (lambda h, x: h / (jnp.mean(
+        jnp.abs(h), 0) + 1e-5 * jax.random.uniform(TYPED_KEY)), True),
+    "h / (mean|h| + eps per unit)": (lambda h, x: h / (jnp.mean(jnp.abs(h), 0) + np.full(
+        h.shape[1], 1e-5, h.dtype)), False),
+    "h / (mean|h| + sum(x)**2)": (lambda h, x: h / (jnp.mean(jnp.abs(h), 0) + x.sum() ** 2),
+                                  False),
 }
 
 

@@ -25,15 +25,14 @@ _ZERO_PRESERVING = {"convert_element_type", "broadcast_in_dim", "reshape", "sque
 
 
 class Value:
-    """One value of the flattened program: its shape and dtype, whether it is a constant
+    """One value of the flattened program: its shape, whether it is a constant
     (computed from literals and the jaxpr's constants alone), a known all-zero one, and
     the value itself where it is a scalar constant (``scalar``; else ``None``)."""
 
-    __slots__ = ("shape", "dtype", "const", "zero", "scalar")
+    __slots__ = ("shape", "const", "zero", "scalar")
 
     def __init__(self, aval, const: bool = False, zero: bool = False, scalar=None) -> None:
-        self.shape = tuple(getattr(aval, "shape", ()))
-        self.dtype = getattr(aval, "dtype", None)
+        self.shape = tuple(getattr(aval, "shape", ()))   # a token has none
         self.const = const
         self.zero = zero
         self.scalar = scalar
@@ -107,7 +106,8 @@ def _folded(eqn, ins: list) -> list:
     test of it, a loop's count), one per output, or ``None`` for each: such values are fixed
     when the model is traced."""
     unknown = [None] * len(eqn.outvars)
-    if any(v.scalar is None for v in ins) or any(v.aval.shape != () for v in eqn.outvars):
+    if any(v.scalar is None for v in ins) or any(  # a token has no shape
+            getattr(v.aval, "shape", None) != () for v in eqn.outvars):
         return unknown
     try:
         out = eqn.primitive.bind(*[v.scalar for v in ins], **eqn.params)
