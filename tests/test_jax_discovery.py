@@ -11,6 +11,7 @@ optax = pytest.importorskip("optax")
 nn = pytest.importorskip("flax.linen")
 jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental import io_callback  # noqa: E402
 
 import gsgd_core as gc  # noqa: E402
 from gsgd_adapters.jax import (Layout, check_invariance, find_chains, random_rescale,  # noqa: E402
@@ -330,6 +331,21 @@ def _outer(h):
     return jax.jit(_inner)(h)
 
 
+@jax.custom_vjp
+def _tanh_vjp(h):
+    return jnp.tanh(h)
+
+
+_tanh_vjp.defvjp(lambda h: (jnp.tanh(h), h), lambda h, g: (g * (1 - jnp.tanh(h) ** 2),))
+# its call has no name of its own: a reason names the call's primitive
+_VJP_CALL = jax.make_jaxpr(_tanh_vjp)(jnp.ones(2)).eqns[0].primitive.name
+
+
+def _callback_test():
+    """``True``, read through a callback with effects: not fixed when the model is traced."""
+    return io_callback(lambda: np.bool_(True), jax.ShapeDtypeStruct((), jnp.bool_))
+
+
 C = jnp.linspace(-1.0, 1.0, 6)   # a model input laid out like a bias
 BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the value (and
     # one more term of the model's output), b's shape, whether b joins the layer
@@ -410,6 +426,13 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
     "tanh in nested jits": (lambda h, p: jax.jit(_outer)(h) @ p["w2"],
                             "its output goes to tanh (inside _outer/_inner), which is not "
                             "positively homogeneous per unit"),
+    "tanh in a custom_vjp": (lambda h, p: _tanh_vjp(h) @ p["w2"],
+                             f"its output goes to tanh (inside {_VJP_CALL}), which is not "
+                             "positively homogeneous per unit"),
+    "where on a callback's value": (
+        lambda h, p: jnp.where(_callback_test(), h, 2.0) @ p["w2"],
+        "select_n (inside _where) chooses between it and a value that does not carry its "
+        "scales"),
     "max-pool of 2 units, stride 1": (lambda h, p: _max_pool(h, (1, 2), (1, 1)) @ p["w2"][:5],
                                       "pools across its units (it mixes units)"),
     "argmax over the batch": (lambda h, p: (h * jnp.argmax(h, 0)) @ p["w2"],

@@ -18,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 # Call primitives whose body is their forward function (names across jax versions).
 INLINED = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-           "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint", "custom_lin"}
+           "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"}
 # Ops through which an all-zero constant stays all zero (dropout's and where's zeros).
 _ZERO_PRESERVING = {"convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
                     "transpose", "copy"}
