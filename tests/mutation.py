@@ -154,8 +154,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
     "resumed") with the record it had.
 
     ``only``: with ``again``, the survivors run with these of the module's tests alone, the
-    ones changed since the last run (a survivor has passed the others already); the module
-    must not have changed since, as its new mutants would miss the other tests."""
+    ones changed since the last run (a survivor has passed the others already); the mutants
+    of functions changed since still run with all of them first."""
     tests = conf["tests"][module]
     saved = _saved(module)
     before = json.loads(saved.read_text()) if again and saved.exists() else None
@@ -164,25 +164,25 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
     files = {t.split("::")[0] for t in tests}
     if only and any(t.split("::")[0] not in files for t in only):
         raise ValueError(f"--tests {only}: not among {module}'s tests {tests}")
-    dest = stage(module, only or tests, conf, keep=again)
+    dest = stage(module, tests, conf, keep=again)
     if before:
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
         {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
         JAX_CACHE if _fork_unsafe(module, conf) else {})
     start = time.perf_counter()
-    if not only:  # the mutants without a verdict, all of them on a first run
-        mutmut_run(dest, module, jobs, [], env)
+    mutmut_run(dest, module, jobs, [], env)
     if before:
         known = statuses(dest, module)
         # a result kept as counts names its survivors only; equivalents need no new look
         status = before.get("status", dict.fromkeys(before["survivors"], "survived"))
         rerun = [n for n, s in status.items() if s in ("survived", "no tests") and n in known
                  and n not in conf.get("equivalent", {})]
+        if only:  # mutmut traces which of these tests reach each function anew
+            stage(module, only, conf, keep=True)
+            (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
         mutmut_run(dest, module, jobs, rerun, env)
     result = in_workers(dest, verdicts(dest, module, tests, env), conf, env)
-    if only and counts(result)["not checked"]:  # mutmut made them anew: nothing ran them
-        raise ValueError(f"{module} changed since its last run: run --again without --tests")
     seconds = time.perf_counter() - start
     result |= {"seconds": round(seconds, 1), "jobs": jobs}
     if again and (not before or before.get("stopped")):

@@ -276,10 +276,10 @@ def test_the_jax_modules_share_a_compilation_cache(tmp_path, monkeypatch, module
 
 
 def test_survivors_run_again_with_the_tests_changed_since_alone(tmp_path, monkeypatch):
-    """``--again --tests`` reruns the survivors with those of the module's tests only, and no
-    plain run first (it would give new mutants the narrow tests); the result keeps the
-    module's tests and names the narrow ones in its rerun. Refused: without a saved run,
-    tests that are not the module's, and a module changed since (mutants without a verdict)."""
+    """``--again --tests`` runs the mutants without a verdict (of functions changed since)
+    with all the module's tests, then the survivors with the named ones alone, traced anew;
+    the result keeps the module's tests and names the narrow ones in its rerun. Refused:
+    without a saved run, and tests that are not the module's."""
     for name in ("BUILD", "RESULTS"):
         monkeypatch.setattr(mutation, name, tmp_path / name)
     module, narrow = "adapters/jax/units.py", ["tests/test_jax_discovery.py"]
@@ -294,7 +294,10 @@ def test_survivors_run_again_with_the_tests_changed_since_alone(tmp_path, monkey
 
     def mutmut_run(dest, m, jobs, names, env):
         mutmut = tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["mutmut"]
-        runs.append((list(names), mutmut["pytest_add_cli_args_test_selection"]))
+        stats = dest / "mutants" / "mutmut-stats.json"
+        runs.append((list(names), mutmut["pytest_add_cli_args_test_selection"], stats.exists()))
+        stats.parent.mkdir(parents=True, exist_ok=True)
+        stats.write_text("{}")
     monkeypatch.setattr(mutation, "mutmut_run", mutmut_run)
     monkeypatch.setattr(mutation, "statuses", lambda dest, m: status)
     monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
@@ -302,9 +305,6 @@ def test_survivors_run_again_with_the_tests_changed_since_alone(tmp_path, monkey
     with pytest.raises(ValueError, match="not among"):
         mutation.run(module, 2, conf, again=True, only=["tests/test_optax.py"])
     r = mutation.run(module, 2, conf, again=True, only=narrow)
-    assert runs == [(["b", "c"], narrow)]
+    assert runs == [([], conf["tests"][module], False), (["b", "c"], narrow, False)]
     assert r["tests"] == conf["tests"][module] and r["again"][0]["tests"] == narrow
     assert "2 survivors again with `tests/test_jax_discovery.py`: " in mutation.run_time(r)
-    monkeypatch.setattr(mutation, "statuses", lambda dest, m: status | {"d": "not checked"})
-    with pytest.raises(ValueError, match="changed since"):
-        mutation.run(module, 2, conf, again=True, only=narrow)
