@@ -2,6 +2,7 @@
 input, models with nothing to prove, layouts, hand descriptions checked like found ones."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -111,6 +112,84 @@ def test_the_self_check_drops_an_unsound_claim(monkeypatch):
         check_invariance(apply, params, X, chains=claimed)
     found = find_chains(apply, params, X)
     assert len(found) == 0 and "self-check" in found.reasons["0/0"]
+
+
+def _mlp(params, x):
+    for i, (w, b) in enumerate(params):
+        x = x @ w.T + b
+        x = jax.nn.relu(x) if i < len(params) - 1 else x
+    return x
+
+
+def _tanh_net(params, x):
+    return jnp.tanh(x @ params[0][0].T + params[0][1]) @ params[1][0].T + params[1][1]
+
+
+def _changes_by_hand(apply, params, chains, spread, seed):
+    """Each chain's ``max |out' - out| / max |out|`` with its hidden units rescaled by
+    ``random_rescale`` under ``fold_in(PRNGKey(seed), k)`` for the ``k``-th chain."""
+    ref = apply(params, X)
+    return {c.name(): float(jnp.max(jnp.abs(apply(random_rescale(
+        params, [c], jax.random.fold_in(jax.random.PRNGKey(seed), k), spread), X) - ref))
+        / jnp.max(jnp.abs(ref))) for k, c in enumerate(chains)}
+
+
+def test_the_self_check_rescales_each_chain_by_its_spread_and_seed(monkeypatch):
+    """``check_invariance`` draws chain ``k``'s scales from ``fold_in(PRNGKey(seed), k)``
+    with ``spread`` (defaults 1 and 0), and so does ``find_chains``' self-check."""
+    params = pairs()[:2]
+    chains = chains_from_pairs(params)
+    got = {kw: check_invariance(_tanh_net, params, X, chains=chains, rtol=math.inf,
+                                **dict(kw)) for kw in ((), (("spread", 0.5), ("seed", 3)))}
+    assert got[()] == pytest.approx(_changes_by_hand(_tanh_net, params, chains, 1.0, 0), 1e-12)
+    assert got[(("spread", 0.5), ("seed", 3))] == pytest.approx(
+        _changes_by_hand(_tanh_net, params, chains, 0.5, 3), 1e-12)
+    assert abs(got[()]["0/0 -> 1/0"] / got[(("spread", 0.5), ("seed", 3))]["0/0 -> 1/0"]
+               - 1) > 0.1   # the two draws differ
+    monkeypatch.setattr(units, "ELEMENTWISE", units.ELEMENTWISE | {"tanh"})
+    found = find_chains(_tanh_net, params, X)
+    assert found.changes == pytest.approx(got[()], 1e-12) and not found.chains
+
+
+def test_the_self_check_passes_a_change_of_rtol_and_names_what_fails():
+    params = pairs()[:2]
+    chains = chains_from_pairs(params)
+    change = check_invariance(_tanh_net, params, X, chains=chains, rtol=math.inf)["0/0 -> 1/0"]
+    assert change > 1e-3
+    assert check_invariance(_tanh_net, params, X, chains=chains, rtol=change) == {
+        "0/0 -> 1/0": change}
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"chain 0/0 -> 1/0 is not a chain of this model: a random positive rescaling of "
+            f"its hidden units changes the output by {change:.3g} (relative); describe it "
+            "without the layers that break it") + "$"):
+        check_invariance(_tanh_net, params, X, chains=chains, rtol=change * (1 - 1e-9))
+
+
+def test_the_self_check_computes_in_float64_where_enabled_and_in_float32_otherwise():
+    """float32 params are checked in float64 where JAX has it (rounding far below its
+    1e-9); without it, in float32 against 1e-4, where an unsound chain still fails."""
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), pairs())
+    chains = chains_from_pairs(params)
+    x = X.astype(jnp.float32)
+    assert check_invariance(_mlp, params, x, chains=chains)["0/0 -> 1/0 -> 2/0"] < 1e-12
+    with jax.enable_x64(False):
+        assert check_invariance(_mlp, params, x, chains=chains)["0/0 -> 1/0 -> 2/0"] < 1e-4
+        with pytest.raises(ValueError, match="is not a chain of this model"):
+            check_invariance(_tanh_net, params[:2], x, chains=chains_from_pairs(params[:2]))
+
+
+def test_the_self_check_reads_the_float_outputs_only():
+    """A key or an integer among the outputs is not compared (a key has no difference); a
+    model with no float output changes by 0."""
+    params = pairs()
+    chains = chains_from_pairs(params)
+
+    def apply(params, x):
+        y = _mlp(params, x)
+        return y, jax.random.key(0), jnp.argmax(y, 1)
+    assert check_invariance(apply, params, X, chains=chains)["0/0 -> 1/0 -> 2/0"] < 1e-12
+    assert check_invariance(lambda p, x: apply(p, x)[1:], params, X, chains=chains) == {
+        "0/0 -> 1/0 -> 2/0": 0.0}
 
 
 def test_bad_input_says_what_it_was_given():
