@@ -192,6 +192,58 @@ def test_the_self_check_reads_the_float_outputs_only():
         "0/0 -> 1/0 -> 2/0": 0.0}
 
 
+def test_the_self_check_is_relative_to_the_output_and_calls_a_nan_inf():
+    """The change is relative: scaling the output leaves it; a rescaling that makes the
+    output NaN is an infinite change, named so in the reason."""
+    params = pairs()[:2]
+    chains = chains_from_pairs(params)
+    change = check_invariance(_tanh_net, params, X, chains=chains, rtol=math.inf)
+    small = check_invariance(lambda p, x: 1e-3 * _tanh_net(p, x), params, X, chains=chains,
+                             rtol=math.inf)
+    assert small == pytest.approx(change, 1e-9)
+    w0 = pairs()[0][0]
+
+    def apply(p, x):   # NaN as soon as the first weight moves
+        return _mlp(p, x) + jnp.sum(jnp.sqrt(-(p[0][0] - w0) ** 2))
+    params, chains = pairs(), chains_from_pairs(pairs())
+    assert check_invariance(apply, params, X, chains=chains, rtol=math.inf) == {
+        "0/0 -> 1/0 -> 2/0": math.inf}
+    with pytest.raises(ValueError, match=r"changes the output by inf \(relative\)"):
+        check_invariance(apply, params, X, chains=chains)
+
+
+def test_the_self_check_tolerates_float64_rounding_only_where_enabled():
+    """A chain that changes the output by about 1e-6 fails in float64 (1e-9) and passes
+    in float32 (1e-4)."""
+    def apply(p, x):
+        return _mlp(p, x) + 1e-6 * jnp.tanh(x @ p[0][0].T).sum()
+    params, chains = pairs(), chains_from_pairs(pairs())
+    with pytest.raises(ValueError, match="is not a chain of this model"):
+        check_invariance(apply, params, X, chains=chains)
+    p32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params)
+    with jax.enable_x64(False):
+        assert check_invariance(apply, p32, X.astype(jnp.float32), chains=chains)
+
+
+@pytest.mark.parametrize("skeleton", ["he", "paper"])
+def test_skeleton_init_is_the_cores_on_each_chains_view(skeleton):
+    """"he" (the default): skeleton edges of magnitude ``he_skeleton_scale`` with their
+    signs, the rest times ``sqrt(1 - 1/4)``; "paper": skeleton edges 1, the rest kept."""
+    params = pairs()
+    found = find_chains(_mlp, params, X)
+    c, he = found[0], skeleton == "he"
+    chain = c.chain.with_skeleton_scale(c.chain.he_skeleton_scale() if he else None)
+    want, _ = gc.skeleton_init(chain, [w for w, _ in params], keep_signs=he,
+                               rest_scale=math.sqrt(0.75) if he else 1.0)
+    got = (skeleton_init(params, found) if he else
+           skeleton_init(params, found, skeleton=skeleton))
+    for (w, b), (_, b0), expected in zip(got, params, want):
+        np.testing.assert_array_equal(w, expected)
+        np.testing.assert_array_equal(b, b0)
+    with pytest.raises(ValueError, match="^skeleton must be 'he' or 'paper', got 'HE'$"):
+        skeleton_init(params, found, skeleton="HE")
+
+
 def test_bad_input_says_what_it_was_given():
     with pytest.raises(ValueError, match=r"does not trace.*\(6, 5\).*\(4, 7\)"):
         find_chains(lambda p, x: x @ p[0][0].T, pairs(), jnp.ones((4, 7)))
