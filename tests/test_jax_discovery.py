@@ -2,6 +2,7 @@
 input, models with nothing to prove, layouts, hand descriptions checked like found ones."""
 
 import math
+from dataclasses import replace
 import re
 
 import numpy as np
@@ -242,6 +243,37 @@ def test_skeleton_init_is_the_cores_on_each_chains_view(skeleton):
         np.testing.assert_array_equal(b, b0)
     with pytest.raises(ValueError, match="^skeleton must be 'he' or 'paper', got 'HE'$"):
         skeleton_init(params, found, skeleton="HE")
+
+
+def _log_scales(params, twin):
+    """Each hidden unit's log scale, read from its first incoming weight."""
+    return np.log(np.asarray(twin[0][0][:, 0] / params[0][0][:, 0]))
+
+
+def test_random_rescale_draws_log_scales_of_spread_sigma_per_chain():
+    """Each hidden unit's scale is ``exp(spread * N(0, 1))`` (spread 1 by default), drawn
+    apart for each chain; the function stays the same (Theorem 3.3)."""
+    ks = jax.random.split(jax.random.PRNGKey(5), 2)
+    one = [(jax.random.normal(ks[0], (3000, 3)), jnp.zeros(3000)),
+           (jax.random.normal(ks[1], (2, 3000)), jnp.zeros(2))]
+    params = {"a": one, "b": one}
+    chains = [replace(c, weights=tuple((k,) + w for w in c.weights),
+                      biases=tuple((k,) + b for b in c.biases))
+              for k in "ab" for c in chains_from_pairs(one)]
+    for kw, spread in (({}, 1.0), ({"spread": 0.5}, 0.5)):
+        twin = random_rescale(params, chains, jax.random.PRNGKey(0), **kw)
+        a, b = _log_scales(params["a"], twin["a"]), _log_scales(params["b"], twin["b"])
+        for s in (a, b):
+            assert abs(s.mean()) < 0.1 * spread and abs(s.std() / spread - 1) < 0.1
+        assert abs(np.corrcoef(a, b)[0, 1]) < 0.1
+        np.testing.assert_allclose(_mlp(twin["a"], X[:, :3]), _mlp(one, X[:, :3]), rtol=1e-9,
+                                   atol=1e-9)
+    same = random_rescale(params, chains, jax.random.PRNGKey(0), spread=0.0)
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda x, y: bool(jnp.all(x == y)), same, params))
+    for spread in (-0.5, math.inf, math.nan):
+        with pytest.raises(ValueError, match=f"^spread must be finite and >= 0, got {spread}$"):
+            random_rescale(params, chains, jax.random.PRNGKey(0), spread=spread)
 
 
 def test_bad_input_says_what_it_was_given():
