@@ -268,6 +268,10 @@ def test_random_rescale_draws_log_scales_of_spread_sigma_per_chain():
         assert abs(np.corrcoef(a, b)[0, 1]) < 0.1
         np.testing.assert_allclose(_mlp(twin["a"], X[:, :3]), _mlp(one, X[:, :3]), rtol=1e-9,
                                    atol=1e-9)
+    # float32 stays float32 (with JAX's float64 enabled)
+    typed = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), one)
+    twin = random_rescale(typed, chains_from_pairs(typed), jax.random.PRNGKey(0))
+    assert {x.dtype for x in jax.tree_util.tree_leaves(twin)} == {jnp.dtype(jnp.float32)}
     same = random_rescale(params, chains, jax.random.PRNGKey(0), spread=0.0)
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(
         lambda x, y: bool(jnp.all(x == y)), same, params))
