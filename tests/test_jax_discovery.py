@@ -593,6 +593,12 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
     "tanh in nested jits": (lambda h, p: jax.jit(_outer)(h) @ p["w2"],
                             "its output goes to tanh (inside _outer/_inner), which is not "
                             "positively homogeneous per unit"),
+    # units between two position axes (P = Q = 2) are not a convolution's input channels
+    "a conv over units flattened between positions": (
+        lambda h, p: jax.lax.conv_general_dilated(
+            (h[:, None, :, None] * POSITIONS[:, None, None] * POSITIONS).reshape(4, 1, 24),
+            p["w5"], (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")),
+        "the next convolution does not read its units as input channels"),
     "tanh in a custom_vjp": (lambda h, p: _tanh_vjp(h) @ p["w2"],
                              f"its output goes to tanh (inside {_VJP_CALL}), which is not "
                              "positively homogeneous per unit"),
@@ -647,9 +653,10 @@ def test_a_layer_whose_units_stop_says_where(name):
     """The first layer's units reach no single next layer that reads them as its input
     units: it is in no chain, and its weight's reason says where its units stop."""
     then, why = ENDS[name]
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
     params = {"w1": jax.random.normal(ks[0], (5, 6)), "w2": jax.random.normal(ks[1], (6, 3)),
-              "w3": jax.random.normal(ks[2], (4, 3)), "w4": jax.random.normal(ks[3], (6, 3))}
+              "w3": jax.random.normal(ks[2], (4, 3)), "w4": jax.random.normal(ks[3], (6, 3)),
+              "w5": jax.random.normal(ks[4], (1, 24, 3))}
     for check in (False, True):
         found = find_chains(lambda p, x: then(jax.nn.relu(x @ p["w1"]), p), params, X,
                             check=check)
@@ -679,6 +686,22 @@ def test_a_flatten_gives_the_next_layer_its_units_positions(name):
     assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
     assert found[0].layouts[1] == Layout(1, 0, P=P, Q=Q)
     assert found[0].chain.sizes == (5, 6, 3) and found[0].chain.slots[1] == 2
+
+
+def test_a_layer_contracting_several_axes_of_its_weight_takes_the_others_as_slots():
+    """A dense layer over two axes (``einsum("bij,ijo->bo")``) reads its units on one and
+    parallel edges on the other: first in a chain (its input units are the last contracted
+    axis), and next, where its input units are whichever axis the units arrive on."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w1": jax.random.normal(ks[0], (5, 2, 6)), "w2": jax.random.normal(ks[1], (6, 2, 3))}
+
+    def apply(p, x):
+        h = jax.nn.relu(jnp.einsum("bij,ijo->bo", jnp.stack([x, -x], 2), p["w1"]))
+        return jnp.einsum("bnp,npo->bo", h[:, :, None] * POSITIONS, p["w2"])
+    found = find_chains(apply, params, X)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
+    assert found[0].layouts == (Layout(2, 1, (0,)), Layout(2, 0, (1,)))
+    assert found[0].chain.sizes == (2, 6, 3) and found[0].chain.slots == (5, 2)
 
 
 def test_a_squeeze_of_the_units_axis_ends_the_chain():

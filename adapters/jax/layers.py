@@ -34,9 +34,6 @@ class Layer:
     layout: Layout
     out_units: Units
 
-    def input_value(self, program: Program):
-        return program.eqns[self.eqn].ins[1 - self.weight_operand]
-
 
 def _is_view(e: Eqn) -> bool:
     """A transpose or a float cast: the leaf's numbers, its axes permuted."""
