@@ -704,6 +704,15 @@ def test_a_layer_contracting_several_axes_of_its_weight_takes_the_others_as_slot
     assert found[0].chain.sizes == (2, 6, 3) and found[0].chain.slots == (5, 2)
 
 
+def test_a_weight_on_the_left_of_its_product_gives_units_on_the_first_axis():
+    """``w @ h`` with features first (``(units, batch)``): each layer's units are the
+    output's first axis, and the next ``w @ .`` contracts them."""
+    params = {"w1": pairs()[0][0], "w2": pairs()[1][0]}
+    found = find_chains(lambda p, x: p["w2"] @ jax.nn.relu(p["w1"] @ x.T), params, X)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
+    assert found[0].layouts == (Layout(0, 1), Layout(0, 1))
+
+
 def test_a_squeeze_of_the_units_axis_ends_the_chain():
     params = {"w1": jnp.ones((5, 1)), "w2": jnp.ones((1, 3))}
     found = find_chains(lambda p, x: jnp.squeeze(jax.nn.relu(x @ p["w1"]), 1)[:, None]
@@ -717,6 +726,20 @@ def _conv(x, k, groups=1):
 
 
 IMAGES = jax.random.normal(jax.random.PRNGKey(3), (2, 4, 5, 5))   # NCHW
+
+
+def test_a_kernel_transposed_before_its_convolution_keeps_its_layout_on_the_leaf():
+    """An HWIO leaf transposed to OIHW for the convolution: the layout names the leaf's
+    axes (``O`` = 3, ``I`` = 2, kernel positions 0 and 1), and the chain checks."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 2)
+    params = {"k1": jax.random.normal(ks[0], (3, 3, 4, 6)),
+              "k2": jax.random.normal(ks[1], (2, 6, 3, 3))}
+
+    def apply(p, x):
+        return _conv(jax.nn.relu(_conv(x, jnp.transpose(p["k1"], (3, 2, 0, 1)))), p["k2"])
+    found = find_chains(apply, params, IMAGES)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["k1", "k2"]]
+    assert found[0].layouts == (Layout(3, 2, (0, 1)), Layout(0, 1, (2, 3)))
 REFUSED = {  # a model of w (and v) -> the reason that w is in no chain
     "grouped conv": (lambda p, x: _conv(jax.nn.relu(_conv(x, p["w"], 2)), p["v"]),
                      (6, 2, 3, 3), (3, 6, 1, 1),

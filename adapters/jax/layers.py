@@ -92,10 +92,10 @@ def _dot_layer(e: Eqn, w: int) -> tuple[Layout, Units] | str:
                 "contracted ones in dot_general (one output axis is needed)")
     contract = [int(a) for a in contract]
     layout = Layout(free[0], contract[-1], tuple(contract[:-1]))
-    x_shape = e.ins[1 - w].shape
-    x_free = len(x_shape) - len((lc, rc)[1 - w]) - len((lb, rb)[1 - w])
-    axis = len(lb) + (x_free if w == 1 else 0)
-    return layout, Units(axis, shape[free[0]])
+    # the output's axes are the input's free ones, then the weight's (no batch axes: the
+    # weight has none, and dot_general pairs them)
+    x_free = len(e.ins[1 - w].shape) - len((lc, rc)[1 - w])
+    return layout, Units(x_free if w == 1 else 0, shape[free[0]])
 
 
 def _conv_layer(e: Eqn, w: int) -> tuple[Layout, Units] | str:
