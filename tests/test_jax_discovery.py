@@ -713,6 +713,11 @@ def test_a_weight_on_the_left_of_its_product_gives_units_on_the_first_axis():
     assert found[0].layouts == (Layout(0, 1), Layout(0, 1))
 
 
+def test_a_contraction_without_a_leaf_is_no_layer_and_hides_none_after_it():
+    found = find_chains(lambda p, x: _mlp(p, x @ jnp.eye(5)), pairs(), X)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["0/0", "1/0", "2/0"]]
+
+
 def test_a_squeeze_of_the_units_axis_ends_the_chain():
     params = {"w1": jnp.ones((5, 1)), "w2": jnp.ones((1, 3))}
     found = find_chains(lambda p, x: jnp.squeeze(jax.nn.relu(x @ p["w1"]), 1)[:, None]
@@ -758,6 +763,14 @@ REFUSED = {  # a model of w (and v) -> the reason that w is in no chain
                    + jnp.sum(p["w"]), (4, 6), (6, 3),
                    "the weight is read 2 times (a layer applied twice, tied weights, or a "
                    "weight read outside its layer)"),
+    # a leaf returned by the model is read once more, even through a view
+    "read and returned": (lambda p, x: (jax.nn.relu(x.reshape(2, -1)[:, :4] @ p["w"])
+                                        @ p["v"], p["w"].T), (4, 6), (6, 3),
+                          "the weight is read 2 times (a layer applied twice, tied weights, "
+                          "or a weight read outside its layer)"),
+    "returned only": (lambda p, x: (jnp.sum(x), p["w"], p["v"]), (4, 6), (6, 3),
+                      "returned by the model, not as the weight or bias of a dense or "
+                      "convolution layer"),
     "a product of two leaves": (lambda p, x: x.reshape(2, -1)[:, :4] @ (p["w"] @ p["v"]),
                                 (4, 6), (6, 3), "read by dot_general, not as the weight"),
     "units on a spatial axis of the next conv": (

@@ -117,7 +117,7 @@ def find_layers(program: Program, n_params: int, readers) -> tuple[dict, dict]:
     for i, e in enumerate(program.eqns):
         if e.prim not in CONTRACTIONS:
             continue
-        sources = [source_leaf(program, v, n_params) for v in e.ins[:2]]
+        sources = [source_leaf(program, v, n_params) for v in e.ins]   # two operands
         if (sources[0] is None) == (sources[1] is None):
             continue   # no weight, or a product of two leaves: not a layer
         w = 0 if sources[0] is not None else 1
