@@ -718,6 +718,16 @@ def test_a_contraction_without_a_leaf_is_no_layer_and_hides_none_after_it():
     assert [[path_name(p) for p in c.weights] for c in found] == [["0/0", "1/0", "2/0"]]
 
 
+def test_a_weight_refused_as_a_layer_hides_no_layer_after_it():
+    ks = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"u": jax.random.normal(ks[0], (5, 2, 3)), "w1": jax.random.normal(ks[1], (6, 4)),
+              "w2": jax.random.normal(ks[2], (4, 3))}
+    found = find_chains(lambda p, x: jax.nn.relu(
+        jnp.einsum("bi,ijk->bjk", x, p["u"]).reshape(4, 6) @ p["w1"]) @ p["w2"], params, X)
+    assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
+    assert "has 2 output axes" in found.reasons["u"]
+
+
 def test_a_squeeze_of_the_units_axis_ends_the_chain():
     params = {"w1": jnp.ones((5, 1)), "w2": jnp.ones((1, 3))}
     found = find_chains(lambda p, x: jnp.squeeze(jax.nn.relu(x @ p["w1"]), 1)[:, None]
