@@ -88,14 +88,7 @@ ACTIVATIONS = {
 
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))
 def test_relu_in_each_jaxpr_form_passes(act):
-    f = ACTIVATIONS[act]
-
-    def apply(params, x):
-        for i, (w, b) in enumerate(params):
-            x = x @ w.T + b
-            x = f(x) if i < len(params) - 1 else x
-        return x
-    found = find_chains(apply, pairs(), X)
+    found = find_chains(lambda p, x: _mlp(p, x, ACTIVATIONS[act]), pairs(), X)
     assert [[path_name(p) for p in c.weights] for c in found] == [["0/0", "1/0", "2/0"]]
     assert [path_name(p) for p in found[0].biases] == ["0/1", "1/1", "2/1"]
 
@@ -115,10 +108,11 @@ def test_the_self_check_drops_an_unsound_claim(monkeypatch):
     assert len(found) == 0 and "self-check" in found.reasons["0/0"]
 
 
-def _mlp(params, x):
+def _mlp(params, x, act=jax.nn.relu):
+    """``x @ w.T + b`` for each ``(w, b)``, with ``act`` between the layers."""
     for i, (w, b) in enumerate(params):
         x = x @ w.T + b
-        x = jax.nn.relu(x) if i < len(params) - 1 else x
+        x = act(x) if i < len(params) - 1 else x
     return x
 
 
