@@ -505,3 +505,38 @@ def test_weights_that_form_no_chain_are_named_with_their_shapes():
     with pytest.raises(ValueError, match=r"^the weights \[a/w \(6, 5\), b/w \(7, 4\)\]"):
         chains_from_dict({"a": {"w": jnp.zeros((6, 5))}, "b": {"w": jnp.zeros((7, 4))}},
                          ["a", "b"])
+
+
+def test_hand_described_convolutions_step_as_the_core_in_either_layout():
+    """Pairs of ``(out, in, kh, kw)`` kernels and a dense ``(out, C*S)`` after a channel-major
+    flatten step as the core on their ``(out, in, k)`` views; the same net as ``(kh, kw, in,
+    out)`` kernels and an ``(C*S, out)`` dense with ``transposed`` steps the same."""
+    rng = np.random.default_rng(4)
+    shapes = [(4, 3, 2, 3), (5, 4, 3, 1), (2, 5 * 6)]
+    views = [(4, 3, 6), (5, 4, 3), (2, 5, 6)]
+    W = [rng.standard_normal(s) for s in shapes]
+    G = [rng.standard_normal(s) for s in shapes]
+    b = [rng.standard_normal(s[0]) for s in shapes]
+    gb = [rng.standard_normal(s[0]) for s in shapes]
+    chains = chains_from_pairs([(jnp.asarray(w), jnp.asarray(v)) for w, v in zip(W, b)])
+    assert chains[0].chain == gc.Chain((3, 4, 5, 2), (6, 3, 6))
+    Wc, bc = gc.gsgd_step(chains[0].chain, [w.reshape(v) for w, v in zip(W, views)], b,
+                          [g.reshape(v) for g, v in zip(G, views)], gb, 0.1)
+    want = [w.reshape(s) for w, s in zip(Wc, shapes)]
+
+    def step(chains, to_leaf):
+        pairs = [(jnp.asarray(to_leaf(w)), jnp.asarray(v)) for w, v in zip(W, b)]
+        grads = [(jnp.asarray(to_leaf(g)), jnp.asarray(v)) for g, v in zip(G, gb)]
+        opt = gsgd(0.1, chains)
+        u, _ = opt.update(grads, opt.init(pairs), pairs)
+        return optax.apply_updates(pairs, u)
+
+    hwio = lambda w: w.T if w.ndim == 2 else w.transpose(2, 3, 1, 0)
+    for described, to_leaf, back in (
+            (chains, lambda w: w, lambda w: w),
+            (chains_from_pairs([(jnp.asarray(hwio(w)), jnp.asarray(v)) for w, v in zip(W, b)],
+                               transposed=True),
+             hwio, lambda w: w.T if w.ndim == 2 else w.transpose(3, 2, 0, 1))):
+        for (w, v), w2, v2 in zip(step(described, to_leaf), want, bc):
+            assert_close(back(np.asarray(w)), w2, 1e-13)
+            assert_close(np.asarray(v), v2, 1e-13)
