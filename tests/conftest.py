@@ -22,6 +22,11 @@ try:
     torch.set_num_threads(TEST_THREADS)
 except ImportError:
     torch = None
+# XLA's optimisations cost the tests more time than they save: each test compiles small
+# programs and runs them a few times. Semantics are unchanged (the tests compare within
+# float tolerances); JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns them back on. Set before any
+# JAX import; spawned processes (examples, benchmarks) inherit it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 try:
     from threadpoolctl import threadpool_limits
     threadpool_limits(limits=TEST_THREADS)
