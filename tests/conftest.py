@@ -27,9 +27,9 @@ except ImportError:
 # Compiling, not running, is most of the JAX tests' time: each compiles many small programs
 # (every eager operation is one) and runs them a few times. XLA's optimisations and its
 # CPU fusion emitters cost more than they save here; without both, JAX's tests take about
-# half the time. Semantics are unchanged (the tests compare within float tolerances).
-# JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns the first back on. Set before JAX starts; spawned
-# processes (examples, benchmarks) and test workers inherit them.
+# half the time. What the programs mean is unchanged (the tests compare within float
+# tolerances). JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns the first back on. Set before JAX
+# starts; spawned processes (examples, benchmarks) and test workers inherit them.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
