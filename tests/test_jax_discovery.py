@@ -315,6 +315,20 @@ def test_layout_views_are_the_units_and_invert(layout, shape):
             np.asarray(jnp.take(x, j, axis=layout.out)).ravel())
 
 
+@pytest.mark.parametrize("layout,shape", [
+    (Layout(0, 1), (4, 3, 2)),                 # an axis the layout does not name
+    (Layout(0, 1, (2, 3)), (4, 3, 2)),         # a slot past the weight's axes
+    (Layout(1, 0, P=4), (6, 5)),               # 6 inputs do not split into 4 positions
+    (Layout(0, 1, Q=4), (5, 6)),
+])
+def test_a_layout_that_does_not_fit_its_weight_is_refused_by_name(layout, shape):
+    message = re.escape(f"layout {layout} does not fit a weight of shape {shape}")
+    for call in (layout.core_shape, lambda s: layout.view(jnp.zeros(s)),
+                 lambda s: layout.leaf(jnp.zeros(6), s)):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            call(shape)
+
+
 def f64(tree):
     return jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), tree)
 
