@@ -540,3 +540,22 @@ def test_hand_described_convolutions_step_as_the_core_in_either_layout():
         for (w, v), w2, v2 in zip(step(described, to_leaf), want, bc):
             assert_close(back(np.asarray(w)), w2, 1e-13)
             assert_close(np.asarray(v), v2, 1e-13)
+
+
+def test_chain_leaves_without_layouts_read_2d_kernels_transposed_and_the_rest_as_the_core():
+    """A hand-built ``ChainLeaves(..., transposed=True)`` without layouts reads a 2-D leaf as
+    an ``(in, out)`` kernel and any other as the core's ``(out, in, k)``, both ways."""
+    rng = np.random.default_rng(5)
+    chain = gc.Chain((3, 4, 5, 2), (2, 1, 1), bias=False)
+    W = [rng.standard_normal(s) for s in ((4, 3, 2), (5, 4), (2, 5))]
+    G = [rng.standard_normal(w.shape) for w in W]
+    leaf = lambda x: x if x.ndim == 3 else x.T
+    params = {k: jnp.asarray(leaf(w)) for k, w in zip("cde", W)}
+    grads = {k: jnp.asarray(leaf(g)) for k, g in zip("cde", G)}
+    chains = [ChainLeaves(chain, (("c",), ("d",), ("e",)), (None,) * 3, transposed=True)]
+    opt = gsgd(0.1, chains)
+    u, _ = opt.update(grads, opt.init(params), params)
+    got = optax.apply_updates(params, u)
+    want, _ = gc.gsgd_step(chain, W, None, G, None, 0.1)
+    for k, w in zip("cde", want):
+        assert_close(np.asarray(got[k]), leaf(w), 1e-13)
