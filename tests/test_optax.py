@@ -1,5 +1,7 @@
 """gsgd_adapters.optax: jitted, equal to the NumPy core in float64, invariant, composable."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -559,3 +561,14 @@ def test_chain_leaves_without_layouts_read_2d_kernels_transposed_and_the_rest_as
     want, _ = gc.gsgd_step(chain, W, None, G, None, 0.1)
     for k, w in zip("cde", want):
         assert_close(np.asarray(got[k]), leaf(w), 1e-13)
+
+
+def test_a_chain_naming_a_leaf_that_params_lack_is_refused_with_its_key_path():
+    params = make_params()
+    chains = chains_from_pairs(params)
+    for wrong, path in (
+            (ChainLeaves(chains[0].chain, ((0, 0), (1, 0), (3, 0)), chains[0].biases), "(3, 0)"),
+            (ChainLeaves(chains[0].chain, chains[0].weights, ((0, 1), (1, 1), (2, 2))), "(2, 2)")):
+        opt = gsgd(0.1, [wrong])
+        with pytest.raises(ValueError, match=rf"^no leaf at key path {re.escape(path)} in params$"):
+            opt.update(grad(params), opt.init(params), params)
