@@ -16,8 +16,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import io_callback  # noqa: E402
 
 import gsgd_core as gc  # noqa: E402
-from gsgd_adapters.jax import (Layout, check_invariance, find_chains, random_rescale,  # noqa: E402
-                               skeleton_init, units)
+from gsgd_adapters.jax import (ChainLeaves, Discovery, Layout, check_invariance,  # noqa: E402
+                               find_chains, random_rescale, skeleton_init, units)
 from gsgd_adapters.jax.leaves import key_paths, path_name  # noqa: E402
 from gsgd_adapters.optax import (chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
                                  psi_sgd)
@@ -277,10 +277,87 @@ def test_random_rescale_draws_log_scales_of_spread_sigma_per_chain():
 def test_bad_input_says_what_it_was_given():
     with pytest.raises(ValueError, match=r"does not trace.*\(6, 5\).*\(4, 7\)"):
         find_chains(lambda p, x: x @ p[0][0].T, pairs(), jnp.ones((4, 7)))
+    message = ("apply_fn does not trace with params of shapes [int, (6, 5)] and arguments of "
+               "shapes [(4, 7), str]: TypeError: ")
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        find_chains(lambda p, x, s: x @ p["w"], {"w": jnp.ones((6, 5)), "k": 3},
+                    jnp.ones((4, 7)), "s")
     with pytest.raises(ValueError, match="does not trace.*KeyError"):
         find_chains(lambda p, x: x @ p["dense"], {"other": jnp.ones((5, 3))}, X)
     with pytest.raises(ValueError, match=r"weights \[0/0 \(6, 5\)\].*at least 2 layers"):
         chains_from_pairs(pairs()[:1])
+
+
+def test_a_leaf_the_model_never_reads_is_left_out_as_unused():
+    params = {"net": pairs(), "spare": jnp.ones(3)}
+    found = find_chains(lambda p, x: _mlp(p["net"], x), params, X)
+    assert found.reasons == {"spare": "not used by the model"} and len(found) == 1
+
+
+@pytest.mark.parametrize("skeleton", ["he", "paper"])
+def test_a_found_chain_takes_the_skeleton_recipe_asked_for(skeleton):
+    (found,) = find_chains(_mlp, pairs(), X, skeleton=skeleton)
+    chain = gc.Chain.mlp([5, 6, 4, 3])
+    if skeleton == "he":
+        chain = chain.with_skeleton_scale(chain.he_skeleton_scale())
+    assert found.chain == chain
+    assert (found.chain.skeleton_scale == gc.Chain.mlp([5, 6, 4, 3]).skeleton_scale) == (
+        skeleton == "paper")
+
+
+class NormalisedMiddle(nn.Module):
+    """Two chains around a batch-normalised layer; the first chain's last layer has no bias
+    (Flax names the last two layers in the order they are built: Dense_4 feeds Dense_3)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(6)(x))
+        x = nn.relu(nn.Dense(5, use_bias=False)(x))
+        x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Dense(4, use_bias=False)(x)))
+        return nn.Dense(3)(nn.relu(nn.Dense(4)(x)))
+
+
+def test_within_strips_the_prefix_from_every_name_and_refuses_a_chain_outside():
+    model = NormalisedMiddle()
+    variables = model.init(jax.random.PRNGKey(1), X)
+    found = find_chains(lambda v, x: model.apply(v, x, mutable=["batch_stats"]), variables, X)
+    sub = found.within("params")
+    first, second = "Dense_0/kernel -> Dense_1/kernel", "Dense_4/kernel -> Dense_3/kernel"
+    assert [c.weights for c in sub] == [(("Dense_0", "kernel"), ("Dense_1", "kernel")),
+                                        (("Dense_4", "kernel"), ("Dense_3", "kernel"))]
+    assert [c.biases for c in sub] == [(("Dense_0", "bias"), None),
+                                       (("Dense_4", "bias"), ("Dense_3", "bias"))]
+    assert [c.chain for c in sub] == [c.chain for c in found]
+    assert sub.normalised.weights == (("Dense_2", "kernel"),)
+    assert sub.reasons == {k[len("params/"):]: v for k, v in found.reasons.items()
+                           if k.startswith("params/")}
+    assert set(sub.reasons) == {"BatchNorm_0/bias", "BatchNorm_0/scale"}
+    end = "the next layer is followed by a per-unit normalisation (PSI-SGD's)"
+    assert found.ends == {"params/Dense_0/kernel -> params/Dense_1/kernel": end}
+    assert sub.ends == {first: end}
+    assert sub.changes == {first: found.changes["params/Dense_0/kernel -> params/Dense_1/kernel"],
+                           second: found.changes["params/Dense_4/kernel -> params/Dense_3/kernel"]}
+    assert f"  {first}: {sub[0].chain}\n    ends there: the next layer" in str(sub)
+    with pytest.raises(ValueError, match=r"^chain params/Dense_0/kernel -> params/Dense_1/kernel "
+                                         r"is not wholly under batch_stats$"):
+        found.within("batch_stats")
+    # a chain the self-check dropped keeps its change, under the subtree or not at all
+    dropped = Discovery((), {"params/a": "why"}, changes={"params/a -> other/b": 0.5,
+                                                          "params/a -> params/b": 0.1})
+    assert dropped.within("params").changes == {"a -> b": 0.1}
+
+
+def test_print_of_a_discovery_shows_chains_ends_normalised_weights_and_reasons():
+    chain = gc.Chain.mlp([2, 3, 2])
+    found = Discovery((ChainLeaves(chain, (("a",), ("b",)), (None, None)),),
+                      {"c": "why c", "d/e": "why d"},
+                      ChainLeaves(None, (("n", "w"), ("m", "w")), (), layouts=()),
+                      {"a -> b": "its end"})
+    assert str(found) == "\n".join([
+        "1 chain(s)", f"  a -> b: {chain}", "    ends there: its end",
+        "normalised per unit (PSI-SGD in psi_sgd): n/w, m/w",
+        "left out (the inner optimizer's plain update):", "  c: why c", "  d/e: why d"])
+    assert str(Discovery(())) == "0 chain(s)"
 
 
 def test_a_model_with_nothing_proven_gets_no_chains_and_trains_as_sgd():

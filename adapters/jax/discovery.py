@@ -55,7 +55,9 @@ class Discovery:
 
     def within(self, *prefix) -> "Discovery":
         """The same claims for the subtree at key path ``prefix`` (e.g. Flax's ``"params"``,
-        when the optimizer sees ``variables["params"]``): key paths without the prefix."""
+        when the optimizer sees ``variables["params"]``): key paths without the prefix, in
+        the chains and in the names of ``reasons``, ``ends`` and ``changes`` (entries
+        outside the subtree are dropped)."""
         n = len(prefix)
 
         def inside(c: ChainLeaves) -> bool:
@@ -69,10 +71,19 @@ class Discovery:
             if not inside(c):
                 raise ValueError(f"chain {c.name()} is not wholly under {path_name(prefix)}")
         pre = path_name(prefix) + "/"
+
+        def names(by_name: dict) -> dict:
+            # a leaf's name, or a chain's: its weights' names joined by " -> "
+            out = {}
+            for name, v in by_name.items():
+                parts = name.split(" -> ")
+                if all(p.startswith(pre) for p in parts):
+                    out[" -> ".join(p[len(pre):] for p in parts)] = v
+            return out
+
         return replace(self, chains=tuple(strip(c) for c in self.chains),
-                       normalised=strip(self.normalised),
-                       reasons={k[len(pre):]: v for k, v in self.reasons.items()
-                                if k.startswith(pre)})
+                       normalised=strip(self.normalised), reasons=names(self.reasons),
+                       ends=names(self.ends), changes=names(self.changes))
 
     def __str__(self) -> str:
         lines = [f"{len(self.chains)} chain(s)"]
