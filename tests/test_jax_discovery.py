@@ -294,6 +294,14 @@ def test_a_leaf_the_model_never_reads_is_left_out_as_unused():
     assert found.reasons == {"spare": "not used by the model"} and len(found) == 1
 
 
+def test_a_model_of_one_layer_has_no_chain_and_says_why():
+    found = find_chains(lambda p, x: x @ p["w"] + p["b"],
+                        {"w": jnp.ones((5, 3)), "b": jnp.ones(3)}, X)
+    why = ("its layer is in no chain of two or more layers: no layer before it passes its "
+           "units on to it")
+    assert len(found) == 0 and found.reasons == {"b": why, "w": why}
+
+
 @pytest.mark.parametrize("skeleton", ["he", "paper"])
 def test_a_found_chain_takes_the_skeleton_recipe_asked_for(skeleton):
     (found,) = find_chains(_mlp, pairs(), X, skeleton=skeleton)
@@ -303,6 +311,8 @@ def test_a_found_chain_takes_the_skeleton_recipe_asked_for(skeleton):
     assert found.chain == chain
     assert (found.chain.skeleton_scale == gc.Chain.mlp([5, 6, 4, 3]).skeleton_scale) == (
         skeleton == "paper")
+    with pytest.raises(ValueError, match="^skeleton must be 'he' or 'paper', got 'HE'$"):
+        find_chains(_mlp, pairs(), X, skeleton="HE")
 
 
 class NormalisedMiddle(nn.Module):
