@@ -146,6 +146,26 @@ def test_the_self_check_rescales_each_chain_by_its_spread_and_seed(monkeypatch):
     assert found.changes == pytest.approx(got[()], 1e-12) and not found.chains
 
 
+def test_find_chains_keeps_a_chain_whose_change_is_its_rtol_and_drops_one_above(monkeypatch):
+    from gsgd_adapters.jax import discovery
+    rtol = discovery.default_rtol()
+    for change, kept in ((rtol, 1), (rtol * (1 + 1e-9), 0)):
+        monkeypatch.setattr(discovery, "output_changes",
+                            lambda *a, c=change: {"0/0 -> 1/0 -> 2/0": c})
+        found = find_chains(_mlp, pairs(), X)
+        assert len(found) == kept and found.changes == {"0/0 -> 1/0 -> 2/0": change}
+    assert find_chains(_mlp, pairs(), X, check=False).changes == {}
+
+
+def test_a_chain_ends_where_its_last_layer_stops_passing_its_units_on():
+    def apply(p, x):
+        return jnp.tanh(_mlp(p[:3], x)) @ p[3][0].T
+    params = pairs() + [(jnp.ones((2, 3)), None)]
+    found = find_chains(apply, params, X)
+    assert [c.name() for c in found] == ["0/0 -> 1/0 -> 2/0"]
+    assert list(found.ends) == ["0/0 -> 1/0 -> 2/0"] and "tanh" in found.ends["0/0 -> 1/0 -> 2/0"]
+
+
 def test_the_self_check_passes_a_change_of_rtol_and_names_what_fails():
     params = pairs()[:2]
     chains = chains_from_pairs(params)
@@ -339,6 +359,7 @@ def test_within_strips_the_prefix_from_every_name_and_refuses_a_chain_outside():
                                        (("Dense_4", "bias"), ("Dense_3", "bias"))]
     assert [c.chain for c in sub] == [c.chain for c in found]
     assert sub.normalised.weights == (("Dense_2", "kernel"),)
+    assert found.normalised.layouts == sub.normalised.layouts == (Layout(1, 0),)
     assert sub.reasons == {k[len("params/"):]: v for k, v in found.reasons.items()
                            if k.startswith("params/")}
     assert set(sub.reasons) == {"BatchNorm_0/bias", "BatchNorm_0/scale"}
