@@ -1,5 +1,7 @@
 """Chain structure: the default skeleton of DESIGN §2, counts, shape inference, validation."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -162,3 +164,52 @@ def test_tau_and_free_indices_of_boundary_layers_are_empty():
     chain = Chain.mlp([3, 4, 2])
     assert chain.tau_index(2).size == 0 and chain.tau_index(0).size == 0
     assert chain.tau_index(1).size == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sizes=(2, 3, 4), slots=(1, "a")), "slots[1] must be an int, got 'a'"),
+    (dict(sizes=(2, 3, 4), slots=(2, 2), skeleton_slots=(1, "x")),
+     "skeleton_slots[1] must be an int, got 'x'"),
+    (dict(sizes=(2, 3, 4), slots=(2, 2), skeleton_slots=(1,)),
+     "skeleton_slots has 1 entries for 2 layers"),
+    (dict(sizes=(2, 3, 4), slots=(3, 2), skeleton_slots=(3, 0)),
+     "layer 1: skeleton slot 3 outside 0..2"),
+    (dict(sizes=(2, 3, 4, 2), tau=((0, 1, 0),)), "tau needs one map per hidden layer (2), got 1"),
+    (dict(sizes=(2, 3, 4), tau=((0, 1, "a"),)), "tau[0][2] must be an int, got 'a'"),
+    (dict(sizes=(2, 3, 5), sigma=((5, 0, 1),)), "sigma of hidden layer 1: values [5] outside 0..4"),
+    (dict(sizes=(2, 7, 5), sigma=((5, 6, 7, 8, 9, 10, 0),)),
+     "sigma of hidden layer 1: values [5, 6, 7, 8, 9] outside 0..4"),
+])
+def test_each_bad_argument_is_refused_with_its_whole_message(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Chain(**kwargs)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ([(3, 2)], "a chain needs at least 2 layers, got 1 shapes"),
+    ([(3, 2), (4,)], "layer 2: weight shape (4,) has fewer than 2 dimensions"),
+    ([(3, 2), (4, 3, 2), (5, 7)], "layer 3: weight shape (5, 7) does not follow layer 2 of 4 "
+                                  "units (in-features must be a multiple of 4)"),
+    ([(3, 2), (4, 3, 2), (5, 7, 1)], "layer 3: weight shape (5, 7, 1) expects 7 inputs but "
+                                     "layer 2 has 4 units"),
+])
+def test_from_shapes_refuses_shapes_that_form_no_chain_with_the_whole_message(shapes, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        Chain.from_shapes(shapes)
+
+
+def test_fields_are_normalised_and_from_shapes_passes_bias_and_skeleton_on():
+    chain = Chain([np.int64(2), 3, 5], sigma=[[4, 0, 1]])
+    assert chain.sizes == (2, 3, 5) and chain.sigma == ((4, 0, 1),)   # a unit of layer 2
+    assert Chain.from_shapes([(3, 2), (4, 3)], bias=[True, False], tau=[[1, 0, 1]]) == Chain(
+        (2, 3, 4), bias=(True, False), tau=((1, 0, 1),))
+
+
+def test_tau_masks_hold_one_edge_per_unit_at_its_tau_and_skeleton_slot():
+    tau, sk = ((1, 0, 1), (2, 0, 1, 2)), (2, 1, 0)
+    chain = Chain((2, 3, 4, 2), slots=(3, 2, 1), tau=tau, skeleton_slots=sk)
+    for l in (1, 2):
+        mask = chain.tau_mask(l)
+        assert mask.dtype == bool and mask.sum() == chain.sizes[l]
+        assert all(mask[j, tau[l - 1][j], sk[l - 1]] for j in range(chain.sizes[l]))
+    assert not chain.tau_mask(3).any()
