@@ -39,14 +39,13 @@ QUICK = Budget(seeds=2, epochs=2, widths=(), sgd_grid=(0.1,), momentum_grid=(), 
 
 
 def configurations(quick: bool):
-    """(name, base run, epochs) of every configuration measured (``None``: the budget's)."""
+    """(name, base run) of every configuration measured."""
     inputs = {"digits": 64, "mnist": 784}
     out = [(f"{data} MLP {depth}x{width}",
-            Run((inputs[data],) + (width,) * depth + (10,), "sgd", 0.1, 0, data=data), None)
+            Run((inputs[data],) + (width,) * depth + (10,), "sgd", 0.1, 0, data=data))
            for data, depth, width in MLPS]
     out.append(("MNIST plain CNN c=%d,%d,%d" % CNN,
-                Run(CNN, "sgd", 0.1, 0, arch="cnn", data="mnist"),
-                (QUICK if quick else DEFAULT).cnn_epochs))
+                Run(CNN, "sgd", 0.1, 0, arch="cnn", data="mnist")))
     return out[::len(out) - 1] if quick else out
 
 
@@ -55,9 +54,9 @@ def measure(quick: bool, runner) -> tuple[list, list]:
     budget = QUICK if quick else DEFAULT
     arms = [Arm(a.label, a.opt, a.init, budget.sgd_grid) for a in ARMS]
     rows, recipe = [], []
-    for name, base, epochs in configurations(quick):
-        b = replace(budget, epochs=epochs or budget.epochs)
-        outs = compare(arms, base, b, runner, name)
+    for name, base in configurations(quick):
+        epochs = budget.cnn_epochs if base.arch == "cnn" else budget.epochs
+        outs = compare(arms, base, replace(budget, epochs=epochs), runner, name)
         rows += [((name,), o) for o in outs]
         recipe += [((name,), o) for o in outs[:2]]
     return rows, recipe

@@ -17,7 +17,7 @@ from jax.experimental import io_callback  # noqa: E402
 
 import gsgd_core as gc  # noqa: E402
 from gsgd_adapters.jax import (ChainLeaves, Discovery, Layout, check_invariance,  # noqa: E402
-                               find_chains, random_rescale, skeleton_init, units)
+                               discovery, find_chains, random_rescale, skeleton_init, units)
 from gsgd_adapters.jax.leaves import key_paths, path_name  # noqa: E402
 from gsgd_adapters.optax import (chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
                                  psi_sgd)
@@ -147,7 +147,6 @@ def test_the_self_check_rescales_each_chain_by_its_spread_and_seed(monkeypatch):
 
 
 def test_find_chains_keeps_a_chain_whose_change_is_its_rtol_and_drops_one_above(monkeypatch):
-    from gsgd_adapters.jax import discovery
     rtol = discovery.default_rtol()
     for change, kept in ((rtol, 1), (rtol * (1 + 1e-9), 0)):
         monkeypatch.setattr(discovery, "output_changes",
