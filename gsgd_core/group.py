@@ -20,7 +20,7 @@ __all__ = ["rescale", "random_rescaling", "canonicalize", "skeleton_init",
            "weights_from_path_values"]
 
 
-def _apply_scales(xp, W, b, c):
+def _apply_scales(W, b, c):
     """``W_l * c_l[:, None, None] / c_{l-1}[None, :, None]``, ``b_l * c_l`` (c per node layer)."""
     W_new = [W[l] * c[l + 1][:, None, None] / c[l][None, :, None] for l in range(len(W))]
     b_new = [None if bl is None else bl * c[l + 1] for l, bl in enumerate(b)]
@@ -65,7 +65,7 @@ def rescale(chain: Chain, weights: Sequence[Any], biases, scales):
     ones = [xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)]
     c = ones + [xp.astype(xp.asarray(s, device=p.device), p.dtype) for s in scales] + [
         xp.ones(chain.sizes[-1], dtype=p.dtype, device=p.device)]
-    W_new, b_new = _apply_scales(xp, view3(p, chain, weights), vecs(p, biases, chain.L), c)
+    W_new, b_new = _apply_scales(view3(p, chain, weights), vecs(p, biases, chain.L), c)
     return restore(p, W_new), unvecs(p, b_new)
 
 
@@ -94,7 +94,7 @@ def canonicalize(chain: Chain, weights: Sequence[Any], biases=None):
     c = [xp.ones(chain.sizes[0], dtype=p.dtype, device=p.device)]
     c += [xp.where(F[l] == 0, 1.0, xp.abs(F[l])) for l in range(1, chain.L)]
     c += [F[chain.L]]
-    W_new, b_new = _apply_scales(xp, W, vecs(p, biases, chain.L), c)
+    W_new, b_new = _apply_scales(W, vecs(p, biases, chain.L), c)
     # Exactly +-r in every namespace, whatever order the compiler evaluates W * c / c' in;
     # the free edges of layer l leave nodes of layer l-1, and only those with F != 0 moved.
     W_new = [wn if l == 1 else xp.where(m.free_mask & (F[l - 1] != 0)[None, :, None],

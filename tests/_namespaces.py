@@ -115,3 +115,11 @@ def available_namespaces() -> list[Namespace]:
             else:
                 out.append(make(dt))
     return out
+
+
+def float32_cpu_namespaces() -> list[Namespace]:
+    """float32 on the CPU in each installed namespace whose arithmetic is its own (strict
+    wraps NumPy's): elementwise float32 operations round alike in each, so results that
+    need no reordered sums are the same bits in every one."""
+    return [ns for ns in available_namespaces() if ns.dtype_name == "float32" and not ns.place
+            and ns.name in ("numpy", "array_api_strict", "torch") and not ns.skip_reason]

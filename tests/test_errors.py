@@ -120,14 +120,30 @@ def test_zero_learning_rate_is_the_identity():
 
 @pytest.mark.parametrize("scales, message", [
     ([np.ones(4), np.ones(2)], "scales has 2 vectors, but the chain has 1 hidden layers"),
-    ([np.ones(3)], r"hidden layer 1: scales have shape \(3,\), expected \(4,\)"),
-    ([np.array([1.0, 0.0, 1.0, 1.0])], "scales must be finite and > 0"),
-    ("abc", "scales must be a list"),
+    ([np.ones(3)], "hidden layer 1: scales have shape (3,), expected (4,)"),
+    ([np.array([1.0, 0.0, 1.0, 1.0])], "hidden layer 1: scales must be finite and > 0"),
+    ([[1.0, 2.0, np.inf, 1.0]], "hidden layer 1: scales must be finite and > 0"),
+    ("abc", "scales must be a list of 1 vectors (one per hidden layer), got str"),
+    (np.ones((1, 4)), "scales must be a list of 1 vectors (one per hidden layer), got ndarray"),
 ])
 def test_rescale_errors(scales, message):
     W, b, _, _ = _params()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError) as err:
         gc.rescale(CHAIN, W, b, scales)
+    assert str(err.value) == message
+
+
+def test_skeleton_init_validates_the_biases_it_is_given():
+    """Biases may be left out, but biases given are checked like every entry point's."""
+    W, b, _, _ = _params()
+    for biases, message in [
+            ([np.ones(3), None], "layer 1: bias has shape (3,), expected (4,)"),
+            ([np.ones(4)], "biases has 1 entries, but the chain has 2 layers"),
+            ([np.ones(4), np.ones(2)],
+             "layer 2: the chain has no bias here but biases[1] is an array of shape (2,)")]:
+        with pytest.raises(ValueError) as err:
+            gc.skeleton_init(CHAIN, W, biases)
+        assert str(err.value) == message
 
 
 def test_other_entry_points_validate_too():

@@ -1,12 +1,14 @@
 """The inverse chain rule (eq. 3) against a dense solve and against autograd in path space."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 
 import gsgd_core as gc
 from gsgd_core import reference as ref
 from _helpers import Problem, assert_all_close, assert_close
+from _namespaces import float32_cpu_namespaces
 from _nets import loss_fn
 from _strategies import chains, seeds, small_chains
 
@@ -50,3 +52,29 @@ def test_icr_equals_autograd_of_loss_as_function_of_path_values(hxp, chain, seed
     assert_all_close(D, [v.grad.numpy() for v in Vt], hxp.rtol, "dL/dV")
     assert_all_close(Db, [None if v is None else v.grad.numpy() for v in Vbt], hxp.rtol,
                      "dL/dVb")
+
+
+@pytest.mark.parametrize("widths", [[2, 2, 2], [2, 1, 2, 2], [3, 1, 2, 2, 2]])
+def test_icr_and_the_step_are_float32_arithmetic_alike_in_every_namespace(widths):
+    """float32 weights: the sweeps compute in float32, never in a wider default dtype. Every
+    hidden unit has two edges out, one of them free, so each sum of the backward sweep has
+    at most two non-zero terms and no order of summation changes its bits: each namespace's
+    ICR and G-SGD step give the same bits as NumPy's. Widening from one unit to two leaves
+    a tau edge above layer 1 that is not free, so the allocation's ratios ``R / rho`` are
+    formed there too."""
+    namespaces = float32_cpu_namespaces()
+    if len(namespaces) < 2:
+        pytest.skip("one float32 namespace installed")
+    chain = gc.Chain.mlp(widths)
+    for seed in range(5):
+        pb = Problem(chain, seed)
+        G, Gb = pb.grads()
+        results = []
+        for ns in namespaces:
+            args = [ns.aslist(a) for a in (pb.W, pb.b, G, Gb)]
+            D, Db = gc.icr(chain, *args)
+            W, b = gc.gsgd_step(chain, *args, lr=0.1)
+            results.append([ns.to_numpy(a) for a in D + Db + W + b])
+        for ns, got in zip(namespaces[1:], results[1:]):
+            for i, (a, e) in enumerate(zip(got, results[0], strict=True)):
+                assert a.dtype == np.float32 and np.array_equal(a, e), (ns.id, seed, i)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import gsgd_core as gc
 from _conditioning import gsgd_tolerance, ill_conditioned
 from _helpers import Problem, assert_all_close, assert_close
+from _namespaces import float32_cpu_namespaces
 from _nets import output
 from _strategies import chains, examples, seeds
 
@@ -153,26 +154,31 @@ def test_sgd_trajectories_of_rescaled_twins_differ():
 
 
 @given(chain=chains(custom=True), seed=seeds, keep_signs=st.booleans())
-def test_skeleton_init_sets_every_skeleton_edge_to_one(chain, seed, keep_signs):
+def test_skeleton_init_sets_every_skeleton_edge_to_one(hxp, chain, seed, keep_signs):
     """Skeleton edges of layer l become +r_l (the chain's skeleton scale; 1 in the paper's
-    units), or keep their signs; then |B| = |F| = 1 and path values are the weights."""
+    units), or keep their signs; then |B| = |F| = 1 and path values are the weights. Every
+    namespace, in the weights' dtype."""
     pb = Problem(chain, seed)
-    W, b = gc.skeleton_init(chain, pb.W, pb.b, keep_signs=keep_signs)
-    assert b is not None and all(x is y for x, y in zip(b, pb.b))
-    W_nobias, none = gc.skeleton_init(chain, pb.W, keep_signs=keep_signs)  # biases optional
-    assert none is None
-    for l, (w, w2, w0) in enumerate(zip(W, W_nobias, pb.W), start=1):
+    W0, b0 = hxp.aslist(pb.W), hxp.aslist(pb.b)
+    W, b = gc.skeleton_init(chain, W0, b0, keep_signs=keep_signs)
+    assert b is not None and all(x is y for x, y in zip(b, b0))
+    W_nobias, none = gc.skeleton_init(chain, W0, keep_signs=keep_signs)  # biases optional
+    assert none is None and all(w.dtype == hxp.dtype for w in W + W_nobias)
+    host = hxp.tolist(W)
+    for l, (w, w2, w0) in enumerate(zip(host, hxp.tolist(W_nobias), hxp.tolist(W0)), start=1):
         skel = chain.free_mask(l) | chain.tau_mask(l)
-        r = chain.skeleton_scale[l - 1]
+        r = w0.dtype.type(chain.skeleton_scale[l - 1])
         want = np.where(w0 < 0, -r, r) if keep_signs else np.full_like(w0, r)
         assert np.array_equal(w[skel], want[skel]) and np.array_equal(w[~skel], w0[~skel])
         assert np.array_equal(w, w2)
-    V, Vb = gc.path_values(chain, W, b)
-    for l, (v, w) in enumerate(zip(V, W), start=1):
+    V, _ = gc.path_values(chain, W, b)
+    # XLA's vectorised CPU division can miss r / r = 1 by an ulp (see the canonical form).
+    rtol = 64 * np.finfo(host[0].dtype).eps if hxp.name == "jax" else 0
+    for l, (v, w) in enumerate(zip(hxp.tolist(V), host), start=1):
         nonfree = ~chain.free_mask(l)
-        assert np.array_equal(np.abs(v[nonfree]), np.abs(w[nonfree]))
+        assert np.allclose(np.abs(v[nonfree]), np.abs(w[nonfree]), rtol=rtol, atol=0)
         if not keep_signs:
-            assert np.array_equal(v[nonfree], w[nonfree])
+            assert np.allclose(v[nonfree], w[nonfree], rtol=rtol, atol=0)
 
 
 @settings(max_examples=examples(25))
@@ -227,3 +233,54 @@ def test_group_helpers_defaults_and_edge_cases():
     Wc, _ = gc.canonicalize(chain, W, pb.b)
     for l in (1, 2, 3):  # no node of layers 1, 2 has a group element: scale 1 everywhere
         assert np.array_equal(Wc[l - 1], W[l - 1]), f"layer {l}"
+
+
+FLOAT32 = float32_cpu_namespaces()
+
+
+def _group_moves(ns, chain, pb, bias):
+    """The group's four moves on float32 arrays of ``ns``; host arrays back. Without biases
+    in the chain, every bias argument is left out (``None``)."""
+    A, Ab = ns.aslist(pb.W), ns.aslist(pb.b) if bias else None
+    V, Vb = gc.path_values(chain, pb.W, pb.b)
+    moves = {
+        "rescale": gc.rescale(chain, A, Ab, gc.random_rescaling(chain, np.random.default_rng(3))),
+        "canonicalize": gc.canonicalize(chain, A, Ab),
+        "skeleton_init": gc.skeleton_init(chain, A, Ab, keep_signs=True, rest_scale=0.5),
+        "weights_from_path_values": gc.weights_from_path_values(
+            chain, ns.aslist(V), ns.aslist(Vb) if bias else None, A)}
+    return {name: [ns.to_numpy(a) for a in W] + ([] if b is None else ns.tolist(b))
+            for name, (W, b) in moves.items()}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["biases", "no biases"])
+def test_the_group_moves_are_the_weights_dtype_arithmetic_alike_in_every_namespace(bias):
+    """Elementwise float32 arithmetic (products, quotients, signs) is correctly rounded in
+    every namespace, so float32 weights give the same bits in each: the moves compute in
+    the weights' dtype, never in a wider default one, and biases may be left out."""
+    if len(FLOAT32) < 2:
+        pytest.skip("one float32 namespace installed")
+    chain = gc.Chain((5, 6, 4, 3), (1, 2, 1), bias=bias)
+    pb = Problem(chain, 8)
+    expected = _group_moves(FLOAT32[0], chain, pb, bias)
+    for ns in FLOAT32[1:]:
+        for name, arrays in _group_moves(ns, chain, pb, bias).items():
+            for i, (a, e) in enumerate(zip(arrays, expected[name], strict=True)):
+                assert (a is None and e is None) or (
+                    a.dtype == np.float32 and np.array_equal(a, e)), (ns.id, name, i)
+
+
+def test_rescale_takes_scales_traced_under_jax_jit():
+    """Scales of the weights' namespace are never read on the host: under ``jax.jit`` they
+    are tracers, and the moved weights equal those from host scales."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain((3, 4, 2, 3), (1, 2, 1), bias=(True, False, True))
+    pb = Problem(chain, 4)
+    scales = gc.random_rescaling(chain, pb.rng)
+    W, b = [jax.numpy.asarray(w) for w in pb.W], [None if v is None else jax.numpy.asarray(v)
+                                                  for v in pb.b]
+    moved = jax.jit(lambda W, b, s: gc.rescale(chain, W, b, s))(
+        W, b, [jax.numpy.asarray(s) for s in scales])
+    want = gc.rescale(chain, pb.W, pb.b, scales)
+    for a, e in zip(moved[0] + moved[1], want[0] + want[1]):
+        assert (a is None and e is None) or np.allclose(np.asarray(a), e, rtol=1e-12, atol=0)

@@ -99,11 +99,12 @@ def test_a_step_is_formed_so_that_it_overflows_only_where_its_value_does(hxp):
     alone may overflow and with ``lr > 1`` the product alone, while the value fits; both
     give the value. A value beyond the range is not finite, and a zero ``den`` gives 0."""
     xp, big = hxp.xp, float(np.finfo(hxp.dtype_name).max)
-    num = hxp.asarray([big / 2, big / 10, big / 2, 1.0])
-    den = hxp.asarray([1e-3, 1e3, 1e-3, 0.0])
-    for lr, want in [(1e-4, [big / 20, big * 1e-8, big / 20, 0.0]),
-                     (100.0, [np.inf, big / 100, np.inf, 0.0]),
-                     (0.5, [np.inf, big / 2e4, np.inf, 0.0])]:
+    num = hxp.asarray([big / 2, big / 10, big / 2, 1.0, big / 1.25])
+    den = hxp.asarray([1e-3, 1e3, 1e-3, 0.0, 10.0])
+    for lr, want in [(1e-4, [big / 20, big * 1e-8, big / 20, 0.0, big * 8e-6]),
+                     (100.0, [np.inf, big / 100, np.inf, 0.0, np.inf]),
+                     (0.5, [np.inf, big / 2e4, np.inf, 0.0, big / 25]),
+                     (1.5, [np.inf, big * 1.5e-4, np.inf, 0.0, big * 0.12])]:
         for rate in (lr, hxp.asarray(lr)):  # a Python number or a 0-d array (traced)
             with np.errstate(over="ignore"):  # the other order's overflows (where selects)
                 got = gc.rules.scaled_div(xp, rate, num, den)
