@@ -16,7 +16,7 @@ from _helpers import Problem, assert_all_close, assert_close
 from _nets import output
 from _strategies import chains, examples, seeds
 
-SGD_HYPERS = [dict(lr=0.05), dict(lr=0.02, momentum=0.9),
+SGD_HYPERS = [dict(lr=0.05), dict(lr=0.05, weight_decay=1e-2), dict(lr=0.02, momentum=0.9),
               dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=1e-3),
               dict(lr=0.02, momentum=0.5, dampening=0.3)]
 ADAM_RULES = {"adam": lambda eps=1e-8: gc.adam_rule(0.01, eps=eps),
@@ -318,9 +318,23 @@ def test_tau_ratio_of_zero_becomes_epsilon(xp):
 
 
 # ------------------------------------------------------------------ clear errors
+@pytest.mark.parametrize("make, message", [
+    (lambda: gc.adam_rule(-1.0), "lr must be finite and >= 0, got -1.0"),
+    (lambda: gc.adamw_rule(eps=-1.0), "eps must be finite and >= 0, got -1.0"),
+    (lambda: gc.adam_rule(weight_decay=-1.0), "weight_decay must be finite and >= 0, got -1.0"),
+    (lambda: gc.adam_rule(betas=(np.asarray(0.9), 0.9)),
+     "betas[0] must be a Python number (only lr may be an array), got array(0.9)"),
+    (lambda: gc.adam_rule(eps=np.asarray(1e-8)),
+     "eps must be a Python number (only lr may be an array), got array(1.e-08)"),
+    (lambda: gc.adam_rule(betas=(0.9, 1.5)), "betas[1] must be finite and in [0, 1], got 1.5"),
+])
+def test_adam_rules_refuse_bad_hyperparameters_naming_them(make, message):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value) == message
+
+
 def test_rules_refuse_bad_hyperparameters():
-    with pytest.raises(ValueError, match="lr"):
-        gc.adam_rule(-1.0)
     with pytest.raises(ValueError, match=r"betas\[1\]"):
         gc.adam_rule(betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="betas must be a pair"):
@@ -329,8 +343,48 @@ def test_rules_refuse_bad_hyperparameters():
         gc.adamw_rule(eps=-1e-8)
     with pytest.raises(ValueError, match="momentum"):
         gc.sgd_rule(0.1, momentum=-0.5)
-    with pytest.raises(ValueError, match="only lr may be an array"):
+    with pytest.raises(ValueError, match=r"^momentum must be a Python number \(only lr may be "
+                                         r"an array\), got array\(0\.9\)$"):
         gc.sgd_rule(0.1, momentum=np.asarray(0.9))
+    with pytest.raises(ValueError, match="^nesterov needs momentum > 0 and dampening = 0"):
+        gc.sgd_rule(0.1, nesterov=True)
+    with pytest.raises(ValueError, match="^weight_decay must be finite and >= 0"):
+        gc.sgd_rule(0.1, weight_decay=-1e-3)
+    with pytest.raises(ValueError, match="^dampening must be finite and in"):
+        gc.sgd_rule(0.1, momentum=0.9, dampening=1.5)
+
+
+def test_rule_factories_build_the_rule_they_name():
+    """Every argument of the factories reaches the rule: AdamW is Adam with decoupled decay."""
+    assert gc.sgd_rule(0.1, 0.9, 0.0, True, 1e-3) == gc.SGDRule(0.1, 0.9, 0.0, True, 1e-3)
+    assert gc.adam_rule(0.1, (0.8, 0.9), 1e-6, 1e-3, amsgrad=True) == gc.AdamRule(
+        0.1, (0.8, 0.9), 1e-6, 1e-3, decoupled=False, amsgrad=True)
+    assert gc.adamw_rule(0.1, [0.8, 0.9], 1e-6, 1e-3, amsgrad=True) == gc.AdamRule(
+        0.1, (0.8, 0.9), 1e-6, 1e-3, decoupled=True, amsgrad=True)
+    assert gc.adamw_rule().weight_decay == 1e-2 and not gc.adamw_rule().amsgrad
+
+
+@pytest.mark.parametrize("make", [gc.sgd_rule, lambda lr: gc.sgd_rule(lr, momentum=0.9),
+                                  gc.adam_rule], ids=["sgd", "sgd-momentum", "adam"])
+def test_an_array_learning_rate_steps_as_the_same_python_number(xp, make):
+    """``lr`` as a float64 0-d array (a schedule's, traced under ``jit``) is cast to the
+    paths' dtype: the step is that of the same ``lr`` given as a Python number, to the last
+    bit for SGD. Adam divides ``lr`` by ``1 - beta1**t``, which torch computes in double
+    precision for a Python number: there the two may differ by an ulp."""
+    chain = gc.Chain.mlp([4, 5, 3])
+    pb = Problem(chain, 2)
+    G, Gb = pb.grads()
+    W, b = xp.aslist(pb.W), xp.aslist(pb.b)
+    got = []
+    for lr in (0.1, xp.xp.asarray(0.1, dtype=xp.xp.float64, device=xp.device)):
+        rule = make(lr)
+        state = gc.path_init(chain, rule, W, b)
+        W2, b2, _ = gc.path_update(chain, rule, state, W, b, xp.aslist(G), xp.aslist(Gb))
+        got.append(xp.tolist(W2 + b2))
+    ulps = 4 if isinstance(make(0.1), gc.AdamRule) else 0
+    for a, e in zip(*got):
+        assert a.dtype == e.dtype == np.dtype(xp.dtype_name)
+        np.testing.assert_allclose(a, e, rtol=ulps * np.finfo(a.dtype).eps, atol=0)
 
 
 def test_path_update_refuses_what_is_not_a_rule_or_its_state():
