@@ -454,3 +454,23 @@ def test_allocate_without_biases_needs_no_bias_delta(xp):
     for l, (v, v2) in enumerate(zip(V, V2), start=1):
         moved = ~chain.free_mask(l).reshape(v.shape)
         assert_close(v2[moved], v[moved] - 1e-3, xp.rtol, f"layer {l}")
+
+
+@pytest.mark.parametrize("rule", [gc.sgd_rule(0.1, momentum=0.9), gc.adam_rule(amsgrad=True)],
+                         ids=["sgd-momentum", "adam-amsgrad"])
+def test_a_rules_state_is_made_in_the_paths_dtype_and_device(xp, rule):
+    """``init``: one zero buffer per name and path array, shaped, typed and placed like it,
+    and an int32 count of 0 on the same device; one array of paths is enough."""
+    import array_api_compat
+    for count in (1, 2):
+        values = tuple(xp.asarray(np.ones((3, 2 + i))) for i in range(count))
+        state = rule.init(values)
+        assert len(state.buffers) == len(rule.buffers)
+        for buffer in state.buffers:
+            assert len(buffer) == count
+            for b, v in zip(buffer, values):
+                assert b.dtype == xp.dtype and tuple(b.shape) == tuple(v.shape)
+                assert array_api_compat.device(b) == array_api_compat.device(v)
+                assert not np.any(xp.to_numpy(b))
+        assert state.count.dtype == xp.xp.int32 and int(xp.to_numpy(state.count)) == 0
+        assert array_api_compat.device(state.count) == array_api_compat.device(values[0])
