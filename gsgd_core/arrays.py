@@ -72,15 +72,16 @@ def _layer_meta(chain: Chain, xp, device) -> tuple[LayerMeta, ...]:
 def layer_meta(chain: Chain, xp, device) -> tuple[LayerMeta, ...]:
     """Metadata of every layer in namespace ``xp`` on ``device``, cached on the chain.
 
-    Under tracing (JAX's ``jit``) the device is unknown (``None``) and nothing is cached, so
-    no traced value outlives its trace.
+    Arrays of a lazy namespace (JAX, whose arrays made under ``jit`` are tracers even where
+    the weights are concrete) are never cached, so no traced value outlives its trace; nor
+    are they where the device is unknown.
     """
-    if device is None:
-        return _layer_meta(chain, xp, device)
     key = (xp.__name__, str(device))
     cached = chain._cache.get(key)
     if cached is None:
-        cached = chain._cache[key] = _layer_meta(chain, xp, device)
+        cached = _layer_meta(chain, xp, device)
+        if device is not None and not array_api_compat.is_lazy_array(cached[0].free_mask):
+            chain._cache[key] = cached
     return cached
 
 

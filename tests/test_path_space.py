@@ -395,7 +395,8 @@ def test_path_update_refuses_what_is_not_a_rule_or_its_state():
         gc.path_update(chain, object(), None, pb.W, pb.b, G, Gb)
     with pytest.raises(ValueError, match=r"PathRule\), got function$"):
         gc.path_init(chain, gc.adam_rule, pb.W, pb.b)  # the factory, not a rule
-    with pytest.raises(ValueError, match="needs the state of its own init"):
+    with pytest.raises(ValueError, match=r"^AdamRule needs the state of its own init\(\), with "
+                                         r"buffers \('exp_avg', 'exp_avg_sq'\)$"):
         gc.path_update(chain, gc.adam_rule(), gc.gsgd_init(chain, pb.W, pb.b), pb.W, pb.b, G, Gb)
     with pytest.raises(ValueError, match="layer 2"):
         gc.path_update(chain, gc.adam_rule(), None, pb.W, pb.b, [G[0], G[1][:, :2]], Gb)
@@ -474,3 +475,34 @@ def test_a_rules_state_is_made_in_the_paths_dtype_and_device(xp, rule):
                 assert not np.any(xp.to_numpy(b))
         assert state.count.dtype == xp.xp.int32 and int(xp.to_numpy(state.count)) == 0
         assert array_api_compat.device(state.count) == array_api_compat.device(values[0])
+        deltas, state = rule.update(values, state, values)
+        assert [d.dtype for d in deltas] == [xp.dtype] * count
+        assert int(xp.to_numpy(state.count)) == 1
+
+
+def test_a_rule_refuses_gradients_and_values_of_two_namespaces():
+    values = (torch.ones(3, 2),)
+    for rule in (gc.sgd_rule(0.1, momentum=0.9), gc.adam_rule()):
+        for grads, vals in (((np.ones((3, 2)),), values), (values, (np.ones((3, 2)),))):
+            with pytest.raises(TypeError, match="Multiple namespaces"):
+                rule.update(grads, rule.init(vals), vals)
+
+
+@pytest.mark.parametrize("make", [gc.sgd_rule, lambda lr: gc.sgd_rule(lr, momentum=0.9),
+                                  gc.adam_rule], ids=["sgd", "sgd-momentum", "adam"])
+def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number(make):
+    """A schedule's ``lr`` under ``jax.jit`` is a tracer: the rule takes it as an array."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([4, 5, 3])
+    pb = Problem(chain, 2)
+    G, Gb = pb.grads()
+    W, b, G, Gb = ([None if a is None else jax.numpy.asarray(a) for a in part]
+                   for part in (pb.W, pb.b, G, Gb))
+
+    def step(lr):
+        rule = make(lr)
+        return gc.path_update(chain, rule, gc.path_init(chain, rule, W, b), W, b, G, Gb)[:2]
+
+    got, want = jax.jit(step)(0.1), step(0.1)
+    for a, e in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-12, atol=0)
