@@ -20,20 +20,31 @@ def ns(request):
     return request.param
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_steps_update_the_callers_arrays_like_the_core(ns, momentum):
-    pb = Problem(CHAIN, 0)
+HYPERS = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+          dict(momentum=0.5, dampening=0.3, weight_decay=1e-2), dict(weight_decay=1e-2)]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["biases", "no biases"])
+@pytest.mark.parametrize("hyper", HYPERS, ids=lambda h: ",".join(f"{k}={v}" for k, v in
+                                                                   h.items()) or "plain")
+def test_steps_update_the_callers_arrays_like_the_core(ns, hyper, bias):
+    """Every hyperparameter reaches the step; biases may be left out where the chain has
+    none; a momentum state is kept only with momentum."""
+    chain = CHAIN if bias else gc.Chain.mlp([5, 6, 4, 3], bias=False)
+    pb = Problem(chain, 0)
     G, Gb = pb.grads()
-    W, b = ns.aslist(pb.W), ns.aslist(pb.b)
-    opt = GSGD(CHAIN, W, b, lr=0.1, momentum=momentum)
+    W = ns.aslist(pb.W)
+    b = ns.aslist(pb.b) if bias else None
+    opt = GSGD(chain, W, b, lr=0.1, **hyper)
+    assert (opt.state is None) == (not hyper.get("momentum"))
     eW, eb = ns.aslist(pb.W), ns.aslist(pb.b)
-    state = gc.gsgd_init(CHAIN, eW, eb)
+    state = gc.gsgd_init(chain, eW, eb)
     for _ in range(3):
-        opt.step(ns.aslist(G), ns.aslist(Gb))
-        eW, eb, state = gc.gsgd_update(CHAIN, state, eW, eb, ns.aslist(G), ns.aslist(Gb),
-                                       lr=0.1, momentum=momentum)
+        opt.step(ns.aslist(G), ns.aslist(Gb) if bias else None)
+        eW, eb, state = gc.gsgd_update(chain, state, eW, eb, ns.aslist(G), ns.aslist(Gb),
+                                       lr=0.1, **hyper)
     assert opt.weights[0] is W[0]
-    for a, e in zip(ns.tolist(W + b), ns.tolist(eW + eb)):
+    for a, e in zip(ns.tolist(W + (b or [])), ns.tolist(eW + (eb if bias else []))):
         assert_close(a, e, 1e-12 if ns.is_f64 else 1e-4)
 
 
@@ -58,3 +69,5 @@ def test_bad_arguments_are_refused_up_front():
         GSGD(CHAIN, pb.W[:2], pb.b[:2], lr=0.1)
     with pytest.raises(ValueError, match="nesterov"):
         GSGD(CHAIN, pb.W, pb.b, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="^weight_decay must be finite and >= 0"):
+        GSGD(CHAIN, pb.W, pb.b, lr=0.1, weight_decay=-1e-3)
