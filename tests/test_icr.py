@@ -78,3 +78,15 @@ def test_icr_and_the_step_are_float32_arithmetic_alike_in_every_namespace(widths
         for ns, got in zip(namespaces[1:], results[1:]):
             for i, (a, e) in enumerate(zip(got, results[0], strict=True)):
                 assert a.dtype == np.float32 and np.array_equal(a, e), (ns.id, seed, i)
+
+
+@given(chain=small_chains(), seed=seeds)
+def test_path_values_are_zero_at_free_edges_and_match_the_dense_basis(chain, seed):
+    """A free edge is no basis path of its own: its entry of ``path_values`` is 0; the
+    others are the basis paths' values (the dense reference's)."""
+    pb = Problem(chain, seed)
+    V, Vb = gc.path_values(chain, pb.W, pb.b)
+    for l, v in enumerate(V, start=1):
+        assert not np.any(v.reshape(chain.layer_shape(l))[chain.free_mask(l)])
+    assert_close(ref.to_basis(chain, V, Vb), ref.path_values(chain, pb.W, pb.b), 1e-12,
+                 "basis path values")
