@@ -78,12 +78,14 @@ def import_path(module: str) -> str:
     return f"{PACKAGES[top]}/{rest}"
 
 
-#: Each mutant's child compiles the JAX tests' functions anew (the adapters' and the core's
-#: JAX namespace cases): XLA's persistent cache on disk, keyed by the compiled program, lets
-#: them reuse each other's (six times faster for the adapters, twice for a namespace case).
-JAX_CACHE = {"JAX_COMPILATION_CACHE_DIR": str(BUILD / "jax-cache"),
-             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+# Each mutant's child compiles the JAX tests' functions anew (the adapters' and the core's
+# JAX namespace cases): XLA's persistent cache on disk, keyed by the compiled program, lets
+# them reuse each other's (six times faster for the adapters, twice for a namespace case).
+def jax_cache() -> dict:
+    """The environment that points a run's JAX at the shared cache (``build/mutation/``)."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(BUILD / "jax-cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def _fork_unsafe(module: str, conf: dict) -> bool:
@@ -169,7 +171,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
     if before:
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
-        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | JAX_CACHE
+        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
+        jax_cache())
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)
     if before:
