@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import array_api_compat
 import numpy as np
+import pytest
 
 
 @dataclass
@@ -123,3 +124,17 @@ def float32_cpu_namespaces() -> list[Namespace]:
     need no reordered sums are the same bits in every one."""
     return [ns for ns in available_namespaces() if ns.dtype_name == "float32" and not ns.place
             and ns.name in ("numpy", "array_api_strict", "torch") and not ns.skip_reason]
+
+
+def assert_same_bits_in_float32_namespaces(compute: Callable) -> None:
+    """``compute(ns)`` -> ``{name: [host array or None, ...]}`` on every namespace of
+    :func:`float32_cpu_namespaces`: float32 results with the same bits as the first's."""
+    namespaces = float32_cpu_namespaces()
+    if len(namespaces) < 2:
+        pytest.skip("one float32 namespace installed")
+    expected = compute(namespaces[0])
+    for ns in namespaces[1:]:
+        for name, arrays in compute(ns).items():
+            for i, (a, e) in enumerate(zip(arrays, expected[name], strict=True)):
+                assert (a is None and e is None) or (
+                    a.dtype == np.float32 and np.array_equal(a, e)), (ns.id, name, i)

@@ -8,7 +8,7 @@ from hypothesis import given
 import gsgd_core as gc
 from gsgd_core import reference as ref
 from _helpers import Problem, assert_all_close, assert_close
-from _namespaces import float32_cpu_namespaces
+from _namespaces import assert_same_bits_in_float32_namespaces
 from _nets import loss_fn
 from _strategies import chains, seeds, small_chains
 
@@ -62,22 +62,20 @@ def test_icr_and_the_step_are_float32_arithmetic_alike_in_every_namespace(widths
     ICR and G-SGD step give the same bits as NumPy's. Widening from one unit to two leaves
     a tau edge above layer 1 that is not free, so the allocation's ratios ``R / rho`` are
     formed there too."""
-    namespaces = float32_cpu_namespaces()
-    if len(namespaces) < 2:
-        pytest.skip("one float32 namespace installed")
     chain = gc.Chain.mlp(widths)
-    for seed in range(5):
-        pb = Problem(chain, seed)
-        G, Gb = pb.grads()
-        results = []
-        for ns in namespaces:
+
+    def sweeps(ns):
+        out = {}
+        for seed in range(5):
+            pb = Problem(chain, seed)
+            G, Gb = pb.grads()
             args = [ns.aslist(a) for a in (pb.W, pb.b, G, Gb)]
             D, Db = gc.icr(chain, *args)
             W, b = gc.gsgd_step(chain, *args, lr=0.1)
-            results.append([ns.to_numpy(a) for a in D + Db + W + b])
-        for ns, got in zip(namespaces[1:], results[1:]):
-            for i, (a, e) in enumerate(zip(got, results[0], strict=True)):
-                assert a.dtype == np.float32 and np.array_equal(a, e), (ns.id, seed, i)
+            out[f"seed {seed}"] = [ns.to_numpy(a) for a in D + Db + W + b]
+        return out
+
+    assert_same_bits_in_float32_namespaces(sweeps)
 
 
 @given(chain=small_chains(), seed=seeds)

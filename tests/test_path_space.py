@@ -2,6 +2,7 @@
 torch's Adam(W) run on the basis-path values, allocation moves path values by exactly -Delta,
 rescaled twins coincide (and plain Adam's do not), and the numerics rules hold."""
 
+import array_api_compat
 import numpy as np
 import pytest
 import torch
@@ -23,6 +24,10 @@ ADAM_RULES = {"adam": lambda eps=1e-8: gc.adam_rule(0.01, eps=eps),
               "adam-l2-amsgrad": lambda eps=1e-8: gc.adam_rule(
                   0.01, betas=(0.8, 0.99), eps=eps, weight_decay=0.1, amsgrad=True),
               "adamw": lambda eps=1e-8: gc.adamw_rule(0.01, eps=eps, weight_decay=0.1)}
+
+#: Rules built from a learning rate alone, for the tests of how ``lr`` reaches the step.
+LR_RULES = {"sgd": gc.sgd_rule, "sgd-momentum": lambda lr: gc.sgd_rule(lr, momentum=0.9),
+            "adam": gc.adam_rule}
 
 
 def _ids(h):
@@ -364,8 +369,7 @@ def test_rule_factories_build_the_rule_they_name():
     assert gc.adamw_rule().weight_decay == 1e-2 and not gc.adamw_rule().amsgrad
 
 
-@pytest.mark.parametrize("make", [gc.sgd_rule, lambda lr: gc.sgd_rule(lr, momentum=0.9),
-                                  gc.adam_rule], ids=["sgd", "sgd-momentum", "adam"])
+@pytest.mark.parametrize("make", list(LR_RULES.values()), ids=list(LR_RULES))
 def test_an_array_learning_rate_steps_as_the_same_python_number(xp, make):
     """``lr`` as a float64 0-d array (a schedule's, traced under ``jit``) is cast to the
     paths' dtype: the step is that of the same ``lr`` given as a Python number, to the last
@@ -462,7 +466,6 @@ def test_allocate_without_biases_needs_no_bias_delta(xp):
 def test_a_rules_state_is_made_in_the_paths_dtype_and_device(xp, rule):
     """``init``: one zero buffer per name and path array, shaped, typed and placed like it,
     and an int32 count of 0 on the same device; one array of paths is enough."""
-    import array_api_compat
     for count in (1, 2):
         values = tuple(xp.asarray(np.ones((3, 2 + i))) for i in range(count))
         state = rule.init(values)
@@ -488,8 +491,7 @@ def test_a_rule_refuses_gradients_and_values_of_two_namespaces():
                 rule.update(grads, rule.init(vals), vals)
 
 
-@pytest.mark.parametrize("make", [gc.sgd_rule, lambda lr: gc.sgd_rule(lr, momentum=0.9),
-                                  gc.adam_rule], ids=["sgd", "sgd-momentum", "adam"])
+@pytest.mark.parametrize("make", list(LR_RULES.values()), ids=list(LR_RULES))
 def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number(make):
     """A schedule's ``lr`` under ``jax.jit`` is a tracer: the rule takes it as an array."""
     jax = pytest.importorskip("jax")
