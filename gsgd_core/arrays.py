@@ -279,8 +279,9 @@ def outer3(u, v):
 
 
 def shaped(p: Prepared, arrays) -> list:
-    """3-D layer arrays in the caller's shapes, in the compute dtype (``None`` stays)."""
-    return [None if a is None else p.xp.reshape(a, s) for a, s in zip(arrays, p.shapes)]
+    """3-D layer arrays (one per layer, none missing) in the caller's shapes, in the
+    compute dtype."""
+    return [p.xp.reshape(a, s) for a, s in zip(arrays, p.shapes)]
 
 
 def guard_tree(xp, ok, new, old):

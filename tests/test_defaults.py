@@ -62,6 +62,20 @@ def test_cached_metadata_is_immutable():
         prepare(chain, W).dtype = np.float32
 
 
+def test_rescale_reads_scales_given_as_python_numbers_as_float64():
+    """Host scales may be lists of Python numbers of any kind: ints (one beyond int64's
+    range too, which NumPy alone would keep as objects) and floats act as the same float64
+    scales given as arrays."""
+    chain = gc.Chain.mlp([2, 3, 2])
+    rng = np.random.default_rng(0)
+    W = [rng.standard_normal((3, 2)), rng.standard_normal((2, 3))]
+    b = [rng.standard_normal(3), rng.standard_normal(2)]
+    want = gc.rescale(chain, W, b, [np.array([3.0, 2.0**64, 0.5])])
+    got = gc.rescale(chain, W, b, [[3, 2**64, 0.5]])
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_skeleton_init_scales_the_other_weights_by_rest_scale():
     chain = gc.Chain.mlp([3, 4, 2], bias=False)
     W = [np.full((4, 3), 0.5), np.full((2, 4), -0.25)]

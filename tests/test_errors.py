@@ -82,6 +82,9 @@ def test_errors_come_before_any_arithmetic():
     (dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "nesterov needs"),
     (dict(lr=True), "lr must be a number"),
     (dict(lr=np.ones(2)), "lr must be a Python number or a 0-d array"),
+    # NumPy's float32 is a numbers.Real but not a float: checked as a number all the same
+    (dict(lr=np.float32(-1.0)), r"lr must be finite and >= 0, got np.float32\(-1.0\)"),
+    (dict(lr=0.1, momentum=np.float32("nan")), "momentum must be finite"),
 ])
 def test_hyperparameter_errors(hyper, message):
     W, b, G, Gb = _params()
@@ -150,7 +153,7 @@ def test_other_entry_points_validate_too():
     W, b, G, Gb = _params()
     with pytest.raises(ValueError, match="chain must be a gsgd_core.Chain"):
         gc.path_values((3, 4, 2), W, b)
-    with pytest.raises(ValueError, match="numpy.random.Generator"):
+    with pytest.raises(ValueError, match="rng must be a numpy.random.Generator, got int$"):
         gc.random_rescaling(CHAIN, 0)
     with pytest.raises(ValueError, match="spread must be finite and >= 0"):
         gc.random_rescaling(CHAIN, np.random.default_rng(), -1.0)

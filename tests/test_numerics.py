@@ -7,6 +7,7 @@ epsilon; pruned (zero) weights get the exact limit of the update; float16/bfloat
 computed in float32. Finite input never yields NaN or Inf."""
 
 import warnings
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 import gsgd_core as gc
 from gsgd_core import reference as ref
+from gsgd_core.arrays import guard_tree
 from gsgd_backends._dispatch import FAST
 from _helpers import Problem, assert_close
 from _namespaces import available_namespaces
@@ -283,6 +285,61 @@ def test_mixed_devices_are_refused():
     Gbx = [None if g is None else xs.asarray(g) for g in Gb]
     with pytest.raises(ValueError, match="on the weights' device"):
         gc.gsgd_step(CHAIN, W, b, Gx, Gbx, 0.1)
+
+
+def _two_momentum_steps(W, b, G, Gb, hypers):
+    """Two G-SGD steps from fresh state: the second one reads the momentum buffers."""
+    W1, b1, state = gc.gsgd_update(CHAIN, gc.gsgd_init(CHAIN, W, b), W, b, G, Gb, **hypers)
+    return gc.gsgd_update(CHAIN, state, W1, b1, G, Gb, **hypers)[:2]
+
+
+def test_hyperparameters_given_as_float64_arrays_step_in_the_weights_dtype():
+    """A hyperparameter given as a 0-d array of another dtype (a schedule's float64 value)
+    is cast to the weights' dtype: float32 weights step bit for bit as with the Python
+    numbers, in G-SGD with momentum, dampening and weight decay and in Path-SGD."""
+    hypers = dict(lr=0.1, momentum=0.9, dampening=0.25, weight_decay=1e-3)
+    as_arrays = {k: np.asarray(v, dtype=np.float64) for k, v in hypers.items()}
+    for seed in range(5):
+        pb = Problem(CHAIN, seed)
+        W, b, (G, Gb) = pb.W, pb.b, pb.grads()
+        W, b, G, Gb = ([None if a is None else a.astype(np.float32) for a in arrays]
+                       for arrays in (W, b, G, Gb))
+        W1, b1 = _two_momentum_steps(W, b, G, Gb, hypers)
+        W2, b2 = _two_momentum_steps(W, b, G, Gb, as_arrays)
+        W3, b3 = gc.path_sgd_step(CHAIN, W, b, G, Gb, 0.1)
+        W4, b4 = gc.path_sgd_step(CHAIN, W, b, G, Gb, as_arrays["lr"])
+        for x, y in zip(W1 + b1 + W3 + b3, W2 + b2 + W4 + b4):
+            assert x is None and y is None or (y.dtype == np.float32 and np.array_equal(x, y))
+
+
+class _Moments(NamedTuple):
+    m: Any
+    count: Any
+
+
+@pytest.mark.parametrize("name", ["numpy", "array_api_strict"])
+def test_a_skipped_step_keeps_every_leaf_of_a_rule_state(name):
+    """The skip rule over a path rule's state of dicts, tuples, lists and named tuples
+    (``guard_tree``): where the step is skipped every array leaf keeps its old value; where
+    it is taken a floating leaf keeps its old value only where the new one is not finite,
+    and an integer or boolean leaf takes the new one. ``None`` stays, a leaf that is not an
+    array (a Python number) is the new one, and every container keeps its type."""
+    xp = pytest.importorskip(name)
+
+    def state(vec, m, count, flag, number):
+        return {"buffers": (xp.asarray(vec), [_Moments(xp.asarray(m), xp.asarray(
+            count, dtype=xp.int32))]), "flag": xp.asarray(flag), "none": None, "lr": number}
+    new = state([1.0, np.inf, np.nan], [2.0], 3, True, 0.5)
+    old = state([-1.0, -2.0, -3.0], [-2.0], 2, False, 0.1)
+    for ok, want in ((True, state([1.0, -2.0, -3.0], [2.0], 3, True, 0.5)),
+                     (False, state([-1.0, -2.0, -3.0], [-2.0], 2, False, 0.5))):
+        got = guard_tree(xp, xp.asarray(ok), new, old)
+        (vec, [moments]), (want_vec, [want_moments]) = got["buffers"], want["buffers"]
+        assert type(got["buffers"]) is tuple and type(moments) is _Moments
+        assert got["none"] is None and got["lr"] == want["lr"]
+        for g, w in ((vec, want_vec), (moments.m, want_moments.m),
+                     (moments.count, want_moments.count), (got["flag"], want["flag"])):
+            assert g.dtype == w.dtype and np.array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_psi_row_with_non_finite_gradient_keeps_its_values():
