@@ -207,15 +207,16 @@ def _cast(p: Prepared, a, dtype):
 
 
 def view3(p: Prepared, chain: Chain, arrays) -> list:
-    """Layers as ``(n_l, n_{l-1}, k_l)`` views in the compute dtype (``None`` stays)."""
-    return [None if a is None else _cast(p, p.xp.reshape(a, chain.layer_shape(l)), p.dtype)
+    """Layers (one array per layer, none missing) as ``(n_l, n_{l-1}, k_l)`` views in the
+    compute dtype."""
+    return [_cast(p, p.xp.reshape(a, chain.layer_shape(l)), p.dtype)
             for l, a in enumerate(arrays, start=1)]
 
 
 def restore(p: Prepared, arrays) -> list:
-    """3-D layer arrays back in the caller's shapes and dtype."""
-    return [None if a is None else _cast(p, p.xp.reshape(a, s), p.store)
-            for a, s in zip(arrays, p.shapes)]
+    """3-D layer arrays (one per layer, none missing) back in the caller's shapes and
+    dtype."""
+    return [_cast(p, p.xp.reshape(a, s), p.store) for a, s in zip(arrays, p.shapes)]
 
 
 def vecs(p: Prepared, arrays, L: int) -> list:

@@ -132,3 +132,20 @@ def test_every_result_is_on_the_weights_device_in_their_dtype(name, layout, dtyp
         assert buffers == {compute if name in IN_THE_COMPUTE_DTYPE else dtype}
     counts = [a for a in states if not a.is_floating_point()]
     assert all(a.ndim == 0 and a.dtype == torch.int32 for a in counts)
+
+
+def test_layer_metadata_is_cached_per_namespace_and_device():
+    """A chain builds its index arrays once per namespace and device and hands the same
+    ones out again; used on the CPU and then on ``meta``, it gets arrays of each device
+    (one cache entry cannot serve both)."""
+    from gsgd_core.arrays import prepare
+
+    chain = gc.Chain.mlp([3, 4, 2])
+    cpu = [torch.ones(4, 3), torch.ones(2, 4)], [torch.ones(4), torch.ones(2)]
+    meta = [[a.to("meta") for a in arrays] for arrays in cpu]
+    first = prepare(chain, *cpu).meta
+    assert prepare(chain, *cpu).meta is first
+    assert {m.tau_idx.device.type for m in first} == {"cpu"}
+    assert {m.free_mask.device.type for m in prepare(chain, *meta).meta} == {"meta"}
+    assert {a.device.type for a in gc.path_values(chain, *meta)[0]} == {"meta"}
+    assert prepare(chain, *cpu).meta is first

@@ -136,6 +136,21 @@ def test_jax_jit_compiles_once_and_matches_numpy():
             assert_close(np.asarray(a), e, 1e-12, "jit vs numpy")
 
 
+def test_a_chain_first_used_under_jax_jit_steps_eagerly_afterwards():
+    """Under ``jax.jit`` the chain's index arrays are tracers, even for weights closed over
+    as concrete arrays: they must not be kept on the chain, or the next eager call with the
+    same chain meets a tracer that outlived its trace."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([3, 4, 2])  # nothing cached on it yet
+    pb = Problem(chain, 3)
+    W, b, G, Gb = ([None if a is None else jax.numpy.asarray(a) for a in part]
+                   for part in (pb.W, pb.b, *pb.grads()))
+    traced = jax.jit(lambda lr: gc.gsgd_step(chain, W, b, G, Gb, lr))(0.1)
+    eager = gc.gsgd_step(chain, W, b, G, Gb, 0.1)
+    for a, e in zip(traced[0] + traced[1], eager[0] + eager[1]):
+        assert_close(np.asarray(a), np.asarray(e), 1e-12, "jit vs eager")
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_backend_in_place_update_equals_core(hxp, momentum):
     if hxp.name == "jax":

@@ -285,6 +285,13 @@ def test_mixed_devices_are_refused():
     Gbx = [None if g is None else xs.asarray(g) for g in Gb]
     with pytest.raises(ValueError, match="on the weights' device"):
         gc.gsgd_step(CHAIN, W, b, Gx, Gbx, 0.1)
+    # the first weight's device is the weights' device: a second weight elsewhere is named
+    W[1] = xs.asarray(pb.W[1], device=other)
+    with pytest.raises(ValueError) as err:
+        gc.path_values(CHAIN, W, b)
+    assert str(err.value) == (
+        f"all arrays must be on the weights' device {xs.Device('CPU_DEVICE')}; found an array "
+        f"of shape {pb.W[1].shape} on {other}")
 
 
 def _two_momentum_steps(W, b, G, Gb, hypers):
