@@ -108,7 +108,7 @@ def check_weight_shape(chain: Chain, l: int, shape, what: str = "weight") -> Non
 def check_list(chain: Chain, name: str, values) -> list:
     """``values`` as a list of one entry per layer of ``chain`` (``ValueError`` naming
     ``name`` otherwise)."""
-    if values is None or isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ValueError(f"{name} must be a list with one entry per layer ({chain.L}), "
                          f"got {type(values).__name__}")
     if len(values) != chain.L:

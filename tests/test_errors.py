@@ -56,6 +56,13 @@ def _untouchable(a):
     (lambda W, b, G, Gb: (W, b, [G[0].astype(np.float32), G[1]], Gb), "share the weights' dtype"),
     (lambda W, b, G, Gb: (W, b, [torch.ones(4, 3, dtype=torch.float64), G[1]], Gb),
      "one array namespace"),
+    # a string is a sequence, and one of the layer count's length is refused as a string
+    (lambda W, b, G, Gb: ("ab", b, G, Gb),
+     r"^weights must be a list with one entry per layer \(2\), got str$"),
+    (lambda W, b, G, Gb: (W, b, G, b"ab"),
+     r"^bias_grads must be a list with one entry per layer \(2\), got bytes$"),
+    (lambda W, b, G, Gb: (None, b, G, Gb),
+     r"^weights must be a list with one entry per layer \(2\), got NoneType$"),
 ])
 def test_structural_errors_name_layer_and_shapes(mutate, message):
     W, b, G, Gb = mutate(*_params())
