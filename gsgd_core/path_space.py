@@ -95,8 +95,10 @@ def allocate(chain: Chain, weights: Arrays, biases: OptArrays | None, delta: Arr
     p, W, b, B, F = sweep_inputs(chain, weights, biases, extra=(
         ("delta", delta), ("bias_delta", bias_delta)))
     xp = p.xp
-    for l, (x, d) in enumerate(zip(b, bias_delta), start=1):
-        if x is not None and d is None:
+    for l, (d, x, db) in enumerate(zip(delta, b, bias_delta), start=1):
+        if d is None:
+            raise ValueError(f"layer {l}: delta[{l - 1}] is None; every layer needs one")
+        if x is not None and db is None:
             raise ValueError(f"layer {l}: the layer has a bias but bias_delta[{l - 1}] is None")
     V, _ = path_values3(xp, p.meta, W, b, B, F)
     S = [finite_or_zero(xp, d) for d in view3(p, chain, delta)]

@@ -414,6 +414,8 @@ def test_path_update_refuses_what_is_not_a_rule_or_its_state():
     with pytest.raises(ValueError, match=r"layer 2: the layer has a bias but "
                                          r"bias_delta\[1\] is None"):
         gc.allocate(chain, pb.W, pb.b, G, [Gb[0], None])
+    with pytest.raises(ValueError, match=r"^layer 1: delta\[0\] is None; every layer needs one$"):
+        gc.allocate(chain, pb.W, pb.b, [None, G[1]], Gb)
 
 
 def test_half_precision_is_computed_in_float32_and_written_back():
