@@ -63,6 +63,8 @@ def _untouchable(a):
      r"^bias_grads must be a list with one entry per layer \(2\), got bytes$"),
     (lambda W, b, G, Gb: (None, b, G, Gb),
      r"^weights must be a list with one entry per layer \(2\), got NoneType$"),
+    (lambda W, b, G, Gb: (W, [None, None], G, Gb),
+     r"^layer 1: the chain has a bias here but biases\[0\] is None$"),
 ])
 def test_structural_errors_name_layer_and_shapes(mutate, message):
     W, b, G, Gb = mutate(*_params())
@@ -158,7 +160,7 @@ def test_skeleton_init_validates_the_biases_it_is_given():
 
 def test_other_entry_points_validate_too():
     W, b, G, Gb = _params()
-    with pytest.raises(ValueError, match="chain must be a gsgd_core.Chain"):
+    with pytest.raises(ValueError, match="^chain must be a gsgd_core.Chain, got tuple$"):
         gc.path_values((3, 4, 2), W, b)
     with pytest.raises(ValueError, match="rng must be a numpy.random.Generator, got int$"):
         gc.random_rescaling(CHAIN, 0)
