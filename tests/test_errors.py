@@ -38,7 +38,9 @@ def _untouchable(a):
     (lambda W, b, G, Gb: (W, [None, None], G, Gb), r"layer 1: the chain has a bias here"),
     (lambda W, b, G, Gb: (W, [b[0], np.ones(2)], G, Gb), r"layer 2: the chain has no bias"),
     (lambda W, b, G, Gb: (W, [np.ones(3), None], G, Gb), r"layer 1: bias has shape \(3,\)"),
-    (lambda W, b, G, Gb: (W, b, G, [None, None]), r"layer 1: the layer has a bias but"),
+    (lambda W, b, G, Gb: (W, b, G, [None, None]),
+     r"^layer 1: the layer has a bias but bias_grads\[0\] is None$"),
+    (lambda W, b, G, Gb: (W, b, [G[0], "g"], Gb), r"^layer 2: grads\[1\] is a str, not an array$"),
     (lambda W, b, G, Gb: (W, b, G, None), r"layer 1: the layer has a bias but"),
     (lambda W, b, G, Gb: (W, b, G, [np.ones(4), np.ones(2)]),
      r"layer 2: bias_grads\[1\] given for a layer without a bias"),
@@ -170,6 +172,9 @@ def test_other_entry_points_validate_too():
         gc.path_sgd_step(CHAIN, W, b, G, Gb, -1.0)
     with pytest.raises(ValueError, match=r"layer 2: path values\[1\] has shape"):
         gc.weights_from_path_values(CHAIN, [W[0], np.ones((2, 4))], b, W)
+    # a missing entry of one list does not end the checks of the entries after it
+    with pytest.raises(ValueError, match=r"layer 2: path values\[1\] has shape \(2, 5\)"):
+        gc.weights_from_path_values(CHAIN, [None, np.ones((2, 5))], b, W)
     with pytest.raises(ValueError, match=r"weight 0: grads has shape \(3,\)"):
         gc.psi_update(gc.psi_init(W), W, [np.ones(3), G[1]], lr=0.1)
     with pytest.raises(ValueError, match="lr must be finite and >= 0"):
