@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import gsgd_core as gc
+from gsgd_core.arrays import prepare
 
 torch = pytest.importorskip("torch")
 
@@ -39,7 +40,7 @@ def _problem(shapes, bias, scale, dtype):
 
 def _leaves(tree):
     """Every array of a result: through tuples, lists and named tuples, ``None`` left out."""
-    if tree is None or isinstance(tree, (bool, int, float)):
+    if tree is None:
         return []
     if isinstance(tree, (tuple, list)):
         return [a for t in tree for a in _leaves(t)]
@@ -138,8 +139,6 @@ def test_layer_metadata_is_cached_per_namespace_and_device():
     """A chain builds its index arrays once per namespace and device and hands the same
     ones out again; used on the CPU and then on ``meta``, it gets arrays of each device
     (one cache entry cannot serve both)."""
-    from gsgd_core.arrays import prepare
-
     chain = gc.Chain.mlp([3, 4, 2])
     cpu = [torch.ones(4, 3), torch.ones(2, 4)], [torch.ones(4), torch.ones(2)]
     meta = [[a.to("meta") for a in arrays] for arrays in cpu]
