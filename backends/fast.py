@@ -40,7 +40,6 @@ ones through :func:`recip_rows` on layers whose node vectors are tame.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -352,7 +351,6 @@ def _divides_finitely(xp, rho) -> bool:
     return float(xp.min(xp.abs(rho))) >= _least_divisor(xp, rho.dtype)
 
 
-@functools.cache
 def _least_divisor(xp, dtype) -> float:
     """``4 / sqrt(max)`` of ``dtype``: :func:`_divides_finitely`'s bound."""
     return 4 / math.sqrt(float(xp.finfo(dtype).max))

@@ -110,18 +110,18 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     return _finite(grads, bias_grads) if finite is None else finite
 
 
-@quiet_fp
 def _finite(grads, bias_grads) -> bool:
     """Whether every gradient is finite. A finite sum proves an array finite, and a sum is
     one read of it with nothing allocated; only arrays whose sum is not finite (a NaN or
     Inf, or finite values whose sum overflows) get the exact, costlier check."""
-    arrays = [g for g in list(grads) + list(bias_grads or []) if g is not None]
-    xp = array_namespace(*arrays)
-    finite = xp.isfinite(xp.stack([xp.sum(xp.reshape(g, (-1,))) for g in arrays]))
-    if bool(xp.all(finite)):  # the usual case: one host synchronisation
-        return True
-    suspects = [a for i, a in enumerate(arrays) if not bool(finite[i])]
-    return bool(all_finite(xp, suspects))
+    with quiet_fp():
+        arrays = [g for g in list(grads) + list(bias_grads or []) if g is not None]
+        xp = array_namespace(*arrays)
+        finite = xp.isfinite(xp.stack([xp.sum(xp.reshape(g, (-1,))) for g in arrays]))
+        if bool(xp.all(finite)):  # the usual case: one host synchronisation
+            return True
+        suspects = [a for i, a in enumerate(arrays) if not bool(finite[i])]
+        return bool(all_finite(xp, suspects))
 
 
 def _fast_hypers(hyper: dict, state, plan: StepPlan | None = None) -> dict | None:

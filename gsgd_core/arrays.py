@@ -10,7 +10,6 @@ dtype, device and shape. The fast paths of :mod:`gsgd_backends` validate through
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -230,14 +229,12 @@ def unvecs(p: Prepared, arrays) -> list:
     return [None if a is None else _cast(p, a, p.store) for a in arrays]
 
 
-def quiet_fp(fn):
-    """Silence NumPy's floating-point warnings in a function whose overflows are guarded
-    (:mod:`.rules`): they are handled by design, not errors. Other namespaces do not warn."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore"):
-            return fn(*args, **kwargs)
-    return wrapper
+def quiet_fp() -> np.errstate:
+    """A context that silences NumPy's floating-point warnings, for the body of a function
+    whose overflows are guarded (:mod:`.rules`): they are handled by design, not errors.
+    Other namespaces do not warn. A context inside the body rather than a decorator keeps
+    each function a plain function (mutation testing mutates only those)."""
+    return np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore")
 
 
 def is_real(x) -> bool:

@@ -293,12 +293,16 @@ class Chain:
     @cached_property
     def free_masks(self) -> tuple[np.ndarray, ...]:
         """Free-edge masks of layers ``1..L`` (index ``l-1``)."""
-        return tuple(self.free_mask(l) for l in range(1, self.L + 1))
+        return self._per_layer(self.free_mask)
 
     @cached_property
     def tau_masks(self) -> tuple[np.ndarray, ...]:
         """Tau-edge masks of layers ``1..L`` (index ``l-1``)."""
-        return tuple(self.tau_mask(l) for l in range(1, self.L + 1))
+        return self._per_layer(self.tau_mask)
+
+    def _per_layer(self, of) -> tuple:
+        """``of(l)`` for the layers ``1..L``, in order."""
+        return tuple(of(l) for l in range(1, self.L + 1))
 
     def __str__(self) -> str:
         body = " -> ".join(str(n) for n in self.sizes)

@@ -59,7 +59,6 @@ def path_values(chain: Chain, weights: Arrays, biases: OptArrays | None = None):
     return restore(p, V), unvecs(p, Vb)
 
 
-@quiet_fp
 def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
         bias_grads: OptArrays | None = None):
     """Gradients with respect to basis-path values by the inverse chain rule (paper eq. 3).
@@ -68,11 +67,12 @@ def icr(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
     sweep; see :func:`gsgd_core.sweeps.icr3`. Returns ``(D, Db)`` in the layers' own shapes,
     ``0`` at free edges.
     """
-    p, W, b, B, F = sweep_inputs(chain, weights, biases, grads, bias_grads)
-    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
-    D, Db, _, _ = icr3(p.xp, chain, p.meta, W=W, b=b, G=G, Gb=Gb, B=B, F=F, dtype=p.dtype,
-                       device=p.device)
-    return restore(p, D), unvecs(p, Db)
+    with quiet_fp():
+        p, W, b, B, F = sweep_inputs(chain, weights, biases, grads, bias_grads)
+        G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
+        D, Db, _, _ = icr3(p.xp, chain, p.meta, W=W, b=b, G=G, Gb=Gb, B=B, F=F, dtype=p.dtype,
+                           device=p.device)
+        return restore(p, D), unvecs(p, Db)
 
 
 def gsgd_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
@@ -110,7 +110,6 @@ def check_update_hypers(lr, momentum=0.0, dampening=0.0, nesterov=False,
                          f"got momentum={momentum!r}, dampening={dampening!r}")
 
 
-@quiet_fp
 def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
                 biases: OptArrays | None, grads: Arrays, bias_grads: OptArrays | None, *,
                 lr, momentum=0.0, dampening=0.0, nesterov: bool = False,
@@ -136,36 +135,37 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
     -------
     weights, biases, state : new arrays in the inputs' namespace, dtype, device and shapes.
     """
-    check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
-    use_momentum = not is_off(momentum)
-    if use_momentum and state is None:
-        raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
-                         "biases)")
-    extra = () if state is None else (("momentum", state.momentum),
-                                      ("bias_momentum", state.bias_momentum))
+    with quiet_fp():
+        check_update_hypers(lr, momentum, dampening, nesterov, weight_decay)
+        use_momentum = not is_off(momentum)
+        if use_momentum and state is None:
+            raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
+                             "biases)")
+        extra = () if state is None else (("momentum", state.momentum),
+                                          ("bias_momentum", state.bias_momentum))
 
-    def steps(p, ok, D, Db, V, Vb):
-        xp, L = p.xp, chain.L
-        rule = None
-        if use_momentum or not is_off(weight_decay):
-            rule = StepRule(None if is_off(weight_decay) else scalar(p, weight_decay),
-                            scalar(p, momentum) if use_momentum else None,
-                            scalar(p, dampening), nesterov,
-                            state.step == 0 if use_momentum else None)
-        M_old = view3(p, chain, state.momentum) if use_momentum else [None] * L
-        Mb_old = vecs(p, state.bias_momentum, L) if use_momentum else [None] * L
-        S, M = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(D, M_old, V)])
-        Sb, Mb = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(Db, Mb_old, Vb)])
-        new_state = state
-        if use_momentum:
-            new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
-                                  tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
-                                  xp.where(ok, state.step + 1, state.step))
-        elif state is not None:
-            new_state = state._replace(step=xp.where(ok, state.step + 1, state.step))
-        return S, Sb, scalar(p, lr), new_state
+        def steps(p, ok, D, Db, V, Vb):
+            xp, L = p.xp, chain.L
+            rule = None
+            if use_momentum or not is_off(weight_decay):
+                rule = StepRule(None if is_off(weight_decay) else scalar(p, weight_decay),
+                                scalar(p, momentum) if use_momentum else None,
+                                scalar(p, dampening), nesterov,
+                                state.step == 0 if use_momentum else None)
+            M_old = view3(p, chain, state.momentum) if use_momentum else [None] * L
+            Mb_old = vecs(p, state.bias_momentum, L) if use_momentum else [None] * L
+            S, M = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(D, M_old, V)])
+            Sb, Mb = zip(*[direction(xp, d, m, v, rule) for d, m, v in zip(Db, Mb_old, Vb)])
+            new_state = state
+            if use_momentum:
+                new_state = GSGDState(tuple(restore(p, guard(xp, ok, M, M_old))),
+                                      tuple(unvecs(p, guard(xp, ok, Mb, Mb_old))),
+                                      xp.where(ok, state.step + 1, state.step))
+            elif state is not None:
+                new_state = state._replace(step=xp.where(ok, state.step + 1, state.step))
+            return S, Sb, scalar(p, lr), new_state
 
-    return path_step(chain, weights, biases, grads, bias_grads, steps, extra)
+        return path_step(chain, weights, biases, grads, bias_grads, steps, extra)
 
 
 def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,

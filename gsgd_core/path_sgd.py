@@ -43,7 +43,6 @@ def path_sgd_gamma(chain: Chain, weights: Sequence[Any], biases=None):
     return restore(p, gamma), unvecs(p, gamma_b)
 
 
-@quiet_fp
 def path_sgd_step(chain: Chain, weights: Sequence[Any], biases, grads: Sequence[Any],
                   bias_grads, lr):
     """One Path-SGD step, ``w_e <- w_e - lr * grad_e / gamma_e``; commutes with rescaling.
@@ -51,15 +50,16 @@ def path_sgd_step(chain: Chain, weights: Sequence[Any], biases, grads: Sequence[
     An edge with ``gamma_e = 0`` lies on no path of non-zero value, so its gradient is 0 too;
     it is left unchanged. The numerics rules of :func:`gsgd_core.gsgd_update` apply.
     """
-    check_hyper("lr", lr)
-    p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
-    xp = p.xp
-    W, b = view3(p, chain, weights), vecs(p, biases, chain.L)
-    G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
-    gamma, gamma_b = _gamma3(xp, chain, W, b, p.dtype, p.device)
-    lr = scalar(p, lr)
-    W_new = [w - lr * safe_div(xp, g, gm) for w, g, gm in zip(W, G, gamma)]
-    b_new = [None if bl is None else bl - lr * safe_div(xp, g, gm)
-             for bl, g, gm in zip(b, Gb, gamma_b)]
-    ok = all_finite(xp, G + Gb)
-    return restore(p, guard(xp, ok, W_new, W)), unvecs(p, guard(xp, ok, b_new, b))
+    with quiet_fp():
+        check_hyper("lr", lr)
+        p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads)
+        xp = p.xp
+        W, b = view3(p, chain, weights), vecs(p, biases, chain.L)
+        G, Gb = view3(p, chain, grads), vecs(p, bias_grads, chain.L)
+        gamma, gamma_b = _gamma3(xp, chain, W, b, p.dtype, p.device)
+        lr = scalar(p, lr)
+        W_new = [w - lr * safe_div(xp, g, gm) for w, g, gm in zip(W, G, gamma)]
+        b_new = [None if bl is None else bl - lr * safe_div(xp, g, gm)
+                 for bl, g, gm in zip(b, Gb, gamma_b)]
+        ok = all_finite(xp, G + Gb)
+        return restore(p, guard(xp, ok, W_new, W)), unvecs(p, guard(xp, ok, b_new, b))

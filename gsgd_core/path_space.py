@@ -44,7 +44,6 @@ def path_init(chain: Chain, rule: PathRule, weights: Arrays, biases: OptArrays |
     return rule.init(_flat_paths(p, V, Vb))
 
 
-@quiet_fp
 def path_update(chain: Chain, rule: PathRule, state, weights: Arrays, biases: OptArrays | None,
                 grads: Arrays, bias_grads: OptArrays | None = None):
     """One step of ``rule`` in path space; ``V' = V - Delta`` on every basis path.
@@ -67,44 +66,45 @@ def path_update(chain: Chain, rule: PathRule, state, weights: Arrays, biases: Op
     -------
     weights, biases, state : new arrays in the inputs' namespace, dtype and shapes.
     """
-    _check_rule(rule)
+    with quiet_fp():
+        _check_rule(rule)
 
-    def steps(p, ok, D, Db, V, Vb):
-        xp = p.xp
-        delta, new_state = rule.update(_flat_paths(p, D, Db), state, _flat_paths(p, V, Vb))
-        if len(delta) != chain.L + sum(v is not None for v in Vb):
-            raise ValueError(f"the rule returned {len(delta)} arrays for "
-                             f"{chain.L + sum(v is not None for v in Vb)} path arrays")
-        delta = [finite_or_zero(xp, d) for d in delta]
-        rest = iter(delta[chain.L:])
-        bias_delta = [None if v is None else next(rest) for v in Vb]
-        return (view3(p, chain, delta[:chain.L]), vecs(p, bias_delta, chain.L), 1.0,
-                guard_tree(xp, ok, new_state, state))
+        def steps(p, ok, D, Db, V, Vb):
+            xp = p.xp
+            delta, new_state = rule.update(_flat_paths(p, D, Db), state, _flat_paths(p, V, Vb))
+            if len(delta) != chain.L + sum(v is not None for v in Vb):
+                raise ValueError(f"the rule returned {len(delta)} arrays for "
+                                 f"{chain.L + sum(v is not None for v in Vb)} path arrays")
+            delta = [finite_or_zero(xp, d) for d in delta]
+            rest = iter(delta[chain.L:])
+            bias_delta = [None if v is None else next(rest) for v in Vb]
+            return (view3(p, chain, delta[:chain.L]), vecs(p, bias_delta, chain.L), 1.0,
+                    guard_tree(xp, ok, new_state, state))
 
-    return path_step(chain, weights, biases, grads, bias_grads, steps)
+        return path_step(chain, weights, biases, grads, bias_grads, steps)
 
 
-@quiet_fp
 def allocate(chain: Chain, weights: Arrays, biases: OptArrays | None, delta: Arrays,
              bias_delta: OptArrays | None = None):
     """Weight allocation alone (eq. 5–6): the weights whose basis-path values are
     ``V - delta`` (``delta`` in the weights' shapes, ignored at free edges; ``bias_delta``
     per layer with a bias), free weights unchanged. An entry that would not be finite keeps
     its value; a tau path ratio of exactly 0 becomes the dtype's epsilon."""
-    bias_delta = [None] * chain.L if bias_delta is None else bias_delta
-    p, W, b, B, F = sweep_inputs(chain, weights, biases, extra=(
-        ("delta", delta), ("bias_delta", bias_delta)))
-    xp = p.xp
-    for l, (d, x, db) in enumerate(zip(delta, b, bias_delta), start=1):
-        if d is None:
-            raise ValueError(f"layer {l}: delta[{l - 1}] is None; every layer needs one")
-        if x is not None and db is None:
-            raise ValueError(f"layer {l}: the layer has a bias but bias_delta[{l - 1}] is None")
-    V, _ = path_values3(xp, p.meta, W, b, B, F)
-    S = [finite_or_zero(xp, d) for d in view3(p, chain, delta)]
-    Sb = [None if d is None else finite_or_zero(xp, d)
-          for d in vecs(p, bias_delta, chain.L)]
-    W_new, b_new = allocate3(xp, chain, p.meta, W=W, b=b, D=S, Db=Sb, V=V, B=B, F=F, lr=1.0,
-                             dtype=p.dtype, device=p.device)
-    ok = xp.asarray(True, device=p.device)
-    return restore(p, guard_tree(xp, ok, W_new, W)), unvecs(p, guard_tree(xp, ok, b_new, b))
+    with quiet_fp():
+        bias_delta = [None] * chain.L if bias_delta is None else bias_delta
+        p, W, b, B, F = sweep_inputs(chain, weights, biases, extra=(
+            ("delta", delta), ("bias_delta", bias_delta)))
+        xp = p.xp
+        for l, (d, x, db) in enumerate(zip(delta, b, bias_delta), start=1):
+            if d is None:
+                raise ValueError(f"layer {l}: delta[{l - 1}] is None; every layer needs one")
+            if x is not None and db is None:
+                raise ValueError(f"layer {l}: the layer has a bias but bias_delta[{l - 1}] is None")
+        V, _ = path_values3(xp, p.meta, W, b, B, F)
+        S = [finite_or_zero(xp, d) for d in view3(p, chain, delta)]
+        Sb = [None if d is None else finite_or_zero(xp, d)
+              for d in vecs(p, bias_delta, chain.L)]
+        W_new, b_new = allocate3(xp, chain, p.meta, W=W, b=b, D=S, Db=Sb, V=V, B=B, F=F, lr=1.0,
+                                 dtype=p.dtype, device=p.device)
+        ok = xp.asarray(True, device=p.device)
+        return restore(p, guard_tree(xp, ok, W_new, W)), unvecs(p, guard_tree(xp, ok, b_new, b))

@@ -45,7 +45,6 @@ def psi_init(weights: Sequence[Any]) -> PSIState:
                           for w in weights))
 
 
-@quiet_fp
 def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *, lr,
                momentum=0.0, max_norm: float = 1e4):
     """One PSI-SGDM step (Yi et al., Algorithm 1; eq. 10–11), per row ``i`` of each weight::
@@ -65,35 +64,36 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     Returns ``(weights, state)``; the iterates commute with per-row rescaling of ``(W, u)``
     (Yi et al., Theorem 1) as long as no row is renormalised.
     """
-    check_hyper("lr", lr)
-    check_hyper("momentum", momentum)
-    check_hyper("max_norm", max_norm)
-    if not (isinstance(state, PSIState)):
-        raise ValueError("state must come from psi_init")
-    _check_pairs(weights, grads, "grads")
-    _check_pairs(weights, state.momentum, "momentum buffers")
-    xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
-    # PSI-SGD keeps no buffer (torch.optim.SGD's convention): momentum switched on later
-    # starts from u = 0, i.e. from ||w||^2 g, as torch's first momentum step does.
-    plain = is_off(momentum)
-    new_w, new_u = [], []
-    for w, g, u in zip(weights, grads, state.momentum):
-        if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:
-            raise ValueError(f"weights and grads must share one real floating dtype, got "
-                             f"{w.dtype} and {g.dtype}")
-        compute = xp.float32 if xp.finfo(w.dtype).bits < 32 else w.dtype
-        rows = (w.shape[0], math.prod(w.shape[1:]))  # explicit: a shard may hold no rows
-        w2, g2, u2 = (xp.astype(xp.reshape(a, rows), compute) for a in (w, g, u))
-        sq = xp.sum(w2 * w2, axis=1, keepdims=True)
-        u_new = momentum * u2 + sq * g2
-        w_new = w2 - lr * u_new
-        norm = xp.sqrt(xp.sum(w_new * w_new, axis=1, keepdims=True))
-        scale = xp.where(norm > max_norm, norm, 1.0)
-        w_new, u_new = w_new / scale, u_new / scale
-        # A row with a non-finite gradient or update keeps its old values (numerics guide).
-        ok = xp.all(xp.isfinite(g2) & xp.isfinite(w_new) & xp.isfinite(u_new), axis=1,
-                    keepdims=True)
-        new_w.append(xp.astype(xp.reshape(xp.where(ok, w_new, w2), w.shape), w.dtype))
-        new_u.append(u if plain else
-                     xp.astype(xp.reshape(xp.where(ok, u_new, u2), w.shape), w.dtype))
-    return new_w, PSIState(tuple(new_u))
+    with quiet_fp():
+        check_hyper("lr", lr)
+        check_hyper("momentum", momentum)
+        check_hyper("max_norm", max_norm)
+        if not (isinstance(state, PSIState)):
+            raise ValueError("state must come from psi_init")
+        _check_pairs(weights, grads, "grads")
+        _check_pairs(weights, state.momentum, "momentum buffers")
+        xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
+        # PSI-SGD keeps no buffer (torch.optim.SGD's convention): momentum switched on later
+        # starts from u = 0, i.e. from ||w||^2 g, as torch's first momentum step does.
+        plain = is_off(momentum)
+        new_w, new_u = [], []
+        for w, g, u in zip(weights, grads, state.momentum):
+            if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:
+                raise ValueError(f"weights and grads must share one real floating dtype, got "
+                                 f"{w.dtype} and {g.dtype}")
+            compute = xp.float32 if xp.finfo(w.dtype).bits < 32 else w.dtype
+            rows = (w.shape[0], math.prod(w.shape[1:]))  # explicit: a shard may hold no rows
+            w2, g2, u2 = (xp.astype(xp.reshape(a, rows), compute) for a in (w, g, u))
+            sq = xp.sum(w2 * w2, axis=1, keepdims=True)
+            u_new = momentum * u2 + sq * g2
+            w_new = w2 - lr * u_new
+            norm = xp.sqrt(xp.sum(w_new * w_new, axis=1, keepdims=True))
+            scale = xp.where(norm > max_norm, norm, 1.0)
+            w_new, u_new = w_new / scale, u_new / scale
+            # A row with a non-finite gradient or update keeps its old values (numerics guide).
+            ok = xp.all(xp.isfinite(g2) & xp.isfinite(w_new) & xp.isfinite(u_new), axis=1,
+                        keepdims=True)
+            new_w.append(xp.astype(xp.reshape(xp.where(ok, w_new, w2), w.shape), w.dtype))
+            new_u.append(u if plain else
+                         xp.astype(xp.reshape(xp.where(ok, u_new, u2), w.shape), w.dtype))
+        return new_w, PSIState(tuple(new_u))

@@ -7,6 +7,7 @@ Usage, from the repository root (``pip install -e .[test,torch,jax,jax-test,muta
     python tests/mutation.py --all                         # every module of the table
     python tests/mutation.py backends/plan.py --again      # its survivors, with new tests
     python tests/mutation.py adapters/jax/units.py --again --tests tests/test_jax_discovery.py
+    python tests/mutation.py backends/inplace.py --functions _finite  # one function's mutants
     python tests/mutation.py --report                      # docs/mutation.md from results/
 
 mutmut names a mutant by its file's path (``backends/plan.py`` gives ``backends.plan.*``)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import fnmatch
 import json
 import os
 import shutil
@@ -144,6 +146,13 @@ def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) 
         raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
 
 
+def _env(module: str, conf: dict) -> dict:
+    """The environment of ``module``'s mutmut runs."""
+    return os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
+        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
+        jax_cache())
+
+
 def run(module: str, jobs: int, conf: dict, again: bool = False,
         only: list[str] | None = None) -> dict:
     """mutmut over ``module`` with its tests; the result as written to ``RESULTS``.
@@ -170,9 +179,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
     dest = stage(module, tests, conf, keep=again)
     if before:
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
-    env = os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
-        {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
-        jax_cache())
+    env = _env(module, conf)
     start = time.perf_counter()
     mutmut_run(dest, module, jobs, [], env)
     if before:
@@ -202,11 +209,56 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
 def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
     """Every mutant's status in ``dest`` and each survivor's diff (``mutmut show``)."""
     status = statuses(dest, module)
-    survivors = {name: subprocess.run([str(MUTMUT), "show", name], cwd=dest, env=env,
-                                      capture_output=True, text=True).stdout
-                 for name, s in status.items() if s == "survived"}
     return {"module": module, "tests": tests, "date": time.strftime("%Y-%m-%d"),
-            "status": status, "survivors": survivors, "again": []}
+            "status": status, "survivors": _diffs(dest, status, env), "again": []}
+
+
+def _diffs(dest: Path, status: dict[str, str], env: dict) -> dict[str, str]:
+    """Each survivor's diff (``mutmut show``)."""
+    return {name: subprocess.run([str(MUTMUT), "show", name], cwd=dest, env=env,
+                                 capture_output=True, text=True).stdout
+            for name, s in status.items() if s == "survived"}
+
+
+def mutant_glob(module: str, function: str) -> str:
+    """mutmut's names of the mutants of ``function`` (``name`` or ``Class.method``) of
+    ``module``: ``gsgd_backends.inplace.x__finite__mutmut_*``."""
+    prefix = import_path(module).removesuffix(".py").replace("/", ".")
+    sep = "\u01c1"  # mutmut's separator of a class and its method
+    name = sep + function.replace(".", sep) if "." in function else "_" + function
+    return f"{prefix}.x{name}__mutmut_*"
+
+
+def run_functions(module: str, functions: list[str], jobs: int, conf: dict) -> dict:
+    """The mutants of ``functions`` of ``module`` alone, added to its saved result: for
+    functions that had none when it ran (mutmut leaves decorated functions alone) or that
+    changed since. Their verdicts replace any they had; the other mutants keep theirs. A
+    result kept as ``counts`` holds theirs in ``status`` beside the counts."""
+    saved = _saved(module)
+    if not saved.exists():
+        raise ValueError(f"--functions adds to a saved run of {module}: none")
+    before = json.loads(saved.read_text())
+    tests, patterns = conf["tests"][module], [mutant_glob(module, f) for f in functions]
+    dest = stage(module, tests, conf, keep=True)
+    (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
+    env = _env(module, conf)
+    start = time.perf_counter()
+    mutmut_run(dest, module, jobs, patterns, env)
+    status = {n: s for n, s in statuses(dest, module).items()
+              if any(fnmatch.fnmatch(n, p) for p in patterns)}
+    if not status or "not checked" in status.values():
+        raise RuntimeError(f"{functions}: no mutants, or some left without a verdict")
+    survivors = _diffs(dest, status, env)
+    result = in_workers(dest, {"module": module, "status": status, "survivors": survivors},
+                        conf, env)
+    seconds = time.perf_counter() - start
+    before["status"] = before.get("status", {}) | result["status"]
+    before["survivors"] = {n: d for n, d in before["survivors"].items()
+                           if n not in status} | result["survivors"]
+    before["again"] = before.get("again", []) + [
+        {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
+         "functions": functions, "mutants": len(status)}]
+    return _save(before)
 
 
 def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
@@ -261,6 +313,8 @@ def run_time(r: dict) -> str:
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
     return "; ".join([first] + [
         (f"all {a['all']} again, with a changed test table: " if "all" in a else
+         f"the {a['mutants']} mutants of " + ", ".join(f"`{f}`" for f in a["functions"])
+         + ": " if "functions" in a else
          f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again"
          + (" with " + ", ".join(f"`{t}`" for t in a["tests"]) if "tests" in a else "")
          + ": ") + took(a)
@@ -268,10 +322,10 @@ def run_time(r: dict) -> str:
 
 
 def counts(result: dict) -> collections.Counter:
-    """How many mutants have each status: counted from ``status``, or the ``counts`` a
-    result holds instead."""
-    return collections.Counter(result["status"].values()) if "status" in result else \
-        collections.Counter(result["counts"])
+    """How many mutants have each status: the ``counts`` a result holds (a run whose
+    per-mutant statuses were not kept) and those of ``status``."""
+    return collections.Counter(result.get("counts", {})) + collections.Counter(
+        result.get("status", {}).values())
 
 
 def score(result: dict) -> tuple[int, int]:
@@ -335,6 +389,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tests", nargs="+", metavar="TEST",
                         help="with --again: run the survivors with these of the module's tests "
                              "only (those changed since its run)")
+    parser.add_argument("--functions", nargs="+", metavar="NAME",
+                        help="run the mutants of these functions (name, or Class.method) "
+                             "alone and add them to the module's saved result")
     parser.add_argument("--stopped", action="store_true",
                         help="save the result of these modules' runs stopped before their end")
     parser.add_argument("--report", action="store_true", help="write docs/mutation.md")
@@ -346,8 +403,11 @@ def main(argv=None) -> int:
         parser.error(f"not in [tool.gsgd.mutation.tests]: {unknown}")
     if args.tests and not args.again:
         parser.error("--tests goes with --again")
+    if args.functions and (args.again or args.stopped or len(modules) != 1):
+        parser.error("--functions goes with one module, without --again or --stopped")
     for module in modules:
-        r = save_stopped(module, conf) if args.stopped else run(
+        r = save_stopped(module, conf) if args.stopped else run_functions(
+            module, args.functions, args.jobs, conf) if args.functions else run(
             module, args.jobs, conf, again=args.again, only=args.tests)
         killed, counted = score(r)
         print(f"{module}: {killed}/{counted} killed ({100 * killed / counted:.1f}%), "

@@ -310,3 +310,50 @@ def test_survivors_run_again_with_the_tests_changed_since_alone(tmp_path, monkey
     assert runs == [([], conf["tests"][module], False), (["b", "c"], narrow, False)]
     assert r["tests"] == conf["tests"][module] and r["again"][0]["tests"] == narrow
     assert "2 survivors again with `tests/test_jax_discovery.py`: " in mutation.run_time(r)
+
+
+@pytest.mark.parametrize("function, pattern", [
+    ("_finite", "gsgd_backends.inplace.x__finite__mutmut_*"),
+    ("GSGD.step", "gsgd_backends.inplace.x\u01c1GSGD\u01c1step__mutmut_*")])
+def test_mutant_glob_names_a_functions_mutants_as_mutmut_does(function, pattern):
+    assert mutation.mutant_glob("backends/inplace.py", function) == pattern
+
+
+def test_a_functions_mutants_are_added_to_a_saved_result(tmp_path, monkeypatch):
+    """``--functions`` runs the named functions' mutants alone (mutmut's record of the tests
+    rebuilt) and adds their verdicts to the saved result, kept as counts or by mutant, in
+    place of any they had; the other mutants keep theirs, and the page says what ran."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    module, conf = "backends/inplace.py", mutation.settings()
+    with pytest.raises(ValueError, match="saved run"):
+        mutation.run_functions(module, ["_finite"], 2, conf)
+    mutation._save({"module": module, "tests": [], "seconds": 60.0, "jobs": 2,
+                    "date": "2026-11-25", "counts": {"killed": 5, "survived": 1},
+                    "survivors": {"old": "-a\n+b"}, "again": []})
+    f = "gsgd_backends.inplace.x__finite__mutmut_"
+    status = {f + "1": "killed", f + "2": "survived", "gsgd_backends.inplace.x_other__mutmut_1":
+              "not checked"}
+    runs = []
+
+    def mutmut_run(dest, m, jobs, names, env):
+        runs.append((list(names), (dest / "mutants" / "mutmut-stats.json").exists()))
+    monkeypatch.setattr(mutation, "mutmut_run", mutmut_run)
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: status)
+    monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
+        "stdout": "-x\n+y"})())
+    stats = mutation._staged(module) / "mutants" / "mutmut-stats.json"
+    stats.parent.mkdir(parents=True)
+    stats.write_text("{}")
+    r = mutation.run_functions(module, ["_finite"], 2, conf)
+    assert runs == [([f + "*"], False)]
+    assert mutation.score(r) == (6, 8) and set(r["survivors"]) == {"old", f + "2"}
+    assert r["status"] == {f + "1": "killed", f + "2": "survived"}
+    assert "; the 2 mutants of `_finite`: " in mutation.run_time(r)
+    status[f + "2"] = "killed"   # a second run, with a new test, replaces the verdicts
+    r = mutation.run_functions(module, ["_finite"], 2, conf)
+    assert mutation.score(r) == (7, 8) and set(r["survivors"]) == {"old"}
+    assert len(r["again"]) == 2
+    status[f + "2"] = "not checked"
+    with pytest.raises(RuntimeError, match="without a verdict"):
+        mutation.run_functions(module, ["_finite"], 2, conf)

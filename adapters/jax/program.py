@@ -10,7 +10,6 @@ its own: its batching rules are already applied in the traced equations.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +65,9 @@ class Program:
     eqns: list
     users: dict = field(default_factory=dict)      # Value -> indices of the eqns reading it
     producer: dict = field(default_factory=dict)   # Value -> index of the eqn writing it
+    #: the values that reach any of the outputs (:meth:`reaching`), once per program:
+    #: every layer's walk reads them
+    live: set = field(init=False)
 
     def __post_init__(self) -> None:
         for i, e in enumerate(self.eqns):
@@ -73,12 +75,7 @@ class Program:
                 self.users.setdefault(v, []).append(i)
             for v in e.outs:
                 self.producer[v] = i
-
-    @functools.cached_property
-    def live(self) -> set:
-        """The values that reach any of the program's outputs (:meth:`reaching`), once per
-        program: every layer's walk reads them."""
-        return self.reaching(self.outputs)
+        self.live = self.reaching(self.outputs)
 
     def reaching(self, outputs) -> set:
         """The values from which some of ``outputs`` can be reached: the others are dead

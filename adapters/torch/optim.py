@@ -155,17 +155,16 @@ class ScaleInvariantOptimizer(Optimizer):
     #: the column sums from the backward pass rely on).
     _step_supports_amp_scaling = True
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One step of every part; ``closure`` re-evaluates the loss (torch convention)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._unscale_amp():
-            return loss
-        for part in self._parts:
-            getattr(self, f"_step_{part.kind}")(part, self.param_groups[part.group])
+        with torch.no_grad():
+            if self._unscale_amp():
+                for part in self._parts:
+                    getattr(self, f"_step_{part.kind}")(part, self.param_groups[part.group])
         return loss
 
     def _unscale_amp(self) -> bool:
