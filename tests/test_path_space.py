@@ -434,6 +434,22 @@ def test_half_precision_is_computed_in_float32_and_written_back():
     assert_all_close([a.float().numpy() for a in W2], W64, 5e-3, "weights")
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda d, db: ([d[0], d[1][:, :2]], db),
+     r"layer 2: delta\[1\] has shape \(2, 2, 1\), but the weight has shape \(2, 4, 1\)"),
+    (lambda d, db: (d[:1], db), "delta has 1 entries, but the chain has 2 layers"),
+    (lambda d, db: (d, [db[0], db[1][:1]]),
+     r"layer 2: bias_delta\[1\] has shape \(1,\), but the bias has shape \(2,\)"),
+    (lambda d, db: (d, db[:1]), "bias_delta has 1 entries, but the chain has 2 layers")])
+def test_allocate_refuses_deltas_of_the_wrong_shape_or_count(change, message):
+    """``delta`` and ``bias_delta`` are checked as the weights and biases are, with
+    messages that name them, before any array is touched."""
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 0)
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        gc.allocate(chain, pb.W, pb.b, *change(pb.W, pb.b))
+
+
 def test_allocate_keeps_a_path_whose_delta_is_not_finite(xp):
     chain, pb, (W, b, _, _) = _problem(xp)
     delta = [np.full(w.shape, 1e-3) for w in pb.W]

@@ -127,3 +127,95 @@ def test_step_count_advances_without_momentum_and_not_on_a_skipped_step():
     bad = [G[0] * np.nan, G[1]]
     _, _, state = gc.gsgd_update(chain, state, W, b, bad, Gb, lr=0.01)
     assert int(state.step) == 2
+
+
+def test_path_sgd_step_is_its_formula_in_the_weights_dtype():
+    """``w - lr * g / gamma`` with ``gamma`` from :func:`gsgd_core.path_sgd_gamma`, bit for
+    bit, every operation in float32 for float32 weights (not in float64, rounded once)."""
+    chain = gc.Chain.mlp([5, 6, 6, 3])
+    pb = Problem(chain, 8)
+    G, Gb = pb.grads()
+    W, b, G, Gb = ([a.astype(np.float32) for a in x] for x in (pb.W, pb.b, G, Gb))
+    gamma, gamma_b = gc.path_sgd_gamma(chain, W, b)
+    # a step as large as the weights, so that rounding in float64 would show
+    W2, b2 = gc.path_sgd_step(chain, W, b, G, Gb, 10.0)
+    lr = np.float32(10.0)
+    for new, old, g, gm in zip(W2 + b2, W + b, G + Gb, gamma + gamma_b):
+        assert new.dtype == np.float32 and gm.dtype == np.float32 and np.all(gm > 0)
+        np.testing.assert_array_equal(new, old - lr * (g / gm))
+
+
+def test_path_sgd_step_takes_a_chain_without_biases():
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    pb = Problem(chain, 2)
+    G, _ = pb.grads()
+    W2, b2 = gc.path_sgd_step(chain, pb.W, None, G, None, 0.1)
+    gamma, _ = gc.path_sgd_gamma(chain, pb.W)
+    assert b2 == [None, None]
+    for new, old, g, gm in zip(W2, pb.W, G, gamma):
+        np.testing.assert_array_equal(new, old - 0.1 * (g / gm))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda G, Gb: ([G[0], G[1][:, :2]], Gb),
+     r"layer 2: grads\[1\] has shape \(2, 2, 1\), but the weight has shape \(2, 4, 1\)"),
+    (lambda G, Gb: (G[:1], Gb), "grads has 1 entries, but the chain has 2 layers"),
+    (lambda G, Gb: (G, [Gb[0], Gb[1][:1]]),
+     r"layer 2: bias_grads\[1\] has shape \(1,\), but the bias has shape \(2,\)")])
+def test_path_sgd_step_refuses_gradients_of_the_wrong_shape_or_count(change, message):
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 0)
+    G, Gb = pb.grads()
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        gc.path_sgd_step(chain, pb.W, pb.b, *change(G, Gb), 0.1)
+
+
+@pytest.mark.parametrize("hyper, message", [
+    ({"momentum": -0.5}, "momentum must be finite and >= 0, got -0.5"),
+    ({"max_norm": -1.0}, "max_norm must be finite and >= 0, got -1.0"),
+    ({"max_norm": True}, "max_norm must be a number, got True")])
+def test_psi_update_refuses_each_bad_hyperparameter_by_name(hyper, message):
+    w = [np.ones((2, 3))]
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        gc.psi_update(gc.psi_init(w), w, w, lr=0.1, **hyper)
+    with pytest.raises(ValueError, match="^state must come from psi_init$"):
+        gc.psi_update(None, w, w, lr=0.1)
+
+
+@pytest.mark.parametrize("torch_part", ["weights", "grads", "momentum"])
+def test_psi_update_refuses_arrays_of_two_libraries(torch_part):
+    """Weights, gradients and buffers from different libraries are refused by
+    ``array_namespace``, whichever of the three is the odd one out."""
+    parts = {k: [np.ones((2, 3))] for k in ("weights", "grads", "momentum")}
+    parts[torch_part] = [torch.ones(2, 3, dtype=torch.float64)]
+    with pytest.raises(TypeError, match="^Multiple namespaces for array inputs"):
+        gc.psi_update(gc.PSIState(tuple(parts["momentum"])), parts["weights"], parts["grads"],
+                      lr=0.1, momentum=0.9)
+
+
+def test_psi_update_computes_half_precision_in_float32():
+    """float16 rows are read into float32, stepped there and written back once: every
+    entry is the float32 step rounded to float16."""
+    rng = np.random.default_rng(0)
+    w, g = (rng.standard_normal((6, 5)).astype(np.float16) for _ in range(2))
+    (new,), _ = gc.psi_update(gc.psi_init([w]), [w], [g], lr=0.1)
+    w32, g32 = w.astype(np.float32), g.astype(np.float32)
+    want = w32 - np.float32(0.1) * (np.sum(w32 * w32, axis=1, keepdims=True) * g32)
+    assert new.dtype == np.float16
+    np.testing.assert_array_equal(new, want.astype(np.float16))
+
+
+def test_psi_update_keeps_each_row_whose_step_is_not_finite_and_moves_the_others():
+    """A row whose gradient holds a NaN, or whose step overflows (its gradient and buffer
+    finite), keeps its weights and buffer; the other rows take their step."""
+    w = np.array([[1e19, 1e19], [1.0, 2.0], [3.0, 1.0]], dtype=np.float32)
+    g = np.array([[1.0, 1.0], [0.5, 0.5], [np.nan, 1.0]], dtype=np.float32)
+    u = np.full_like(w, 0.25)
+    (new,), state = gc.psi_update(gc.PSIState((u,)), [w], [g], lr=10.0, momentum=0.9)
+    (u_new,) = state.momentum
+    assert np.all(np.isfinite(new)) and np.all(np.isfinite(u_new))
+    np.testing.assert_array_equal(new[[0, 2]], w[[0, 2]])
+    np.testing.assert_array_equal(u_new[[0, 2]], u[[0, 2]])
+    step = np.float32(0.9) * u[1] + np.float32(5.0) * g[1]
+    np.testing.assert_array_equal(u_new[1], step)
+    np.testing.assert_array_equal(new[1], w[1] - np.float32(10.0) * step)
