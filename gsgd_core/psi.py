@@ -90,9 +90,9 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
             norm = xp.sqrt(xp.sum(w_new * w_new, axis=1, keepdims=True))
             scale = xp.where(norm > max_norm, norm, 1.0)
             w_new, u_new = w_new / scale, u_new / scale
-            # A row with a non-finite gradient or update keeps its old values (numerics guide);
-            # a non-finite gradient makes its row of u_new non-finite (NaN times 0 is NaN).
-            ok = xp.all(xp.isfinite(w_new) & xp.isfinite(u_new), axis=1, keepdims=True)
+            # A row with a non-finite gradient or update keeps its old values (numerics guide).
+            ok = xp.all(xp.isfinite(g2) & xp.isfinite(w_new) & xp.isfinite(u_new), axis=1,
+                        keepdims=True)
             new_w.append(xp.astype(xp.reshape(xp.where(ok, w_new, w2), w.shape), w.dtype))
             new_u.append(u if plain else
                          xp.astype(xp.reshape(xp.where(ok, u_new, u2), w.shape), w.dtype))

@@ -172,3 +172,17 @@ def test_equals_papers_closed_form_after_skeleton_init(widths):
         expected = _paper_closed_form(W, G, 0.1)
         W, _ = gc.gsgd_step(chain, W, b, G, b, 0.1)
         assert_all_close(W, expected, 1e-12, "eq. (25)-(28)")
+
+
+def test_momentum_state_of_a_chain_without_biases():
+    """``gsgd_init`` without biases makes no bias buffers, and momentum steps with it."""
+    chain = gc.Chain.mlp([3, 4, 2], bias=False)
+    pb = Problem(chain, 1)
+    G, _ = pb.grads()
+    state = gc.gsgd_init(chain, pb.W)
+    assert state.bias_momentum == (None, None) and int(state.step) == 0
+    W1, b1, state = gc.gsgd_update(chain, state, pb.W, None, G, None, lr=0.1, momentum=0.9)
+    W2, _ = gc.gsgd_step(chain, pb.W, None, G, None, 0.1)
+    assert b1 == [None, None] and int(state.step) == 1
+    for a, c in zip(W1, W2):   # the first momentum step is the plain step
+        np.testing.assert_array_equal(a, c)
