@@ -118,7 +118,8 @@ def test_hyperparameters_at_their_bounds_are_accepted():
 
 def test_momentum_needs_a_state_and_a_matching_one():
     W, b, G, Gb = _params()
-    with pytest.raises(ValueError, match="momentum needs a state"):
+    with pytest.raises(ValueError, match=r"^momentum needs a state: create one with "
+                                         r"gsgd_init\(chain, weights, biases\)$"):
         gc.gsgd_update(CHAIN, None, W, b, G, Gb, lr=0.1, momentum=0.9)
     other = gc.gsgd_init(gc.Chain((3, 4, 2), (1, 1), bias=(True, False)),
                          [np.ones((4, 3)), np.ones((2, 4))], [np.ones(4), None])
@@ -205,3 +206,15 @@ def test_psi_names_the_list_whose_length_differs_from_the_weights():
     with pytest.raises(ValueError, match=r"^weight 0: weights and momentum buffers must be "
                                          r"arrays$"):
         gc.psi_update(gc.PSIState(([1.0], W[1])), W, W, lr=0.1)
+
+
+def test_the_shared_hyperparameter_check_defaults_to_everything_off():
+    """``check_update_hypers``, which the in-place layer and the adapters call with only
+    some arguments, defaults to no momentum, no dampening and no Nesterov."""
+    from gsgd_core.gsgd import check_update_hypers
+
+    check_update_hypers(0.1)
+    check_update_hypers(0.1, momentum=0.9, nesterov=True)
+    with pytest.raises(ValueError, match=r"^nesterov needs momentum > 0 and dampening = 0, "
+                                         r"got momentum=0.0, dampening=0.0$"):
+        check_update_hypers(0.1, nesterov=True)

@@ -115,20 +115,6 @@ def test_psi_step_and_path_sgd_bias_step_follow_their_formulas():
         assert np.all(np.sign(moved[gb != 0]) == -np.sign(gb[gb != 0]))
 
 
-def test_step_count_advances_without_momentum_and_not_on_a_skipped_step():
-    chain = gc.Chain.mlp([3, 4, 2])
-    pb = Problem(chain, 5)
-    G, Gb = pb.grads()
-    state = gc.gsgd_init(chain, pb.W, pb.b)
-    W, b = pb.W, pb.b
-    for n in (1, 2):
-        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, lr=0.01)
-        assert int(state.step) == n
-    bad = [G[0] * np.nan, G[1]]
-    _, _, state = gc.gsgd_update(chain, state, W, b, bad, Gb, lr=0.01)
-    assert int(state.step) == 2
-
-
 def test_path_sgd_step_is_its_formula_in_the_weights_dtype():
     """``w - lr * g / gamma`` with ``gamma`` from :func:`gsgd_core.path_sgd_gamma`, bit for
     bit, every operation in float32 for float32 weights (not in float64, rounded once)."""

@@ -186,3 +186,33 @@ def test_momentum_state_of_a_chain_without_biases():
     assert b1 == [None, None] and int(state.step) == 1
     for a, c in zip(W1, W2):   # the first momentum step is the plain step
         np.testing.assert_array_equal(a, c)
+
+
+def test_step_count_advances_without_momentum_and_not_on_a_skipped_step():
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+    state = gc.gsgd_init(chain, pb.W, pb.b)
+    W, b = pb.W, pb.b
+    for n in (1, 2):
+        W, b, state = gc.gsgd_update(chain, state, W, b, G, Gb, lr=0.01)
+        assert int(state.step) == n
+    bad = [G[0] * np.nan, G[1]]
+    _, _, state = gc.gsgd_update(chain, state, W, b, bad, Gb, lr=0.01)
+    assert int(state.step) == 2
+
+
+def test_weight_decay_without_momentum_decays_path_values():
+    """``V' = V - lr (D + weight_decay V)`` with no momentum and no state (eq. 2 with L2 on
+    basis-path values), and no state comes back."""
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 6)
+    G, Gb = pb.grads()
+    lr, wd = 0.05, 0.1
+    W1, b1, state = gc.gsgd_update(chain, None, pb.W, pb.b, G, Gb, lr=lr, weight_decay=wd)
+    assert state is None
+    D, Db = gc.icr(chain, pb.W, pb.b, G, Gb)
+    V, Vb = gc.path_values(chain, pb.W, pb.b)
+    V1, Vb1 = gc.path_values(chain, W1, b1)
+    for new, v, d in zip(V1 + Vb1, V + Vb, D + Db):
+        np.testing.assert_allclose(new, v - lr * (d + wd * v), rtol=1e-12, atol=1e-15)
