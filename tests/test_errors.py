@@ -218,3 +218,19 @@ def test_the_shared_hyperparameter_check_defaults_to_everything_off():
     with pytest.raises(ValueError, match=r"^nesterov needs momentum > 0 and dampening = 0, "
                                          r"got momentum=0.0, dampening=0.0$"):
         check_update_hypers(0.1, nesterov=True)
+
+
+@pytest.mark.parametrize("step", [
+    lambda chain, W, b, G, Gb: gc.icr(chain, W, b, G, Gb),
+    lambda chain, W, b, G, Gb: gc.path_sgd_step(chain, W, b, G, Gb, 0.1)],
+    ids=["icr", "path_sgd_step"])
+@pytest.mark.parametrize("change, message", [
+    (lambda G, Gb: ([G[0], G[1][:, :2]], Gb),
+     r"layer 2: grads\[1\] has shape \(2, 2, 3\), but the weight has shape \(2, 4, 3\)"),
+    (lambda G, Gb: (G[:1], Gb), "grads has 1 entries, but the chain has 2 layers"),
+    (lambda G, Gb: (G, [Gb[0][:1], None]),
+     r"layer 1: bias_grads\[0\] has shape \(1,\), but the bias has shape \(4,\)")])
+def test_gradients_of_the_wrong_shape_or_count_are_refused_by_name(step, change, message):
+    W, b, G, Gb = _params()
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        step(CHAIN, W, b, *change(G, Gb))

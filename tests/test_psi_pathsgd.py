@@ -142,19 +142,6 @@ def test_path_sgd_step_takes_a_chain_without_biases():
         np.testing.assert_array_equal(new, old - 0.1 * (g / gm))
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda G, Gb: ([G[0], G[1][:, :2]], Gb),
-     r"layer 2: grads\[1\] has shape \(2, 2, 1\), but the weight has shape \(2, 4, 1\)"),
-    (lambda G, Gb: (G[:1], Gb), "grads has 1 entries, but the chain has 2 layers"),
-    (lambda G, Gb: (G, [Gb[0], Gb[1][:1]]),
-     r"layer 2: bias_grads\[1\] has shape \(1,\), but the bias has shape \(2,\)")])
-def test_path_sgd_step_refuses_gradients_of_the_wrong_shape_or_count(change, message):
-    chain = gc.Chain.mlp([3, 4, 2])
-    pb = Problem(chain, 0)
-    G, Gb = pb.grads()
-    with pytest.raises(ValueError, match=f"^{message}$"):
-        gc.path_sgd_step(chain, pb.W, pb.b, *change(G, Gb), 0.1)
-
 
 @pytest.mark.parametrize("hyper, message", [
     ({"momentum": -0.5}, "momentum must be finite and >= 0, got -0.5"),
