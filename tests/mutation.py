@@ -188,6 +188,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
         status = before.get("status", dict.fromkeys(before["survivors"], "survived"))
         rerun = [n for n, s in status.items() if s in ("survived", "no tests") and n in known
                  and n not in conf.get("equivalent", {})]
+        # mutants of functions new or changed since (a result kept as counts cannot say)
+        fresh = 0 if "counts" in before else len(set(known) - set(status))
         if only:  # mutmut traces which of these tests reach each function anew
             stage(module, only, conf, keep=True)
             (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
@@ -202,7 +204,8 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
                    if k in before} | {
             "again": before.get("again", []) + [
                 {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
-                 "survivors": len(rerun)} | ({"tests": only} if only else {})]}
+                 "survivors": len(rerun)} | ({"tests": only} if only else {})
+                | ({"new": fresh} if fresh else {})]}
     return _save(result)
 
 
@@ -315,7 +318,8 @@ def run_time(r: dict) -> str:
         (f"all {a['all']} again, with a changed test table: " if "all" in a else
          f"the {a['mutants']} mutants of " + ", ".join(f"`{f}`" for f in a["functions"])
          + ": " if "functions" in a else
-         f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again"
+         (f"{a['new']} new mutant{'s' * (a['new'] != 1)} and " if a.get("new") else "")
+         + f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again"
          + (" with " + ", ".join(f"`{t}`" for t in a["tests"]) if "tests" in a else "")
          + ": ") + took(a)
         for a in r.get("again", [])])

@@ -357,3 +357,23 @@ def test_a_functions_mutants_are_added_to_a_saved_result(tmp_path, monkeypatch):
     status[f + "2"] = "not checked"
     with pytest.raises(RuntimeError, match="without a verdict"):
         mutation.run_functions(module, ["_finite"], 2, conf)
+
+
+def test_the_page_counts_the_mutants_of_functions_changed_since(tmp_path, monkeypatch):
+    """``--again`` after a function changed runs its new mutants as well as the survivors;
+    the page counts both. A result kept as counts cannot tell new mutants from old ones."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    module, conf = "backends/plan.py", mutation.settings()
+    mutation._save({"module": module, "tests": [], "seconds": 60.0, "jobs": 2,
+                    "date": "2026-11-25", "status": {"a": "killed", "b": "survived"},
+                    "survivors": {"b": "-x\n+y"}, "again": []})
+    monkeypatch.setattr(mutation, "mutmut_run", lambda *a: None)
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {
+        "a": "killed", "b": "killed", "c": "killed", "d": "killed"})
+    r = mutation.run(module, 2, conf, again=True)
+    assert r["again"][0]["new"] == 2
+    assert "; 2 new mutants and 1 survivor again: " in mutation.run_time(r)
+    counted = {k: v for k, v in r.items() if k != "status"} | {"counts": {"killed": 4}}
+    mutation._save(counted | {"again": []})
+    assert "new" not in mutation.run(module, 2, conf, again=True)["again"][0]
