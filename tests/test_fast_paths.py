@@ -930,3 +930,18 @@ def test_a_layer_is_tame_when_its_three_node_vectors_are(monkeypatch, scales, gr
     for a, e in zip(A + Ab, eW + eb):
         if e is not None:
             np.testing.assert_allclose(a.numpy(), e, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_rows_divide_directly_down_to_four_over_the_root_of_the_largest_float(dtype):
+    """The direct division's bound is ``|rho| >= 4 / sqrt(max)``: a quotient by such a
+    ``rho`` of a number whose square is finite stays below ``max / 4``. Rows at the bound
+    divide directly; rows just below it take the guarded rules."""
+    xp = array_api_compat.array_namespace(np.ones(1, dtype))
+    exact = 4 / np.sqrt(float(np.finfo(dtype).max))
+    at = dtype(exact)   # the least number of the dtype at or above the bound
+    if at < exact:
+        at = np.nextafter(at, dtype(np.inf))
+    below = np.nextafter(at, dtype(0))
+    assert fast._divides_finitely(xp, np.array([at, -at, 1.0], dtype))
+    assert not fast._divides_finitely(xp, np.array([below, 1.0], dtype))

@@ -400,3 +400,20 @@ def test_an_unsound_chain_given_by_hand_is_refused_by_the_self_check(name, layou
     chain = [modules[n] for n in UNSOUND[layout]]
     with pytest.raises(ValueError, match="is not a chain of this model"):
         FINDERS[name](model, lr=0.01, chains=[chain], example_input=x)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_without_closure_returns_none_and_one_with_it_the_loss(name):
+    """torch.optim's convention: ``step()`` returns ``None``, ``step(closure)`` what the
+    closure returns, evaluated with gradients on even where the caller turned them off."""
+    model, opt = make(name)
+    backward(model, 0)
+    assert opt.step() is None
+
+    def closure():
+        assert torch.is_grad_enabled()
+        backward(model, 1)
+        return "the loss"
+    with torch.no_grad():
+        assert opt.step(closure) == "the loss"
+    assert torch.is_grad_enabled()
