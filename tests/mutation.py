@@ -138,6 +138,12 @@ def statuses(dest: Path, module: str) -> dict[str, str]:
     return {k: status_by_exit_code[v] for k, v in sorted(meta["exit_code_by_key"].items())}
 
 
+def hashes(dest: Path, module: str) -> dict[str, str]:
+    """mutmut's hash of each function of the run in ``dest`` (none before a first run)."""
+    meta = dest / "mutants" / (import_path(module) + ".meta")
+    return json.loads(meta.read_text())["hash_by_function_name"] if meta.exists() else {}
+
+
 def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) -> None:
     """``mutmut run`` in ``dest``: the mutants without a verdict, or ``names`` again."""
     done = subprocess.run([str(MUTMUT), "run", "--max-children", str(jobs), *names], cwd=dest,
@@ -181,15 +187,17 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
         (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     env = _env(module, conf)
     start = time.perf_counter()
+    old = hashes(dest, module)
     mutmut_run(dest, module, jobs, [], env)
     if before:
         known = statuses(dest, module)
+        # mutmut made the mutants of functions new or changed since anew, and ran them
+        changed = {f for f, h in hashes(dest, module).items() if old.get(f) != h}
+        fresh = sum(n.split(".")[-1].rsplit("__mutmut_", 1)[0] in changed for n in known)
         # a result kept as counts names its survivors only; equivalents need no new look
         status = before.get("status", dict.fromkeys(before["survivors"], "survived"))
         rerun = [n for n, s in status.items() if s in ("survived", "no tests") and n in known
                  and n not in conf.get("equivalent", {})]
-        # mutants of functions new or changed since (a result kept as counts cannot say)
-        fresh = 0 if "counts" in before else len(set(known) - set(status))
         if only:  # mutmut traces which of these tests reach each function anew
             stage(module, only, conf, keep=True)
             (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)

@@ -360,20 +360,21 @@ def test_a_functions_mutants_are_added_to_a_saved_result(tmp_path, monkeypatch):
 
 
 def test_the_page_counts_the_mutants_of_functions_changed_since(tmp_path, monkeypatch):
-    """``--again`` after a function changed runs its new mutants as well as the survivors;
-    the page counts both. A result kept as counts cannot tell new mutants from old ones."""
+    """``--again`` after functions changed runs their mutants (mutmut makes them anew) as
+    well as the survivors; the page counts both, from mutmut's hash of each function."""
     for name in ("BUILD", "RESULTS"):
         monkeypatch.setattr(mutation, name, tmp_path / name)
     module, conf = "backends/plan.py", mutation.settings()
     mutation._save({"module": module, "tests": [], "seconds": 60.0, "jobs": 2,
-                    "date": "2026-11-25", "status": {"a": "killed", "b": "survived"},
-                    "survivors": {"b": "-x\n+y"}, "again": []})
+                    "date": "2026-11-25", "counts": {"killed": 2},
+                    "survivors": {"m.x_g__mutmut_1": "-x\n+y"}, "again": []})
+    runs = iter([{"x_f": "1", "x_g": "1", "x_h": "1"}, {"x_f": "2", "x_g": "1", "x_h": "1",
+                                                        "x_k": "3"}])
+    monkeypatch.setattr(mutation, "hashes", lambda dest, m: next(runs))
     monkeypatch.setattr(mutation, "mutmut_run", lambda *a: None)
     monkeypatch.setattr(mutation, "statuses", lambda dest, m: {
-        "a": "killed", "b": "killed", "c": "killed", "d": "killed"})
+        "m.x_f__mutmut_1": "killed", "m.x_f__mutmut_2": "killed", "m.x_g__mutmut_1": "killed",
+        "m.x_h__mutmut_1": "killed", "m.x_k__mutmut_1": "killed"})
     r = mutation.run(module, 2, conf, again=True)
-    assert r["again"][0]["new"] == 2
-    assert "; 2 new mutants and 1 survivor again: " in mutation.run_time(r)
-    counted = {k: v for k, v in r.items() if k != "status"} | {"counts": {"killed": 4}}
-    mutation._save(counted | {"again": []})
-    assert "new" not in mutation.run(module, 2, conf, again=True)["again"][0]
+    assert r["again"][0]["new"] == 3
+    assert "; 3 new mutants and 1 survivor again: " in mutation.run_time(r)
