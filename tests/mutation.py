@@ -322,15 +322,21 @@ def run_time(r: dict) -> str:
     if "stopped" in r:   # its count may be 0: stopped after the last mutant, before the save
         return f"stopped before its end, {r['stopped']} mutants not run, {r['date']}"
     first = took(r) + (", the mutants left by a stopped run" if r.get("resumed") else "")
-    return "; ".join([first] + [
-        (f"all {a['all']} again, with a changed test table: " if "all" in a else
-         f"the {a['mutants']} mutants of " + ", ".join(f"`{f}`" for f in a["functions"])
-         + ": " if "functions" in a else
-         (f"{a['new']} new mutant{'s' * (a['new'] != 1)} and " if a.get("new") else "")
-         + f"{a['survivors']} survivor{'s' * (a['survivors'] != 1)} again"
-         + (" with " + ", ".join(f"`{t}`" for t in a["tests"]) if "tests" in a else "")
-         + ": ") + took(a)
-        for a in r.get("again", [])])
+    return "; ".join([first] + [f"{_what_ran(a)}: {took(a)}" for a in r.get("again", [])])
+
+
+def _what_ran(a: dict) -> str:
+    """What a later run ran: the whole table again, named functions' mutants, or the
+    survivors (with the mutants of functions changed since, and the narrow tests)."""
+    def plural(n: int, word: str) -> str:
+        return f"{n} {word}{'s' * (n != 1)}"
+    if "all" in a:
+        return f"all {a['all']} again, with a changed test table"
+    if "functions" in a:
+        return f"the {a['mutants']} mutants of " + ", ".join(f"`{f}`" for f in a["functions"])
+    new = f"{plural(a['new'], 'new mutant')} and " if a.get("new") else ""
+    narrow = " with " + ", ".join(f"`{t}`" for t in a["tests"]) if "tests" in a else ""
+    return f"{new}{plural(a['survivors'], 'survivor')} again{narrow}"
 
 
 def counts(result: dict) -> collections.Counter:

@@ -180,7 +180,7 @@ def test_other_entry_points_validate_too():
         gc.psi_update(gc.psi_init(W), W, [np.ones(3), G[1]], lr=0.1)
     with pytest.raises(ValueError, match="lr must be finite and >= 0"):
         gc.psi_update(gc.psi_init(W), W, G, lr=-0.1)
-    with pytest.raises(ValueError, match="state must come from psi_init"):
+    with pytest.raises(ValueError, match="^state must come from psi_init$"):
         gc.psi_update(None, W, G, lr=0.1)
 
 

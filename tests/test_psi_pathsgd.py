@@ -142,7 +142,6 @@ def test_path_sgd_step_takes_a_chain_without_biases():
         np.testing.assert_array_equal(new, old - 0.1 * (g / gm))
 
 
-
 @pytest.mark.parametrize("hyper, message", [
     ({"momentum": -0.5}, "momentum must be finite and >= 0, got -0.5"),
     ({"max_norm": -1.0}, "max_norm must be finite and >= 0, got -1.0"),
@@ -151,8 +150,6 @@ def test_psi_update_refuses_each_bad_hyperparameter_by_name(hyper, message):
     w = [np.ones((2, 3))]
     with pytest.raises(ValueError, match=f"^{message}$"):
         gc.psi_update(gc.psi_init(w), w, w, lr=0.1, **hyper)
-    with pytest.raises(ValueError, match="^state must come from psi_init$"):
-        gc.psi_update(None, w, w, lr=0.1)
 
 
 @pytest.mark.parametrize("torch_part", ["weights", "grads", "momentum"])
