@@ -1,9 +1,25 @@
 """G-SGD for hand-written CuPy training loops (NumPy arrays work the same way).
 
-``opt = GSGD(chain, weights, biases, lr=0.1)`` holds the chain, the caller's arrays and the
-momentum state; ``opt.step(grads, bias_grads)`` updates the arrays in place through
-:mod:`gsgd_backends` (its fused fast path). CuPy itself is never imported
-here: the arrays say which library they belong to.
+:class:`GSGD` holds the chain, the caller's arrays and the momentum state, and its
+:meth:`~GSGD.step` updates the arrays in place through :mod:`gsgd_backends` (its fused fast
+path). CuPy itself is never imported here: the arrays say which library they belong to.
+
+Examples
+--------
+>>> import numpy as np                    # or cupy: the same code runs on the GPU
+>>> import gsgd_core as gc
+>>> from gsgd_adapters.cupy import GSGD
+>>> chain = gc.Chain.mlp([4, 8, 3])
+>>> rng = np.random.default_rng(0)
+>>> weights = [rng.standard_normal((8, 4)) / 2, rng.standard_normal((3, 8)) / 3]
+>>> biases = [np.zeros(8), np.zeros(3)]
+>>> opt = GSGD(chain, weights, biases, lr=0.1, momentum=0.9)
+>>> opt.skeleton_init()                   # once, before training
+>>> grads = [np.full_like(w, 0.01) for w in weights]
+>>> bias_grads = [np.full_like(b, 0.01) for b in biases]
+>>> opt.step(grads, bias_grads)           # each iteration: the arrays change in place
+>>> opt
+GSGD(Chain(4 -> 8 -> 3; m=67, H=8, G-space dim=59, H/m=0.119), lr=0.1, momentum=0.9, weight_decay=0.0)
 """
 
 from __future__ import annotations
@@ -24,10 +40,24 @@ class GSGD:
     Parameters
     ----------
     chain : gsgd_core.Chain
-    weights, biases : lists of arrays, updated in place by :meth:`step`
-    lr, momentum, dampening, nesterov, weight_decay
-        As :func:`gsgd_core.gsgd_update` (``torch.optim.SGD``'s conventions in path space).
-        ``lr`` may be changed between steps (a schedule).
+        The layers' sizes and skeleton.
+    weights : list of arrays
+        One weight per layer, ``(out, in)`` or ``(out, in, *kernel)``, updated in place by
+        :meth:`step`.
+    biases : list of arrays or None, optional
+        One bias per layer (``None`` for a layer without one), updated in place by
+        :meth:`step`.
+    lr : float
+        The learning rate in path space (:func:`gsgd_core.gsgd_update`). It may be changed
+        between steps (a schedule).
+    momentum : float
+        Momentum of the path gradients, with ``torch.optim.SGD``'s conventions.
+    dampening : float
+        Dampening of the momentum, as ``torch.optim.SGD``.
+    nesterov : bool
+        Nesterov momentum, as ``torch.optim.SGD``.
+    weight_decay : float
+        L2 penalty on the basis-path values: ``D += weight_decay * V``.
     """
 
     def __init__(self, chain: Chain, weights: Sequence[Any], biases: Sequence[Any] | None = None,

@@ -1,11 +1,8 @@
 """G-SGD, PSI-SGD(M) and Path-SGD for JAX as ``optax.GradientTransformation``\\ s.
 
 Parameters stay an ordinary pytree; :func:`gsgd_adapters.jax.find_chains` says which leaves
-form chains, proven from the model's jaxpr (or a short description does, by hand)::
-
-    chains = find_chains(model.apply, params, x)    # or chains_from_pairs(params), ...
-    opt = optax.chain(optax.clip_by_global_norm(1.0), gsgd(0.1, chains, momentum=0.9))
-    updates, state = opt.update(grads, state, params)   # params are required
+form chains, proven from the model's jaxpr (or a short description does, by hand:
+:func:`chains_from_pairs`, :func:`chains_from_dict`). ``update`` requires the params.
 
 The math is :mod:`gsgd_core` (functional, Array API), so ``update`` compiles once under
 ``jax.jit``: no data-dependent control flow, no host round-trips. Leaves outside chains take
@@ -20,6 +17,25 @@ so ``optax.inject_hyperparams(gsgd)(learning_rate=0.1, chains=chains, momentum=0
 
 :func:`in_path_space` runs any optax transformation in path space (G-Adam is
 ``in_path_space(optax.adam(1e-3), chains)``).
+
+Examples
+--------
+>>> import jax, jax.numpy as jnp, optax
+>>> from gsgd_adapters.optax import chains_from_dict, gsgd
+>>> def mlp(params, x):
+...     hidden = jax.nn.relu(x @ params["l1"]["w"].T + params["l1"]["b"])
+...     return hidden @ params["l2"]["w"].T + params["l2"]["b"]
+>>> k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+>>> params = {"l1": {"w": jax.random.normal(k1, (8, 4)) / 2, "b": jnp.zeros(8)},
+...           "l2": {"w": jax.random.normal(k2, (3, 8)) / 3, "b": jnp.zeros(3)}}
+>>> chains = chains_from_dict(params, ["l1", "l2"])   # or find_chains(mlp, params, x)
+>>> opt = optax.chain(optax.clip_by_global_norm(1.0), gsgd(0.1, chains, momentum=0.9))
+>>> state = opt.init(params)
+>>> x, y = jnp.ones((2, 4)), jnp.zeros((2, 3))
+>>> loss = lambda p: ((mlp(p, x) - y) ** 2).mean()
+>>> updates, state = opt.update(jax.grad(loss)(params), state, params)   # params required
+>>> bool(loss(optax.apply_updates(params, updates)) < loss(params))
+True
 """
 
 from __future__ import annotations

@@ -185,14 +185,24 @@ class StepPlan:
     Parameters
     ----------
     chain : Chain
-    kernels : the kernel set of the step's node-vector work and special edges.
-    xp : array-api-compat namespace the step computes in.
-    device, dtype : the caller's arrays' (the plan fits only those).
-    layer_kernels : per layer, the kernels of its column sum and bulk update.
-    view : maps a list of the caller's arrays (``None`` entries stay) to the arrays the
-        step computes on (``None``: the arrays themselves).
-    step_device, step_dtype : the device and dtype of the arrays the step computes on
-        (``None``: the caller's).
+        The chain the plan steps.
+    kernels : Kernels
+        The kernel set of the step's node-vector work and special edges.
+    xp : namespace
+        The array-api-compat namespace the step computes in.
+    device
+        The caller's arrays' device (the plan fits only those).
+    dtype
+        The caller's arrays' dtype (the plan fits only those).
+    layer_kernels : sequence of LayerKernels
+        Per layer, the kernels of its column sum and bulk update.
+    view : callable, optional
+        Maps a list of the caller's arrays (``None`` entries stay) to the arrays the step
+        computes on; ``None``: the arrays themselves.
+    step_device : device, optional
+        The device of the arrays the step computes on; ``None``: the caller's.
+    step_dtype : dtype, optional
+        The dtype of the arrays the step computes on; ``None``: the caller's.
     """
 
     def __init__(self, chain: Chain, kernels, *, xp, device, dtype,

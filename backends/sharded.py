@@ -45,7 +45,9 @@ class RowShard:
     Parameters
     ----------
     chain : Chain
-    rows : per layer ``(r0, r1)``, the global rows (output units) held here.
+        The chain whose layers are sharded by rows.
+    rows : sequence of (int, int)
+        Per layer ``(r0, r1)``, the global rows (output units) held here.
     reduce : callable
         ``reduce(v)`` returns the sum over processes of the 1-D array ``v`` (the same
         length everywhere; an array of the plan's namespace: NumPy for CPU tensors, whose

@@ -56,7 +56,8 @@ def rescale(chain: Chain, weights: Sequence[Any], biases, scales):
 
     Parameters
     ----------
-    scales : list of ``L - 1`` positive vectors, ``scales[l-1]`` of shape ``(n_l,)``; host
+    scales : list of L - 1 vectors
+        The positive node scales ``c_l``, ``scales[l-1]`` of shape ``(n_l,)``: on the host
         (NumPy, lists) or arrays of the weights' namespace.
     """
     scales = _host_scales(chain, scales)

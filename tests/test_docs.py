@@ -4,6 +4,8 @@ every results page says when and on what machine it was measured."""
 
 import ast
 import contextlib
+import doctest
+import html
 import importlib
 import importlib.util
 import io
@@ -28,6 +30,8 @@ PUBLIC = ["gsgd_core", "gsgd_backends", "gsgd_adapters.torch", "gsgd_adapters.ja
 # the page shows the file word for word.
 RUN_ELSEWHERE = {"fsdp_example.py": "test_fsdp.py"}
 # Pages of measurements: each names its date and its machine.
+# The modules with a reference page (docs/hooks/api_pages.py makes one per ``api/`` entry).
+REFERENCE = re.findall(r"^\s*- api/([\w.]+)\.md$", (ROOT / "mkdocs.yml").read_text(), re.M)
 RESULTS = ["results.md", "step_overhead.md", "step_overhead_gpu.md", "fsdp.md", "plain_cnn.md",
            "plain_cnn_full.md", "skeleton_recipe.md"]
 
@@ -71,6 +75,33 @@ def test_every_python_example_runs_and_prints_what_the_page_shows(page, tmp_path
                                                                    monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
     run_examples(examples((DOCS / page).read_text()), page)
+
+
+def doctests(module: str) -> list[doctest.DocTest]:
+    """The ``Examples`` of a reference page: its module's docstring and those of its public
+    names (defined in the module or in the submodules that it re-exports from), with their
+    methods'."""
+    imported = importlib.import_module(module)
+    finder, found = doctest.DocTestFinder(), {}
+    for name, obj in [(module, imported)] + [(f"{module}.{n}", getattr(imported, n))
+                                             for n in public_names(module)]:
+        for test in finder.find(obj, name, module=False, globs={}):
+            found.setdefault((test.filename, test.lineno), test)
+    return [t for t in found.values() if t.examples]
+
+
+@pytest.mark.parametrize("module", [m for m in REFERENCE if m != "index"])
+def test_every_docstring_example_runs_and_prints_what_it_shows(module, tmp_path, monkeypatch):
+    """Each ``Examples`` section of the reference runs as a doctest, without a warning."""
+    pytest.importorskip(module)
+    monkeypatch.chdir(tmp_path)
+    report = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for test in doctests(module):
+            runner.run(test, out=report.write)
+    assert runner.failures == 0, report.getvalue()
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -167,10 +198,77 @@ def test_the_main_job_writes_when_and_where_on_its_results_page():
 
 
 def test_reference_reads_as_markdown(site):
-    """No reST role or ``::`` marker of the docstrings reaches the rendered reference."""
+    """No reST role, ``::`` marker or escaped space of the docstrings reaches the rendered
+    reference."""
     for page in (site / "api").rglob("index.html"):
         text = re.sub(r"<[^>]+>", "", page.read_text())
-        assert not re.search(r":(?:func|class|meth|attr|mod|data|exc):|\S::\s", text), page
+        assert not re.search(r":(?:func|class|meth|attr|mod|data|exc):|\S::\s|\\ ", text), page
+
+
+def text_of(fragment: str) -> str:
+    """The text a reader sees in an HTML fragment: its tags dropped, its entities read."""
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def prose(page: str) -> str:
+    """The text of a page's article outside ``<pre>`` and ``<code>``: what reads as prose."""
+    article = re.search(r"<article\b.*?</article>", page, re.S)[0]
+    return text_of(re.sub(r"<(pre|code)\b.*?</\1>", " ", article, flags=re.S))
+
+
+# Python outside a code block: a doctest prompt, an import, a statement or a print starting a
+# line (a docstring's indented example that the docstring parser read as a paragraph).
+CODE_IN_PROSE = re.compile(r">>>|^\s*(?:from [\w.]+ import \w|import \w|print\(|[\w.]+ = [\w.]+\()",
+                           re.M)
+
+
+def description_tables(page: str) -> list[list[str]]:
+    """The description column of each table of the page that has one (the reference's
+    parameters, returns, raises...), one text per row."""
+    tables = []
+    for table in re.findall(r"<table>.*?</table>", page, re.S):
+        head = [text_of(h).strip() for h in re.findall(r"<th>(.*?)</th>", table, re.S)]
+        if "Description" in head:
+            column = head.index("Description")
+            rows = re.findall(r"<tr\b[^>]*>(.*?)</tr>", table.split("</thead>")[-1], re.S)
+            tables.append([" ".join(text_of(re.findall(r"<td\b[^>]*>(.*?)</td>", row, re.S)[column])
+                                    .split()) for row in rows])
+    return tables
+
+
+def test_docstring_examples_render_as_code(site):
+    """No Python of a docstring reaches a page outside a code block: an indented example
+    that the docstring parser reads as prose runs together into one paragraph."""
+    for page in sorted(site.rglob("*.html")):
+        if "<article" in (text := page.read_text()):
+            found = CODE_IN_PROSE.search(prose(text))
+            assert found is None, f"{page.relative_to(site)}: {found and found.string[found.start():found.start() + 80]!r}"
+
+
+def test_parameter_tables_describe_each_row_on_its_own(site):
+    """Every row of a reference table has a description, and no two rows share one: a text
+    written once for a group of parameters, copied into each row, says nothing of what each
+    one does (and a description written where numpydoc reads the type leaves its row empty)."""
+    for page in sorted((site / "api").rglob("index.html")):
+        for rows in description_tables(page.read_text()):
+            where = f"{page.relative_to(site)}: {rows}"
+            assert all(rows), f"a row without a description in {where}"
+            repeated = {d for d in rows if rows.count(d) > 1}
+            assert not repeated, f"{page.relative_to(site)}: {sorted(repeated)[0][:80]!r}"
+
+
+def test_reference_pages_are_titled_with_import_names(site):
+    """Each module's page, its browser title and its navigation entry read the module's
+    import name (``gsgd_core.reference``), as the reader types it."""
+    yaml = pytest.importorskip("yaml")
+    name = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["site_name"]
+    front = (site / "index.html").read_text()
+    for module in _hooks().api_modules(_nav()):
+        page = (site / "api" / module / "index.html").read_text()
+        assert text_of(re.search(r"<title>(.*?)</title>", page)[1]) == f"{module} - {name}"
+        assert text_of(re.search(r"<h1\b.*?</h1>", page, re.S)[0]).strip(" ¶\n") == module
+        link = re.search(rf'<a href="api/{re.escape(module)}/".*?</a>', front, re.S)[0]
+        assert text_of(link).strip() == module, (module, text_of(link).strip())
 
 
 def test_readme_links_point_into_the_checkout():

@@ -1,14 +1,27 @@
 """Chains of JAX models (Flax, Equinox, Haiku, plain functions), proven from their jaxpr.
 
-::
-
-    found = find_chains(model.apply, variables, x)     # print(found) says what and why
-    opt = gsgd_adapters.optax.gsgd(0.1, found, momentum=0.9)
-
 :func:`find_chains` returns a :class:`Discovery` (the chains as :class:`ChainLeaves`, each
 weight with its :class:`Layout`, and a reason for every leaf left out) that the
 :mod:`gsgd_adapters.optax` transformations take. :func:`skeleton_init`,
 :func:`random_rescale` and :func:`check_invariance` act on a params pytree and its chains.
+
+Examples
+--------
+>>> import jax, jax.numpy as jnp
+>>> from gsgd_adapters.jax import find_chains, skeleton_init
+>>> from gsgd_adapters.optax import gsgd
+>>> def mlp(params, x):                     # a Flax model's apply works the same way
+...     hidden = jax.nn.relu(x @ params["w1"] + params["b1"])
+...     return hidden @ params["w2"] + params["b2"]
+>>> k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+>>> params = {"w1": jax.random.normal(k1, (4, 8)) / 2, "b1": jnp.zeros(8),
+...           "w2": jax.random.normal(k2, (8, 3)) / 3, "b2": jnp.zeros(3)}
+>>> found = find_chains(mlp, params, jnp.ones((2, 4)))
+>>> print(found)                            # what was found, and why a leaf was left out
+1 chain(s)
+  w1 -> w2: Chain(4 -> 8 -> 3, skeleton_scale=[0.707, 0.433]; m=67, H=8, G-space dim=59, H/m=0.119)
+>>> params = skeleton_init(params, found)   # once, before training
+>>> opt = gsgd(0.1, found, momentum=0.9)
 """
 
 from .discovery import Discovery, find_chains

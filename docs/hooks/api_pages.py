@@ -2,7 +2,8 @@
 
 A navigation entry ``api/<module>.md`` with no file behind it becomes a page that renders
 ``<module>`` from its docstrings with mkdocstrings, so documenting one more module is one
-line in ``mkdocs.yml``.
+line in ``mkdocs.yml``. The page is titled with the module's import name (``gsgd_core.rules``),
+in the navigation and the browser alike: MkDocs would make "Gsgd core.rules" of the file name.
 """
 
 from __future__ import annotations
@@ -40,9 +41,14 @@ def index_source(modules: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def module_source(module: str) -> str:
+    """The page of ``module``: its title, then its docstrings."""
+    return f"---\ntitle: {module}\n---\n\n::: {module}\n"
+
+
 def on_files(files: Files, config) -> Files:
     modules = api_modules(config["nav"])
-    pages = {f"api/{m}.md": f"::: {m}\n" for m in modules}
+    pages = {f"api/{m}.md": module_source(m) for m in modules}
     if "api/index.md" in nav_paths(config["nav"]):
         pages["api/index.md"] = index_source(modules)
     for uri, content in pages.items():

@@ -2,9 +2,11 @@
 renders.
 
 The docstrings follow numpydoc, whose prose is reST: cross-reference roles
-(``:func:`gsgd_core.icr```) and literal blocks introduced by ``::``. Markdown has neither, so
-a role becomes a code span of its target (the last component for ``~target``), and ``::``
-ends its sentence with one colon (the indented block after it is already a code block).
+(``:func:`gsgd_core.icr```), literal blocks introduced by ``::`` and the escaped space that
+joins a role to its suffix (``:class:`Rule`\\ s``). Markdown has none of them, so a role
+becomes a code span of its target (the last component for ``~target``), ``::`` ends its
+sentence with one colon (the indented block after it is already a code block), and an
+escaped space is dropped.
 numpydoc also lets parameters share an entry (``lr, momentum : float``); griffe would give
 them all the first one's type and default, so each gets an entry of its own. A shared return
 entry (``weights, biases : new arrays``) keeps its names, with its text as the description.
@@ -19,6 +21,7 @@ import griffe
 ROLE = re.compile(r":(?:py:)?(?:func|class|meth|attr|mod|data|exc|obj|const):`(~?)([^`]+)`")
 AFTER_TEXT = re.compile(r"(?<=\S)::[ \t]*$", re.M)     # "values::" -> "values:"
 ALONE = re.compile(r"^[ \t]*::[ \t]*\n", re.M)          # a line of its own: dropped
+ESCAPED_SPACE = re.compile(r"\\ ")                       # "``Rule``\ s" -> "``Rule``s"
 GROUPED = re.compile(r"^(?P<names>\w+(?:, \w+)+)(?P<type>\s*:.*)?$")
 PARAMETER_SECTIONS = ("Parameters", "Other Parameters")
 RETURN_SECTIONS = ("Returns", "Yields")
@@ -56,6 +59,7 @@ def markdown(text: str) -> str:
     """``text`` with its reST roles and literal-block markers written as Markdown, and its
     grouped parameters split."""
     text = ROLE.sub(lambda m: f"`{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}`", text)
+    text = ESCAPED_SPACE.sub("", text)
     return split_grouped_parameters(ALONE.sub("", AFTER_TEXT.sub(":", text)))
 
 
