@@ -33,7 +33,8 @@ Examples
 >>> state = opt.init(params)
 >>> x, y = jnp.ones((2, 4)), jnp.zeros((2, 3))
 >>> loss = lambda p: ((mlp(p, x) - y) ** 2).mean()
->>> updates, state = opt.update(jax.grad(loss)(params), state, params)   # params required
+>>> update = jax.jit(opt.update)                  # compiles once
+>>> updates, state = update(jax.grad(loss)(params), state, params)   # params required
 >>> bool(loss(optax.apply_updates(params, updates)) < loss(params))
 True
 """
