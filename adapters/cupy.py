@@ -6,20 +6,22 @@ path). CuPy itself is never imported here: the arrays say which library they bel
 
 Examples
 --------
->>> import numpy as np                    # or cupy: the same code runs on the GPU
+>>> import numpy as np              # or cupy: the same code on a GPU
 >>> import gsgd_core as gc
 >>> from gsgd_adapters.cupy import GSGD
 >>> chain = gc.Chain.mlp([4, 8, 3])
 >>> rng = np.random.default_rng(0)
->>> weights = [rng.standard_normal((8, 4)) / 2, rng.standard_normal((3, 8)) / 3]
+>>> weights = [rng.standard_normal((8, 4)) / 2,
+...            rng.standard_normal((3, 8)) / 3]
 >>> biases = [np.zeros(8), np.zeros(3)]
 >>> opt = GSGD(chain, weights, biases, lr=0.1, momentum=0.9)
->>> opt.skeleton_init()                   # once, before training
+>>> opt.skeleton_init()             # once, before training
 >>> grads = [np.full_like(w, 0.01) for w in weights]
 >>> bias_grads = [np.full_like(b, 0.01) for b in biases]
->>> opt.step(grads, bias_grads)           # each iteration: the arrays change in place
+>>> opt.step(grads, bias_grads)     # updates the arrays in place
 >>> opt
-GSGD(Chain(4 -> 8 -> 3; m=67, H=8, G-space dim=59, H/m=0.119), lr=0.1, momentum=0.9, weight_decay=0.0)
+GSGD(Chain(4 -> 8 -> 3; m=67, H=8, G-space dim=59, H/m=0.119),
+     lr=0.1, momentum=0.9, weight_decay=0.0)
 """
 
 from __future__ import annotations

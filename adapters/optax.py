@@ -22,19 +22,23 @@ Examples
 --------
 >>> import jax, jax.numpy as jnp, optax
 >>> from gsgd_adapters.optax import chains_from_dict, gsgd
->>> def mlp(params, x):
-...     hidden = jax.nn.relu(x @ params["l1"]["w"].T + params["l1"]["b"])
-...     return hidden @ params["l2"]["w"].T + params["l2"]["b"]
+>>> def mlp(p, x):
+...     hidden = jax.nn.relu(x @ p["l1"]["w"].T + p["l1"]["b"])
+...     return hidden @ p["l2"]["w"].T + p["l2"]["b"]
 >>> k1, k2 = jax.random.split(jax.random.PRNGKey(0))
->>> params = {"l1": {"w": jax.random.normal(k1, (8, 4)) / 2, "b": jnp.zeros(8)},
-...           "l2": {"w": jax.random.normal(k2, (3, 8)) / 3, "b": jnp.zeros(3)}}
->>> chains = chains_from_dict(params, ["l1", "l2"])   # or find_chains(mlp, params, x)
->>> opt = optax.chain(optax.clip_by_global_norm(1.0), gsgd(0.1, chains, momentum=0.9))
+>>> w1 = jax.random.normal(k1, (8, 4)) / 2   # (out, in), as torch's
+>>> w2 = jax.random.normal(k2, (3, 8)) / 3
+>>> params = {"l1": {"w": w1, "b": jnp.zeros(8)},
+...           "l2": {"w": w2, "b": jnp.zeros(3)}}
+>>> chains = chains_from_dict(params, ["l1", "l2"])  # by hand
+>>> clip = optax.clip_by_global_norm(1.0)
+>>> opt = optax.chain(clip, gsgd(0.1, chains, momentum=0.9))
 >>> state = opt.init(params)
 >>> x, y = jnp.ones((2, 4)), jnp.zeros((2, 3))
 >>> loss = lambda p: ((mlp(p, x) - y) ** 2).mean()
->>> update = jax.jit(opt.update)                  # compiles once
->>> updates, state = update(jax.grad(loss)(params), state, params)   # params required
+>>> update = jax.jit(opt.update)                # compiles once
+>>> grads = jax.grad(loss)(params)
+>>> updates, state = update(grads, state, params)  # params required
 >>> bool(loss(optax.apply_updates(params, updates)) < loss(params))
 True
 """
