@@ -4,17 +4,19 @@ The functional reference of the ``gsgd`` library: it imports no framework, resol
 namespace once per call, returns new arrays and never mutates its inputs, so the same code
 runs on NumPy, PyTorch, JAX (under ``jit``), CuPy and array-api-strict.
 
-Public names::
+Public names:
 
-    Chain, Chain.mlp, Chain.from_shapes
-    path_values, icr, gsgd_step, gsgd_init, gsgd_update, GSGDState
-    rescale, random_rescaling, canonicalize, skeleton_init, weights_from_path_values
-    psi_init, psi_update, PSIState                     (Yi et al., Algorithm 1)
-    path_sgd_gamma, path_sgd_step                      (Neyshabur et al. 2015)
-    path_init, path_update, allocate                   (any rule in path space)
-    PathRule, sgd_rule, adam_rule, adamw_rule          (G-Adam(W), ...)
-    gsgd_core.reference                                (dense checks for small chains)
-    gsgd_core.rules                                    (the numerics rules, numerics guide)
+- the chain: ``Chain`` (``Chain.mlp``, ``Chain.from_shapes``);
+- G-SGD: ``path_values``, ``icr``, ``gsgd_step``, ``gsgd_init``, ``gsgd_update``,
+  ``GSGDState``;
+- the rescaling group: ``rescale``, ``random_rescaling``, ``canonicalize``,
+  ``skeleton_init``, ``weights_from_path_values``;
+- PSI-SGD(M) (Yi et al., Algorithm 1): ``psi_init``, ``psi_update``, ``PSIState``;
+- Path-SGD (Neyshabur et al. 2015): ``path_sgd_gamma``, ``path_sgd_step``;
+- any rule in path space: ``path_init``, ``path_update``, ``allocate``, with the rules
+  ``PathRule``, ``sgd_rule``, ``adam_rule``, ``adamw_rule`` (G-Adam(W), ...);
+- ``gsgd_core.reference``: dense checks for small chains;
+- ``gsgd_core.rules``: the numerics rules (numerics guide).
 """
 
 from .chain import Chain
