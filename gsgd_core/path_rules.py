@@ -138,10 +138,11 @@ class AdamCoefficients(NamedTuple):
 class AdamRule(ElementwiseRule):
     """Adam (Kingma & Ba 2015) on basis-path values, ``torch.optim.Adam``'s arithmetic::
 
-        D <- D + weight_decay * V                          (L2; not with decoupled)
-        m <- beta1*m + (1-beta1)*D;  s <- beta2*s + (1-beta2)*D**2   (s_max <- max(s_max, s))
+        D <- D + weight_decay * V                (L2; not with decoupled)
+        m <- beta1*m + (1-beta1)*D
+        s <- beta2*s + (1-beta2)*D**2            (s_max <- max(s_max, s))
         Delta = lr/(1-beta1**t) * m / (sqrt(s)/sqrt(1-beta2**t) + eps)
-        Delta <- Delta + lr * weight_decay * V             (decoupled: AdamW)
+        Delta <- Delta + lr * weight_decay * V   (decoupled: AdamW)
 
     Every quantity is a path's own, so each step commutes with positive rescaling, exactly.
     """
