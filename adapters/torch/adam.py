@@ -49,17 +49,39 @@ class GAdam(ScaleInvariantOptimizer):
     ----------
     params : nn.Module, or an iterable of parameters / param groups
         As :class:`~.optim.GSGD`.
-    lr, betas, eps, weight_decay, amsgrad, maximize, foreach
-        As ``torch.optim.Adam``, per param group. In chains the moments are those of the
-        path gradients and weight decay is L2 on basis-path values
+    lr : float
+        The learning rate, as ``torch.optim.Adam``'s.
+    betas : (float, float)
+        The decay rates of the first and second moments, as ``torch.optim.Adam``'s; in
+        chains the moments are those of the path gradients.
+    eps : float
+        The term added to the denominator, as ``torch.optim.Adam``'s.
+    weight_decay : float
+        The L2 penalty, as ``torch.optim.Adam``'s; in chains on the basis-path values
         (``D += weight_decay * V``; :class:`GAdamW`: decoupled, ``Delta += lr*wd*V``).
-        The chain's step count is kept in its first weight's state (``"step"``).
-    model, chains, skeleton, strict, example_input, check_finite, backward_sums
-        As :class:`~.optim.GSGD`. Adam's step has the size of ``lr`` on every path whatever
-        the path's value, so a path whose value is much smaller than ``lr`` changes sign or
-        grows by orders of magnitude in one step: initialise the skeleton
-        (:func:`~gsgd_adapters.torch.skeleton_init_`) so that path values have the size of
-        the weights (``skeleton="he"``, the default).
+    amsgrad : bool
+        Divide by the largest second moment so far (AMSGrad), as ``torch.optim.Adam``.
+    maximize : bool
+        Maximise the objective instead, as ``torch.optim.Adam``.
+    foreach : bool, optional
+        As ``torch.optim.Adam``: the implementation of the update of the parameters outside
+        chains.
+    model : nn.Module, optional
+        The model, when ``params`` are param groups, as :class:`~.optim.GSGD`'s.
+    chains : list of lists of layers, optional
+        The chains by hand, as :class:`~.optim.GSGD`'s.
+    skeleton : {"he", "paper"}
+        The units of the chains' path values, as :class:`~.optim.GSGD`'s (see Notes).
+    strict : bool
+        Raise ``ValueError`` when a Linear/Conv layer lands in no chain, as
+        :class:`~.optim.GSGD`.
+    example_input : tensor or tuple of tensors, optional
+        Check every chain on this input before training, as :class:`~.optim.GSGD`.
+    check_finite : bool
+        Raise ``ValueError`` naming a parameter whose gradient has NaN/Inf, as
+        :class:`~.optim.GSGD`.
+    backward_sums : bool
+        Take the chains' column sums from the backward pass, as :class:`~.optim.GSGD`.
     compile : bool
         The chains' update of every edge (the rule's moments and the weights) runs as one
         ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
@@ -72,6 +94,13 @@ class GAdam(ScaleInvariantOptimizer):
 
     Notes
     -----
+    Adam's step has the size of ``lr`` on every path whatever the path's value, so a path
+    whose value is much smaller than ``lr`` changes sign or grows by orders of magnitude in
+    one step: initialise the skeleton (:func:`~gsgd_adapters.torch.skeleton_init_`) so that
+    path values have the size of the weights (``skeleton="he"``, the default). Every
+    hyperparameter is per param group, as in ``torch.optim``; the chain's step count is kept
+    in its first weight's state (``"step"``).
+
     Numerics as :func:`gsgd_core.path_update`: a chain step whose gradients hold a NaN or Inf
     is skipped (weights and moments unchanged; counted in ``describe()``), and so is the
     Adam step of a group's parameters outside chains.

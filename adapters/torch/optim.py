@@ -469,11 +469,24 @@ class GSGD(ScaleInvariantOptimizer):
         ``param_groups`` is one group of all its parameters, as for
         ``torch.optim.SGD(model.parameters())``. Otherwise torch's params or param groups,
         with ``model=`` (chains found in it among those parameters) or ``chains=``.
-    lr, momentum, dampening, weight_decay, nesterov, maximize, foreach
-        As ``torch.optim.SGD``, per param group. In chains, momentum and Nesterov act in path
-        space and weight decay is L2 on basis-path values (``D += weight_decay * V``), so every
-        iterate commutes with positive rescaling. No buffer holds the learning rate, so a
-        schedule acts at once.
+    lr : float
+        The learning rate, as ``torch.optim.SGD``'s. No buffer holds it, so a schedule acts
+        at once.
+    momentum : float
+        The momentum factor, as ``torch.optim.SGD``'s; in chains the momentum is that of the
+        path gradients.
+    dampening : float
+        The momentum's dampening, as ``torch.optim.SGD``'s.
+    weight_decay : float
+        The L2 penalty, as ``torch.optim.SGD``'s; in chains on the basis-path values
+        (``D += weight_decay * V``).
+    nesterov : bool
+        Nesterov momentum, as ``torch.optim.SGD``'s; in chains in path space.
+    maximize : bool
+        Maximise the objective instead, as ``torch.optim.SGD``.
+    foreach : bool, optional
+        As ``torch.optim.SGD``: the implementation of the update of the parameters outside
+        chains.
     model : nn.Module, optional
         The model, when ``params`` are param groups: chains are found in it, and a chain
         whose layers lie in two groups is an error.
@@ -513,6 +526,9 @@ class GSGD(ScaleInvariantOptimizer):
         and PSI-SGD(M)'s step of the normalised weights as compiled row loops
         (:class:`gsgd_backends.psi.PSIPlan`). The first step compiles for some seconds. Off
         by default.
+    max_norm : float
+        With ``bn="psi"``, a PSI weight's row whose norm exceeds it is divided by its norm
+        (PSI-SGD's renormalisation, :class:`PSISGD`).
     check_finite : bool
         Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
         synchronisation per parameter). Off by default: a chain step whose gradients are not
@@ -530,6 +546,10 @@ class GSGD(ScaleInvariantOptimizer):
 
     Notes
     -----
+    Every hyperparameter is per param group, as in ``torch.optim``. In chains, momentum and
+    Nesterov act in path space and weight decay is L2 on basis-path values, so every iterate
+    commutes with positive rescaling.
+
     Frozen parameters (``requires_grad=False``) are never in a chain: they split it, and the
     trainable runs on either side form chains. A layer whose ``.grad`` is ``None`` at a step
     is never written: its chain is stepped as the runs of layers that have gradients.
