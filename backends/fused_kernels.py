@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
 
 # Fields of a row of the layer table (int64), built by gsgd_backends.fused.
 CHAIN, POS, DEPTH, ROWS, UNITS, SLOTS, IN_NODE, OUT_NODE = 0, 1, 2, 3, 4, 5, 6, 7
@@ -33,30 +34,40 @@ P_W, P_G, P_M, P_B, P_GB, P_MB, PTRS = 0, 1, 2, 3, 4, 5, 6
 C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = 0, 1, 2, 3, 4
 
 
-@triton.jit
+
+
+def _device(fn):
+    """A device function of the kernels: compiled with them by Triton, or, under the
+    interpreter, a plain Python function run inside the interpreted kernel (the
+    interpreter patches the language module once per launch, not once per call, which
+    makes the tests several times faster; the operations are the same)."""
+    return fn if knobs.runtime.interpret else triton.jit(fn)
+
+
+@_device
 def _field(table, row, field: tl.constexpr, width: tl.constexpr):
     return tl.load(table + row * width + field)
 
 
-@triton.jit
+@_device
 def _ptr(ptrs, layer, which: tl.constexpr, ST: tl.constexpr):
     return tl.load(ptrs + layer * PTRS + which).to(tl.pointer_type(ST))
 
 
-@triton.jit
+@_device
 def _finite(x):
     """rules.finite_mask: ``x - x`` is 0 exactly when ``x`` is finite."""
     return (x - x) == 0
 
 
-@triton.jit
+@_device
 def _safe_div(num, den):
     """rules.safe_div: 0 where ``den == 0``."""
     zero = den == 0
     return tl.where(zero, 0.0, num / tl.where(zero, 1.0, den))
 
 
-@triton.jit
+@_device
 def _scaled_div(lr, num, den):
     """rules.scaled_div with a 0-d ``lr``: ``lr * num / den`` in the order that overflows
     only where the value does."""
@@ -64,14 +75,14 @@ def _scaled_div(lr, num, den):
     return tl.where(small, 1.0, lr) * _safe_div(tl.where(small, lr, 1.0) * num, den)
 
 
-@triton.jit
+@_device
 def _path_gradient(num, den, g):
     """rules.path_gradient: ``num / den``, 0 where it overflows from a finite ``g``."""
     D = _safe_div(num, den)
     return tl.where(_finite(D) | ~_finite(g), D, 0.0)
 
 
-@triton.jit
+@_device
 def _direction(D, M, V, first, mu, damp, wd, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
                NESTEROV: tl.constexpr):
     """rules.direction: weight decay, then momentum (torch.optim.SGD's conventions).
@@ -89,20 +100,20 @@ def _direction(D, M, V, first, mu, damp, wd, HAS_WD: tl.constexpr, HAS_M: tl.con
     return out, Mn
 
 
-@triton.jit
+@_device
 def _kept(new, old):
     """rules.kept: ``new`` where finite, else ``old``."""
     return tl.where(_finite(new), new, old)
 
 
-@triton.jit
+@_device
 def _and(mask, flag):
     """``mask & flag`` for a scalar ``flag`` (the interpreter turns ``&`` of a vector and
     a scalar into integers, which a mask may not be)."""
     return tl.where(flag, mask, False)
 
 
-@triton.jit
+@_device
 def _grad(ptr, offs, mask, DT: tl.constexpr, MAXIMIZE: tl.constexpr):
     g = tl.load(ptr + offs, mask=mask, other=0.0).to(DT)
     if MAXIMIZE:
@@ -154,7 +165,7 @@ def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexp
     tl.store(flag + chain, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
 
 
-@triton.jit
+@_device
 def _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST: tl.constexpr,
               DT: tl.constexpr, BLOCK: tl.constexpr):
     """Chain products (core's sweeps.chain_products, in its order): ``B`` at the nodes of
@@ -202,7 +213,7 @@ def _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST: tl.constexpr,
         tl.debug_barrier()
 
 
-@triton.jit
+@_device
 def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl.constexpr,
                    MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     """ICR's backward sweep (fast.backward_sums, layer by layer from the top)::
@@ -244,7 +255,7 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
         tl.debug_barrier()
 
 
-@triton.jit
+@_device
 def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
                ST: tl.constexpr, DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -289,7 +300,7 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, dam
         tl.debug_barrier()
 
 
-@triton.jit
+@_device
 def _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST: tl.constexpr,
                    DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
                    NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
@@ -308,7 +319,7 @@ def _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST: tl.co
             tl.store(m_ptr + fi, _kept(Mn, M).to(ST), mask=_and(m, ok))
 
 
-@triton.jit
+@_device
 def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST: tl.constexpr,
             DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
             NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
