@@ -180,17 +180,17 @@ class FusedPlan:
         bl = self.blocks
         read, write = [], []
         for li, row in enumerate(t.layers):
-            n, width = row[fk.ROWS], row[fk.UNITS] * row[fk.SLOTS]
-            for chunk in range(row[fk.CHUNKS]):
+            n, width = row[fk.ROWS.value], row[fk.UNITS.value] * row[fk.SLOTS.value]
+            for chunk in range(row[fk.CHUNKS.value]):
                 read += [(li, 0, chunk, c0) for c0 in range(0, width, bl.cols)]
-            if row[fk.HAS_BIAS]:
+            if row[fk.HAS_BIAS.value]:
                 read += [(li, 1, 0, c0) for c0 in range(0, n, bl.cols)]
             write += [(li, r0, c0) for r0 in range(0, n, bl.rows)
                       for c0 in range(0, width, bl.cols)]
         return read, write
 
     def pointers(self, lists) -> torch.Tensor:
-        """The pointer table of the tensors in ``lists`` (one row of :data:`fk.PTRS`
+        """The pointer table of the tensors in ``lists`` (one row of ``fk.PTRS``
         addresses per layer), rebuilt only when an address changes."""
         key = tuple(0 if a is None else a.data_ptr() for a in lists)
         if key != self._ptrs[0]:

@@ -22,18 +22,16 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+# Compiled kernels read only globals that are constexpr (``.value`` is the number).
 # Fields of a row of the layer table (int64), built by gsgd_backends.fused.
-CHAIN, POS, DEPTH, ROWS, UNITS, SLOTS, IN_NODE, OUT_NODE = 0, 1, 2, 3, 4, 5, 6, 7
-TAU_IDX, TAU_SRC, TAU_FREE, FREE_IDX, SIGMA = 8, 9, 10, 11, 12
-CARRY_PTR, CARRY_IDX, CARRY_MAX, PART, CHUNKS, HAS_BIAS = 13, 14, 15, 16, 17, 18
-FIELDS = 19
+(CHAIN, POS, DEPTH, ROWS, UNITS, SLOTS, IN_NODE, OUT_NODE, TAU_IDX, TAU_SRC, TAU_FREE, FREE_IDX,
+ SIGMA, CARRY_PTR, CARRY_IDX, CARRY_MAX, PART, CHUNKS, HAS_BIAS, FIELDS) = map(tl.constexpr,
+                                                                                range(20))
 # Pointers of a layer (pointer table row): weight, gradient, momentum, bias, its gradient
 # and its momentum (0 where none).
-P_W, P_G, P_M, P_B, P_GB, P_MB, PTRS = 0, 1, 2, 3, 4, 5, 6
+P_W, P_G, P_M, P_B, P_GB, P_MB, PTRS = map(tl.constexpr, range(7))
 # A chain's row of the chain table: its first layer, depth, workspace offset, node count.
-C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = 0, 1, 2, 3, 4
-
-
+C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = map(tl.constexpr, range(5))
 
 
 def _device(fn):
@@ -135,16 +133,13 @@ def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexp
     chunk = tl.load(tiles + t * 4 + 2)
     c0 = tl.load(tiles + t * 4 + 3)
     chain = _field(layers, li, CHAIN, FIELDS)
+    bias = kind == 1  # a bias gradient: one row of n entries, no sum
     n = _field(layers, li, ROWS, FIELDS)
-    width = _field(layers, li, UNITS, FIELDS) * _field(layers, li, SLOTS, FIELDS)
-    poff = _field(layers, li, PART, FIELDS)
-    if kind == 1:  # a bias gradient: one row of n entries, no sum
-        width = n
-        n = 1
-        poff = -1
-        g_ptr = _ptr(ptrs, li, P_GB, ST)
-    else:
-        g_ptr = _ptr(ptrs, li, P_G, ST)
+    units = _field(layers, li, UNITS, FIELDS)
+    width = tl.where(bias, n, units * _field(layers, li, SLOTS, FIELDS))
+    n = tl.where(bias, 1, n)
+    poff = tl.where(bias, -1, _field(layers, li, PART, FIELDS))
+    g_ptr = tl.load(ptrs + li * PTRS + P_G + kind * (P_GB - P_G)).to(tl.pointer_type(ST))
     w_ptr = _ptr(ptrs, li, P_W, ST)
     cols = c0 + tl.arange(0, BC)
     cm = cols < width

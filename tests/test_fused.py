@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import gsgd_core as gc
@@ -75,7 +75,9 @@ def _fused_step(chain, hyper, **kw):
     return step
 
 
-@settings(max_examples=examples(3), deadline=None)
+# No shrinking: an interpreted step takes a second, and the failing example is small anyway.
+@settings(max_examples=examples(3), deadline=None,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(chain=chains(max_depth=4, max_width=5, max_slots=4), seed=seeds,
        hyper=st.sampled_from(HYPERS), dtype=st.sampled_from(["float64", "float32"]))
 def test_fused_step_equals_the_core(chain, seed, hyper, dtype):
