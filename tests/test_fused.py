@@ -147,18 +147,19 @@ MANY = [gc.Chain.mlp([3, 4, 2]), gc.Chain((2, 3, 1, 2), (1, 2, 1), bias=False)]
 
 def test_chains_in_one_fused_step_are_skipped_one_by_one_and_all_by_found_inf():
     """Two chains in one plan: a non-finite gradient in one skips that chain only (its
-    weights, biases, buffers and step count unchanged) while the others take the core's
-    step; a set ``found_inf`` skips every chain; a clear one does not."""
+    weights, biases, buffers and step count unchanged) while the other takes the core's
+    first step (with dampening: the first buffer is the path gradient itself); a set ``found_inf`` skips every chain; a clear one does not."""
     parts = _setup(MANY)
     plan = _plan(MANY, parts[0][1][0])
     parts[1][3][1][0, 0, 0] = float("nan")
     before = _snapshot(parts)
-    _step_all(plan, parts, momentum=0.9)
+    _step_all(plan, parts, momentum=0.9, dampening=0.5)
     _assert_unchanged(before, _snapshot(parts), [1])
     for i in (0,):
         pb, W, b, _, _, state = parts[i]
         want_W, want_b, want_s = gc.gsgd_update(MANY[i], gc.gsgd_init(MANY[i], pb.W, pb.b),
-                                                pb.W, pb.b, *pb.grads(), lr=0.1, momentum=0.9)
+                                                pb.W, pb.b, *pb.grads(), lr=0.1, momentum=0.9,
+                                                dampening=0.5)
         for got, want in zip(W + list(state.momentum), list(want_W) + list(want_s.momentum)):
             np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
         assert int(state.step) == 1
@@ -260,3 +261,26 @@ def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(fused, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         _step_all(plan, parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_steps_as_the_core_in_float32(dtype):
+    """float16 and bfloat16 weights, biases and buffers step as the core steps them
+    (computed in float32, written back in their own dtype): within one unit of their last
+    place."""
+    chain = MANY[0]
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+
+    def half(arrays):
+        return [None if a is None else torch.tensor(a, dtype=dtype) for a in arrays]
+    W, b, Gt, Gbt = half(pb.W), half(pb.b), half(G), half(Gb)
+    state = gc.gsgd_init(chain, W, b)
+    want = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, Gt, Gbt, lr=0.1,
+                          momentum=0.9)
+    fused.fused_step_(_plan([chain], W[0]), [W], [b], [Gt], [Gbt], 0.1, [state], momentum=0.9)
+    for got, expected in zip(W + b + list(state.momentum),
+                             list(want[0]) + list(want[1]) + list(want[2].momentum)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), atol=0,
+                                   rtol=torch.finfo(dtype).eps)
