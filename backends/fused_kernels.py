@@ -179,33 +179,32 @@ def _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST: tl.constexpr,
                  mask=j < nL)
     tl.debug_barrier()
     for l in range(1, L):
-        li = li0 + l - 1
-        n = _field(layers, li, ROWS, FIELDS)
-        w_ptr = _ptr(ptrs, li, P_W, ST)
-        r = tl.load(scale + li)
-        for j0 in range(0, n, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            m = j < n
-            src = tl.load(idx + _field(layers, li, TAU_SRC, FIELDS) + j, mask=m, other=0)
-            w = tl.load(w_ptr + tl.load(idx + _field(layers, li, TAU_IDX, FIELDS) + j,
-                                        mask=m, other=0), mask=m, other=0.0).to(DT)
-            b = tl.load(Bw + _field(layers, li, IN_NODE, FIELDS) + src, mask=m, other=0.0)
-            tl.store(Bw + _field(layers, li, OUT_NODE, FIELDS) + j, b * (w / r), mask=m)
-        tl.debug_barrier()
-    for q in range(0, L - 1):
-        up = li0 + L - 1 - q  # layer l + 1 holds the free edges out of layer l's nodes
-        n = _field(layers, up, UNITS, FIELDS)
-        w_ptr = _ptr(ptrs, up, P_W, ST)
-        r = tl.load(scale + up)
-        for j0 in range(0, n, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            m = j < n
-            sig = tl.load(idx + _field(layers, up, SIGMA, FIELDS) + j, mask=m, other=0)
-            w = tl.load(w_ptr + tl.load(idx + _field(layers, up, FREE_IDX, FIELDS) + j,
-                                        mask=m, other=0), mask=m, other=0.0).to(DT)
-            f = tl.load(Fw + _field(layers, up, OUT_NODE, FIELDS) + sig, mask=m, other=0.0)
-            tl.store(Fw + _field(layers, up, IN_NODE, FIELDS) + j, (w / r) * f, mask=m)
-        tl.debug_barrier()
+        _factors(layers, ptrs, idx, scale, Bw, li0 + l - 1, ROWS, TAU_IDX, TAU_SRC, IN_NODE,
+                 OUT_NODE, ST, DT, BLOCK)
+    for q in range(0, L - 1):  # layer l + 1 holds the free edges out of layer l's nodes
+        _factors(layers, ptrs, idx, scale, Fw, li0 + L - 1 - q, UNITS, FREE_IDX, SIGMA,
+                 OUT_NODE, IN_NODE, ST, DT, BLOCK)
+
+
+@_device
+def _factors(layers, ptrs, idx, scale, vec, li, COUNT: tl.constexpr, EDGE: tl.constexpr,
+             LINK: tl.constexpr, FROM: tl.constexpr, TO: tl.constexpr, ST: tl.constexpr,
+             DT: tl.constexpr, BLOCK: tl.constexpr):
+    """One layer's step of a chain product: ``vec[TO + j] = vec[FROM + link[j]] * w[edge[j]]
+    / r`` for the ``COUNT`` nodes of layer ``li``'s field (``B`` along tau edges: ``TAU_IDX``,
+    ``TAU_SRC``; ``F`` along free edges: ``FREE_IDX``, ``SIGMA``)."""
+    n = _field(layers, li, COUNT, FIELDS)
+    w_ptr = _ptr(ptrs, li, P_W, ST)
+    r = tl.load(scale + li)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < n
+        link = tl.load(idx + _field(layers, li, LINK, FIELDS) + j, mask=m, other=0)
+        w = tl.load(w_ptr + tl.load(idx + _field(layers, li, EDGE, FIELDS) + j, mask=m,
+                                    other=0), mask=m, other=0.0).to(DT)
+        prev = tl.load(vec + _field(layers, li, FROM, FIELDS) + link, mask=m, other=0.0)
+        tl.store(vec + _field(layers, li, TO, FIELDS) + j, prev * (w / r), mask=m)
+    tl.debug_barrier()
 
 
 @_device
