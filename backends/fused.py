@@ -35,7 +35,7 @@ from gsgd_core.arrays import layer_meta
 from gsgd_core.gsgd import check_update_hypers
 
 from . import fused_kernels as fk
-from .plan import StepPlan
+from .plan import StepPlan, check_column_sums
 
 __all__ = ["Blocks", "FusedPlan", "fused_step_", "interpreted"]
 
@@ -143,7 +143,8 @@ class FusedPlan:
         self.part = torch.zeros(max(t.part, 1), dtype=self.compute, device=dev)
         self.flag = torch.zeros(len(chains), dtype=torch.int32, device=dev)
         self.ok = torch.zeros(len(chains), dtype=torch.int32, device=dev)
-        self.read_tiles, self.write_tiles = (ints(x).reshape(-1) for x in self._tiles(t))
+        self.read_tiles, self.bias_tiles, self.write_tiles = (
+            ints(x).reshape(-1) for x in self._tiles(t))
         self._ptrs: tuple = (None, None)
         self._steps: tuple = (None, None)
         self._lr: tuple = (None, None)
@@ -175,19 +176,19 @@ class FusedPlan:
             t.scale.append(float(chain.skeleton_scale[l - 1]))
 
     def _tiles(self, t: _Tables):
-        """The read pass's tiles ``(layer, kind, chunk, first column)`` and the write
-        pass's ``(layer, first row, first column)``."""
+        """The read pass's tiles ``(layer, kind, chunk, first column)`` (all, and those of
+        the bias gradients alone) and the write pass's ``(layer, first row, first column)``."""
         bl = self.blocks
-        read, write = [], []
+        read, bias, write = [], [], []
         for li, row in enumerate(t.layers):
             n, width = row[fk.ROWS.value], row[fk.UNITS.value] * row[fk.SLOTS.value]
             for chunk in range(row[fk.CHUNKS.value]):
                 read += [(li, 0, chunk, c0) for c0 in range(0, width, bl.cols)]
             if row[fk.HAS_BIAS.value]:
-                read += [(li, 1, 0, c0) for c0 in range(0, n, bl.cols)]
+                bias += [(li, 1, 0, c0) for c0 in range(0, n, bl.cols)]
             write += [(li, r0, c0) for r0 in range(0, n, bl.rows)
                       for c0 in range(0, width, bl.cols)]
-        return read, write
+        return read + bias, bias, write
 
     def pointers(self, lists) -> torch.Tensor:
         """The pointer table of the tensors in ``lists`` (one row of ``fk.PTRS``
@@ -197,9 +198,11 @@ class FusedPlan:
             self._ptrs = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
         return self._ptrs[1]
 
-    def step_pointers(self, steps) -> torch.Tensor:
-        """The table of the chains' step counters' addresses (cached as :meth:`pointers`)."""
-        key = tuple(s.data_ptr() for s in steps)
+    def step_pointers(self, steps, checks) -> torch.Tensor:
+        """The table of the chains' step counters' and gradient checks' addresses (0 where
+        none; cached as :meth:`pointers`)."""
+        key = tuple(0 if t is None else t.data_ptr() for pair in zip(steps, checks)
+                    for t in pair)
         if key != self._steps[0]:
             self._steps = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
         return self._steps[1]
@@ -225,7 +228,7 @@ def _has_bias(chain, l: int) -> bool:
     return bool(bias if isinstance(bias, bool) else bias[l - 1])
 
 
-def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, states):
+def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, states, sums):
     """Validate one step's tensors (the core's errors, :meth:`StepPlan.prepared`) and list
     them in the pointer table's order (``None`` where a layer has none)."""
     out = []
@@ -243,9 +246,13 @@ def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, states):
         m = [None] * L if st is None else list(st.momentum)
         mb = [None] * L if st is None else list(st.bias_momentum)
         for l in range(L):
-            row = [weights[c][l], grads[c][l], m[l], b[l], gb[l], mb[l]]
+            row = [weights[c][l], grads[c][l], m[l], b[l], gb[l], mb[l],
+                   None if sums is None or l == 0 else sums[c][l - 1]]
             for what, a in zip(("weight", "gradient", "momentum", "bias", "bias gradient",
-                                "bias momentum"), row):
+                                "bias momentum", "column sum"), row):
+                if a is not None and a.device != plan.device:
+                    raise ValueError(f"chain {c}, layer {l + 1}: the {what} is on {a.device}, "
+                                     f"the plan's tensors on {plan.device}")
                 if a is not None and not a.is_contiguous():
                     raise ValueError(f"chain {c}, layer {l + 1}: the fused step writes in "
                                      f"place and takes contiguous tensors; the {what} of "
@@ -254,7 +261,7 @@ def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, states):
     return out
 
 
-def _check_device(plan: FusedPlan, lr, states, found_inf) -> None:
+def _check_device(plan: FusedPlan, lr, states, found_inf, checks) -> None:
     """``ValueError`` for a CPU step outside the interpreter and for device tensors that
     are not where the parameters are or not of the kernels' kinds."""
     if plan.device.type == "cpu" and not interpreted():
@@ -262,7 +269,8 @@ def _check_device(plan: FusedPlan, lr, states, found_inf) -> None:
                          "(TRITON_INTERPRET=1 set before gsgd_backends.fused is imported, "
                          "for tests); step CPU parameters with fused=False")
     named = [("lr", lr), ("found_inf", found_inf)] + [
-        (f"states[{c}].step", s.step) for c, s in enumerate(states or [])]
+        (f"states[{c}].step", s.step) for c, s in enumerate(states or [])] + [
+        (f"gradient_check[{c}]", t) for c, t in enumerate(checks or [])]
     for name, t in named:
         if isinstance(t, torch.Tensor) and (t.device != plan.device or t.numel() != 1):
             raise ValueError(f"{name} must be a one-element tensor on {plan.device}, got "
@@ -276,7 +284,8 @@ def _check_device(plan: FusedPlan, lr, states, found_inf) -> None:
 def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=None, *,
                 momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                 weight_decay: float = 0.0, maximize: bool = False,
-                found_inf: torch.Tensor | None = None) -> None:
+                found_inf: torch.Tensor | None = None, column_sums=None,
+                gradient_check=None) -> None:
     """One G-SGD step of every chain of ``plan``, in place, in three kernel launches.
 
     ``weights``, ``biases``, ``grads``, ``bias_grads``: one list per chain, as
@@ -288,37 +297,62 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
     is skipped while ``found_inf`` (a one-element device tensor, GradScaler's) is non-zero.
     ``lr`` is a number or a one-element device tensor (read on the device). Nothing is read
     back to the host; bad input raises the core's ``ValueError`` before any launch.
+
+    ``column_sums`` and ``gradient_check``: per chain, ``colsum(W_l * grad_l)``,
+    ``l = 2..L``, taken from the backward pass (DESIGN §12), and a 0-d tensor that is
+    finite only if every weight gradient is (:meth:`StepPlan.column_sums`); the read pass
+    then reads only the bias gradients (their check), and no weight before the write pass.
     """
-    check_update_hypers(lr if not isinstance(lr, torch.Tensor) else 1.0, momentum, dampening,
-                        nesterov, weight_decay)
     n = len(plan.plans)
-    for name, v in (("weights", weights), ("biases", biases), ("grads", grads),
-                    ("bias_grads", bias_grads), ("states", states)):
-        if v is not None and len(v) != n:
-            raise ValueError(f"{name}: the plan steps {n} chains, got {len(v)} lists")
-    if (momentum or weight_decay) and states is None:
-        raise ValueError("momentum and weight decay need states: one gsgd_init(chain, "
-                         "weights, biases) per chain")
-    biases = biases if biases is not None else [None] * n
-    bias_grads = bias_grads if bias_grads is not None else [None] * n
-    tensors = _flat_lists(plan, weights, biases, grads, bias_grads,
-                          states if momentum else None)
-    _check_device(plan, lr, states, found_inf)
+    tensors = _validated(plan, weights, biases, grads, bias_grads, lr, states,
+                         dict(momentum=momentum, dampening=dampening, nesterov=nesterov,
+                              weight_decay=weight_decay), found_inf, column_sums,
+                         gradient_check)
+    given = column_sums is not None
     ptrs = plan.pointers(tensors)
-    has_step = states is not None
-    steps = plan.step_pointers([s.step for s in states]) if has_step else plan.flag
+    counters = plan.flag  # read only where a state or a check is given
+    if states is not None or given:
+        counters = plan.step_pointers([None] * n if states is None else [s.step for s in states],
+                                      gradient_check if given else [None] * n)
     lr_t = plan.learning_rate(lr)
     hyper = plan.hyperparameters((float(momentum), float(dampening), float(weight_decay)))
     bl = plan.blocks
     flags = dict(ST=_TL[plan.dtype], DT=_TL[plan.compute], MAXIMIZE=bool(maximize))
     rule = dict(HAS_WD=bool(weight_decay), HAS_M=bool(momentum), NESTEROV=bool(nesterov))
-    _launch(fk.read_pass, plan.read_tiles.shape[0] // 4, plan.read_tiles, plan.layers, ptrs,
-            plan.part, plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
-    _launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, steps, plan.idx, plan.scale,
+    tiles = plan.bias_tiles if given else plan.read_tiles
+    if tiles.shape[0]:
+        _launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
+                plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
+    _launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, counters, plan.idx, plan.scale,
             plan.part, plan.ws, plan.flag, plan.ok,
             plan.flag if found_inf is None else found_inf, lr_t, hyper,
-            float(torch.finfo(plan.compute).eps), HAS_STEP=has_step,
-            HAS_FOUND=found_inf is not None, BLOCK=bl.nodes, **flags, **rule)
+            float(torch.finfo(plan.compute).eps), HAS_STEP=states is not None,
+            HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **flags, **rule)
     _launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
-            plan.layers, ptrs, steps, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
+            plan.layers, ptrs, counters, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
             BC=bl.cols, **flags, **rule)
+
+
+def _validated(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states, hyper: dict,
+               found_inf, sums, checks) -> list:
+    """Check a step's arguments (``ValueError`` before anything runs) and list its tensors
+    in the pointer table's order."""
+    check_update_hypers(lr if not isinstance(lr, torch.Tensor) else 1.0, **hyper)
+    n = len(plan.plans)
+    for name, v in (("weights", weights), ("biases", biases), ("grads", grads),
+                    ("bias_grads", bias_grads), ("states", states), ("column_sums", sums),
+                    ("gradient_check", checks)):
+        if v is not None and len(v) != n:
+            raise ValueError(f"{name}: the plan steps {n} chains, got {len(v)} lists")
+    if (hyper["momentum"] or hyper["weight_decay"]) and states is None:
+        raise ValueError("momentum and weight decay need states: one gsgd_init(chain, "
+                         "weights, biases) per chain")
+    if (sums is None) != (checks is None):
+        raise ValueError("gradient_check is the check of column_sums: pass both")
+    for c, p in enumerate(plan.plans if sums is not None else ()):
+        check_column_sums(p.chain, sums[c], plan.dtype, checks[c])
+    tensors = _flat_lists(plan, weights, biases if biases is not None else [None] * n, grads,
+                          bias_grads if bias_grads is not None else [None] * n,
+                          states if hyper["momentum"] else None, sums)
+    _check_device(plan, lr, states, found_inf, checks)
+    return tensors

@@ -27,9 +27,11 @@ from triton import knobs
 (CHAIN, POS, DEPTH, ROWS, UNITS, SLOTS, IN_NODE, OUT_NODE, TAU_IDX, TAU_SRC, TAU_FREE, FREE_IDX,
  SIGMA, CARRY_PTR, CARRY_IDX, CARRY_MAX, PART, CHUNKS, HAS_BIAS, FIELDS) = map(tl.constexpr,
                                                                                 range(20))
-# Pointers of a layer (pointer table row): weight, gradient, momentum, bias, its gradient
-# and its momentum (0 where none).
-P_W, P_G, P_M, P_B, P_GB, P_MB, PTRS = map(tl.constexpr, range(7))
+# Pointers of a layer (pointer table row): weight, gradient, momentum, bias, its gradient,
+# its momentum, and the column sums given for it (0 where none).
+P_W, P_G, P_M, P_B, P_GB, P_MB, P_S, PTRS = map(tl.constexpr, range(8))
+# A chain's row of the table of its counters: the step counter and the gradients' check.
+S_STEP, S_CHECK, SFIELDS = map(tl.constexpr, range(3))
 # A chain's row of the chain table: its first layer, depth, workspace offset, node count.
 C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = map(tl.constexpr, range(5))
 
@@ -50,6 +52,11 @@ def _field(table, row, field: tl.constexpr, width: tl.constexpr):
 @_device
 def _ptr(ptrs, layer, which: tl.constexpr, ST: tl.constexpr):
     return tl.load(ptrs + layer * PTRS + which).to(tl.pointer_type(ST))
+
+
+@_device
+def _counter(steps, chain, which: tl.constexpr, T: tl.constexpr):
+    return tl.load(steps + chain * SFIELDS + which).to(tl.pointer_type(T))
 
 
 @_device
@@ -209,14 +216,15 @@ def _factors(layers, ptrs, idx, scale, vec, li, COUNT: tl.constexpr, EDGE: tl.co
 
 @_device
 def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl.constexpr,
-                   MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+                   MAXIMIZE: tl.constexpr, GIVEN: tl.constexpr, BLOCK: tl.constexpr):
     """ICR's backward sweep (fast.backward_sums, layer by layer from the top)::
 
         T_{l-1} = colsum(W_l * grad_l) - P_l[free edges] + sum of T_l over the nodes whose
                   free tau edge leaves that node
 
-    the column sums from the read pass's partials (summed over row chunks and slots), the
-    carried sums through a per-layer CSR list of those nodes."""
+    the column sums from the read pass's partials (summed over row chunks and slots) or, if
+    ``GIVEN``, the caller's (of ``W * grad``, negated with ``MAXIMIZE``), the carried sums
+    through a per-layer CSR list of those nodes."""
     for q in range(0, L - 1):
         li = li0 + L - 1 - q
         p = _field(layers, li, UNITS, FIELDS)
@@ -232,10 +240,13 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
         for a0 in range(0, p, BLOCK):
             a = a0 + tl.arange(0, BLOCK)
             m = a < p
-            acc = tl.zeros((BLOCK,), DT)
-            for ch in range(0, chunks):
-                for s in range(0, k):
-                    acc += tl.load(part + poff + ch * width + a * k + s, mask=m, other=0.0)
+            if GIVEN:
+                acc = _grad(_ptr(ptrs, li, P_S, ST), a, m, DT, MAXIMIZE)
+            else:
+                acc = tl.zeros((BLOCK,), DT)
+                for ch in range(0, chunks):
+                    for s in range(0, k):
+                        acc += tl.load(part + poff + ch * width + a * k + s, mask=m, other=0.0)
             fi = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=m, other=0)
             w = tl.load(w_ptr + fi, mask=m, other=0.0).to(DT)
             T = acc - w * _grad(g_ptr, fi, m, DT, MAXIMIZE)
@@ -349,9 +360,10 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
                  lr_ptr, hyper, eps, ST: tl.constexpr, DT: tl.constexpr,
                  HAS_WD: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
                  MAXIMIZE: tl.constexpr, HAS_STEP: tl.constexpr, HAS_FOUND: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 GIVEN: tl.constexpr, BLOCK: tl.constexpr):
     """One program per chain: the read pass's flag (and ``found_inf``) decide the step,
-    handed to the write pass in ``okbuf`` (the flag is cleared for the next step); then the
+    handed to the write pass in ``okbuf`` (the flag is cleared for the next step; with
+    ``GIVEN`` column sums, the caller's gradient check must be finite too); then the
     node-vector work of the step on the chain's workspace, the special edges, biases and
     step counter written in place where the step is taken."""
     c = tl.program_id(0)
@@ -365,6 +377,8 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
     ok = tl.load(flag + c) == 0
     if HAS_FOUND:
         ok = ok & (tl.load(found) == 0)
+    if GIVEN:
+        ok = ok & _finite(tl.load(_counter(steps, c, S_CHECK, ST)).to(DT))
     tl.store(okbuf + c, ok.to(tl.int32))
     tl.store(flag + c, 0)
     lr = tl.load(lr_ptr).to(DT)
@@ -373,11 +387,11 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
     wd = tl.load(hyper + 2)
     first = False
     if HAS_STEP:
-        step_ptr = tl.load(steps + c).to(tl.pointer_type(tl.int32))
+        step_ptr = _counter(steps, c, S_STEP, tl.int32)
         count = tl.load(step_ptr)
         first = count == 0
     _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST, DT, BLOCK)
-    _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST, DT, MAXIMIZE, BLOCK)
+    _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST, DT, MAXIMIZE, GIVEN, BLOCK)
     _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
                ST, DT, HAS_WD, HAS_M, NESTEROV, MAXIMIZE, BLOCK)
     if HAS_M:
@@ -436,7 +450,7 @@ def write_pass(tiles, chains, layers, ptrs, steps, idx, ws, okbuf, lr_ptr, hyper
             m_ptr = _ptr(ptrs, li, P_M, ST)
             M = tl.load(m_ptr + offs, mask=m, other=0.0).to(DT)
             # the vector stage has counted this step: a first step now reads 1
-            first = tl.load(tl.load(steps + c).to(tl.pointer_type(tl.int32))) == 1
+            first = tl.load(_counter(steps, c, S_STEP, tl.int32)) == 1
         fb = F[:, None] * B[None, :]
         step, Mn = _direction(_path_gradient(G, fb, G), M, fb * W, first, tl.load(hyper),
                               tl.load(hyper + 1), tl.load(hyper + 2), HAS_WD, HAS_M, NESTEROV)

@@ -284,3 +284,24 @@ def test_half_precision_steps_as_the_core_in_float32(dtype):
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), atol=0,
                                    rtol=torch.finfo(dtype).eps)
+
+
+def test_column_sums_from_the_backward_step_as_the_read_pass_and_a_bad_check_skips():
+    """Column sums and a gradient check handed in (DESIGN §12: the backward pass takes
+    them): the step equals the one that sums ``W * grad`` itself, with momentum and
+    ``maximize``; a non-finite check skips the chain."""
+    taken, given = _setup([CNN]), _setup([CNN])
+    _, W, _, G, _, _ = given[0]
+    sums = [(w * g).reshape(CNN.layer_shape(l)).sum(dim=(0, 2))
+            for l, w, g in zip(range(2, CNN.L + 1), W[1:], G[1:])]
+    check = sum(g.sum() for g in G)
+    hyper = dict(momentum=0.9, dampening=0.5, maximize=True)
+    _step_all(_plan([CNN], W[0]), taken, **hyper)
+    plan = _plan([CNN], W[0])
+    _step_all(plan, given, column_sums=[sums], gradient_check=[check], **hyper)
+    for a, b in zip(_snapshot(taken)[0], _snapshot(given)[0]):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+    before = _snapshot(given)
+    _step_all(plan, given, column_sums=[sums], gradient_check=[check * float("nan")], **hyper)
+    _assert_unchanged(before, _snapshot(given), [0])
