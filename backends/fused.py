@@ -28,8 +28,10 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import array_api_compat.numpy as np_compat
 import numpy as np
 import torch
+import triton.language as tl
 
 from gsgd_core.arrays import layer_meta
 from gsgd_core.gsgd import check_update_hypers
@@ -38,9 +40,6 @@ from . import fused_kernels as fk
 from .plan import StepPlan, check_column_sums
 
 __all__ = ["Blocks", "FusedPlan", "fused_step_", "interpreted"]
-
-import array_api_compat.numpy as np_compat  # noqa: E402  (layer metadata as NumPy)
-import triton.language as tl  # noqa: E402
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
        torch.float64: tl.float64}
