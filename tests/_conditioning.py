@@ -126,13 +126,15 @@ MIN_RATIO = 1e-3
 
 
 def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float, rtol: float,
-                      blocks=None, plan=None) -> None:
+                      blocks=None, plan=None, step=None) -> None:
     """G-SGD's fast step (``gsgd_backends.fast``, momentum buffers in place) against
     :func:`gsgd_core.gsgd_update`, ``steps`` times along the core's trajectory, each from
     the core's state (weights, biases, buffers, step count), compared by
     :func:`assert_step_close` and the momentum buffers by the same tolerance.
     ``blocks(kernels)`` is a context that sets the block sizes; ``plan(weight)`` gives the
-    step plan to take (e.g. torch's GPU plan), else the weights' kernels plan one."""
+    step plan to take (e.g. torch's GPU plan), else the weights' kernels plan one.
+    ``step(A, Ab, G, Gb, lr, state)`` takes the step in place instead of the fast step
+    (another in-place implementation, e.g. the fused kernels)."""
     blocks = blocks or (lambda kernels: contextlib.nullcontext())
     W, b = ns.tolist(ns.aslist(problem.W)), ns.tolist(ns.aslist(problem.b))
     core = gc.gsgd_init(chain, W, b)
@@ -144,11 +146,14 @@ def synced_gsgd_steps(ns, chain, problem, hyper: dict, steps: int, *, lr: float,
         state = state._replace(momentum=tuple(ns.aslist(core.momentum)),
                                bias_momentum=tuple(ns.aslist(core.bias_momentum)))
         assign(state.step, state.step + count)
-        kernels = gb.kernels_for(A[0])
-        with blocks(kernels):
-            assert fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb), lr,
-                                   state if hyper else None,
-                                   plan=None if plan is None else plan(A[0]), **hyper)
+        if step is not None:
+            step(A, Ab, ns.aslist(G), ns.aslist(Gb), lr, state if hyper else None)
+        else:
+            kernels = gb.kernels_for(A[0])
+            with blocks(kernels):
+                assert fast.fast_step_(kernels, chain, A, Ab, ns.aslist(G), ns.aslist(Gb),
+                                       lr, state if hyper else None,
+                                       plan=None if plan is None else plan(A[0]), **hyper)
         old = (W, b)
         W, b, core = gc.gsgd_update(chain, core, W, b, G, Gb, lr=lr, **hyper)
         assert_step_close(chain, old, (ns.tolist(A), ns.tolist(Ab)), (W, b), rtol, tol,

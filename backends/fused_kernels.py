@@ -1,0 +1,460 @@
+"""Triton kernels of the fused G-SGD step (:mod:`.fused`): three launches for every chain.
+
+- :func:`read_pass`: per tile of a layer's rows and columns, partial column sums of
+  ``W * grad`` (layers ``l >= 2``) and the chain's finiteness flag (every weight and bias
+  gradient).
+- :func:`vector_stage`: one program per chain: chain products ``B``, ``F``, the backward
+  sums ``T`` (ICR, DESIGN §3), the tau edges' path ratios and ``rho`` (weight allocation,
+  §4), the special edges, biases and step counter written in place.
+- :func:`write_pass`: per tile of every layer of every chain, the bulk update by the core's
+  per-entry rules (:func:`gsgd_backends.fast.rows_by_rules`), the special edges masked off.
+
+Every per-entry rule is :mod:`gsgd_core.rules`' written once more in Triton (the helpers
+below, each named after its rule). Tensors are reached through tables of ``data_ptr()``s
+(the layer table of :mod:`.fused` lists the fields); node vectors live in a workspace of the
+compute dtype. A step whose chain has a non-finite gradient, or whose ``found_inf`` is set,
+writes nothing: the vector stage reads the flag and hands it to the write pass.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton import knobs
+
+# Compiled kernels read only globals that are constexpr (``.value`` is the number).
+# Fields of a row of the layer table (int64), built by gsgd_backends.fused.
+(CHAIN, POS, DEPTH, ROWS, UNITS, SLOTS, IN_NODE, OUT_NODE, TAU_IDX, TAU_SRC, TAU_FREE, FREE_IDX,
+ SIGMA, CARRY_PTR, CARRY_IDX, CARRY_MAX, PART, CHUNKS, HAS_BIAS, FIELDS) = map(tl.constexpr,
+                                                                                range(20))
+# Pointers of a layer (pointer table row): weight, gradient, momentum, bias, its gradient,
+# its momentum, and the column sums given for it (0 where none).
+P_W, P_G, P_M, P_B, P_GB, P_MB, P_S, PTRS = map(tl.constexpr, range(8))
+# A chain's row of the table of its counters: the step counter and the gradients' check.
+S_STEP, S_CHECK, SFIELDS = map(tl.constexpr, range(3))
+# A chain's row of the chain table: its first layer, depth, workspace offset, node count.
+C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = map(tl.constexpr, range(5))
+
+
+def _device(fn):
+    """A device function of the kernels: compiled with them by Triton, or, under the
+    interpreter, a plain Python function run inside the interpreted kernel (the
+    interpreter patches the language module once per launch, not once per call, which
+    makes the tests several times faster; the operations are the same)."""
+    return fn if knobs.runtime.interpret else triton.jit(fn)
+
+
+@_device
+def _field(table, row, field: tl.constexpr, width: tl.constexpr):
+    return tl.load(table + row * width + field)
+
+
+@_device
+def _ptr(ptrs, layer, which: tl.constexpr, ST: tl.constexpr):
+    return tl.load(ptrs + layer * PTRS + which).to(tl.pointer_type(ST))
+
+
+@_device
+def _counter(steps, chain, which: tl.constexpr, T: tl.constexpr):
+    return tl.load(steps + chain * SFIELDS + which).to(tl.pointer_type(T))
+
+
+@_device
+def _finite(x):
+    """rules.finite_mask: ``x - x`` is 0 exactly when ``x`` is finite."""
+    return (x - x) == 0
+
+
+@_device
+def _safe_div(num, den):
+    """rules.safe_div: 0 where ``den == 0``."""
+    zero = den == 0
+    return tl.where(zero, 0.0, num / tl.where(zero, 1.0, den))
+
+
+@_device
+def _scaled_div(lr, num, den):
+    """rules.scaled_div with a 0-d ``lr``: ``lr * num / den`` in the order that overflows
+    only where the value does."""
+    small = tl.abs(lr) <= 1
+    return tl.where(small, 1.0, lr) * _safe_div(tl.where(small, lr, 1.0) * num, den)
+
+
+@_device
+def _path_gradient(num, den, g):
+    """rules.path_gradient: ``num / den``, 0 where it overflows from a finite ``g``."""
+    D = _safe_div(num, den)
+    return tl.where(_finite(D) | ~_finite(g), D, 0.0)
+
+
+@_device
+def _direction(D, M, V, first, mu, damp, wd, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
+               NESTEROV: tl.constexpr):
+    """rules.direction: weight decay, then momentum (torch.optim.SGD's conventions).
+    Returns the direction and the new buffer (``D`` itself without momentum)."""
+    if HAS_WD:
+        D = D + wd * V
+    Mn = D
+    out = D
+    if HAS_M:
+        Mn = tl.where(first, D, mu * M + (1.0 - damp) * D)
+        if NESTEROV:
+            out = D + mu * Mn
+        else:
+            out = Mn
+    return out, Mn
+
+
+@_device
+def _kept(new, old):
+    """rules.kept: ``new`` where finite, else ``old``."""
+    return tl.where(_finite(new), new, old)
+
+
+@_device
+def _and(mask, flag):
+    """``mask & flag`` for a scalar ``flag`` (the interpreter turns ``&`` of a vector and
+    a scalar into integers, which a mask may not be)."""
+    return tl.where(flag, mask, False)
+
+
+@_device
+def _grad(ptr, offs, mask, DT: tl.constexpr, MAXIMIZE: tl.constexpr):
+    g = tl.load(ptr + offs, mask=mask, other=0.0).to(DT)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexpr,
+              MAXIMIZE: tl.constexpr, ROWS_PER: tl.constexpr, BR: tl.constexpr,
+              BC: tl.constexpr):
+    """One tile ``(layer, kind, row chunk, first column)``: the columns' partial sums of
+    ``W * grad`` over the chunk's rows into ``part`` (where the layer has a ``PART``
+    offset), and the chain's flag set if a gradient entry (weight, or bias for ``kind``
+    1) is not finite."""
+    t = tl.program_id(0)
+    li = tl.load(tiles + t * 4)
+    kind = tl.load(tiles + t * 4 + 1)
+    chunk = tl.load(tiles + t * 4 + 2)
+    c0 = tl.load(tiles + t * 4 + 3)
+    chain = _field(layers, li, CHAIN, FIELDS)
+    bias = kind == 1  # a bias gradient: one row of n entries, no sum
+    n = _field(layers, li, ROWS, FIELDS)
+    units = _field(layers, li, UNITS, FIELDS)
+    width = tl.where(bias, n, units * _field(layers, li, SLOTS, FIELDS))
+    n = tl.where(bias, 1, n)
+    poff = tl.where(bias, -1, _field(layers, li, PART, FIELDS))
+    g_ptr = tl.load(ptrs + li * PTRS + P_G + kind * (P_GB - P_G)).to(tl.pointer_type(ST))
+    w_ptr = _ptr(ptrs, li, P_W, ST)
+    cols = c0 + tl.arange(0, BC)
+    cm = cols < width
+    acc = tl.zeros((BC,), DT)
+    bad = tl.zeros((BC,), tl.int1)
+    r_end = tl.minimum(n, (chunk + 1) * ROWS_PER)
+    for r0 in range(chunk * ROWS_PER, r_end, BR):
+        rows = r0 + tl.arange(0, BR)
+        m = (rows < r_end)[:, None] & cm[None, :]
+        offs = rows[:, None] * width + cols[None, :]
+        g = _grad(g_ptr, offs, m, DT, MAXIMIZE)
+        bad = bad | tl.max((~_finite(g) & m).to(tl.int32), axis=0).to(tl.int1)
+        if poff >= 0:
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
+            acc += tl.sum(w * g, axis=0)
+    if poff >= 0:
+        tl.store(part + poff + chunk * width + cols, acc, mask=cm)
+    tl.store(flag + chain, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
+
+
+@_device
+def _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST: tl.constexpr,
+              DT: tl.constexpr, BLOCK: tl.constexpr):
+    """Chain products (core's sweeps.chain_products, in its order): ``B`` at the nodes of
+    layers ``0..L-1`` along tau edges, ``F`` at layers ``1..L`` along free edges, each
+    factor in units of the layer's skeleton scale; ``rho_0 = 1``."""
+    n0 = _field(layers, li0, UNITS, FIELDS)
+    for j0 in range(0, n0, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        tl.store(Bw + j, tl.full((BLOCK,), 1.0, DT), mask=j < n0)
+        tl.store(Rw + j, tl.full((BLOCK,), 1.0, DT), mask=j < n0)
+    top = li0 + L - 1
+    nL = _field(layers, top, ROWS, FIELDS)
+    for j0 in range(0, nL, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        tl.store(Fw + _field(layers, top, OUT_NODE, FIELDS) + j, tl.full((BLOCK,), 1.0, DT),
+                 mask=j < nL)
+    tl.debug_barrier()
+    for l in range(1, L):
+        _factors(layers, ptrs, idx, scale, Bw, li0 + l - 1, ROWS, TAU_IDX, TAU_SRC, IN_NODE,
+                 OUT_NODE, ST, DT, BLOCK)
+    for q in range(0, L - 1):  # layer l + 1 holds the free edges out of layer l's nodes
+        _factors(layers, ptrs, idx, scale, Fw, li0 + L - 1 - q, UNITS, FREE_IDX, SIGMA,
+                 OUT_NODE, IN_NODE, ST, DT, BLOCK)
+
+
+@_device
+def _factors(layers, ptrs, idx, scale, vec, li, COUNT: tl.constexpr, EDGE: tl.constexpr,
+             LINK: tl.constexpr, FROM: tl.constexpr, TO: tl.constexpr, ST: tl.constexpr,
+             DT: tl.constexpr, BLOCK: tl.constexpr):
+    """One layer's step of a chain product: ``vec[TO + j] = vec[FROM + link[j]] * w[edge[j]]
+    / r`` for the ``COUNT`` nodes of layer ``li``'s field (``B`` along tau edges: ``TAU_IDX``,
+    ``TAU_SRC``; ``F`` along free edges: ``FREE_IDX``, ``SIGMA``)."""
+    n = _field(layers, li, COUNT, FIELDS)
+    w_ptr = _ptr(ptrs, li, P_W, ST)
+    r = tl.load(scale + li)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < n
+        link = tl.load(idx + _field(layers, li, LINK, FIELDS) + j, mask=m, other=0)
+        w = tl.load(w_ptr + tl.load(idx + _field(layers, li, EDGE, FIELDS) + j, mask=m,
+                                    other=0), mask=m, other=0.0).to(DT)
+        prev = tl.load(vec + _field(layers, li, FROM, FIELDS) + link, mask=m, other=0.0)
+        tl.store(vec + _field(layers, li, TO, FIELDS) + j, prev * (w / r), mask=m)
+    tl.debug_barrier()
+
+
+@_device
+def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl.constexpr,
+                   MAXIMIZE: tl.constexpr, GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+    """ICR's backward sweep (fast.backward_sums, layer by layer from the top)::
+
+        T_{l-1} = colsum(W_l * grad_l) - P_l[free edges] + sum of T_l over the nodes whose
+                  free tau edge leaves that node
+
+    the column sums from the read pass's partials (summed over row chunks and slots) or, if
+    ``GIVEN``, the caller's (of ``W * grad``, negated with ``MAXIMIZE``), the carried sums
+    through a per-layer CSR list of those nodes."""
+    for q in range(0, L - 1):
+        li = li0 + L - 1 - q
+        p = _field(layers, li, UNITS, FIELDS)
+        k = _field(layers, li, SLOTS, FIELDS)
+        width = p * k
+        poff = _field(layers, li, PART, FIELDS)
+        chunks = _field(layers, li, CHUNKS, FIELDS)
+        w_ptr = _ptr(ptrs, li, P_W, ST)
+        g_ptr = _ptr(ptrs, li, P_G, ST)
+        out_node = _field(layers, li, OUT_NODE, FIELDS)
+        cptr = _field(layers, li, CARRY_PTR, FIELDS)
+        cidx = _field(layers, li, CARRY_IDX, FIELDS)
+        for a0 in range(0, p, BLOCK):
+            a = a0 + tl.arange(0, BLOCK)
+            m = a < p
+            if GIVEN:
+                acc = _grad(_ptr(ptrs, li, P_S, ST), a, m, DT, MAXIMIZE)
+            else:
+                acc = tl.zeros((BLOCK,), DT)
+                for ch in range(0, chunks):
+                    for s in range(0, k):
+                        acc += tl.load(part + poff + ch * width + a * k + s, mask=m, other=0.0)
+            fi = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=m, other=0)
+            w = tl.load(w_ptr + fi, mask=m, other=0.0).to(DT)
+            T = acc - w * _grad(g_ptr, fi, m, DT, MAXIMIZE)
+            start = tl.load(idx + cptr + a, mask=m, other=0)
+            end = tl.load(idx + cptr + a + 1, mask=m, other=0)
+            for c in range(0, _field(layers, li, CARRY_MAX, FIELDS)):
+                cm = m & (start + c < end)
+                b = tl.load(idx + cidx + start + c, mask=cm, other=0)
+                T += tl.load(Tw + out_node + b, mask=cm, other=0.0)
+            tl.store(Tw + _field(layers, li, IN_NODE, FIELDS) + a, T, mask=m)
+        tl.debug_barrier()
+
+
+@_device
+def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
+               ST: tl.constexpr, DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Weight allocation's forward sweep on the tau edges (sweeps.allocate3): ``D = (w g -
+    T) / V``, its direction, ``R = 1 - lr dir / V`` (0 -> eps), the tau edge ``w R /
+    rho_src`` (rules.written_ratio: kept where not finite, ``rho`` then the source's), and
+    ``rho`` (a free tau edge passes its source's on). Tau edges that are not free are
+    written when ``ok``."""
+    for l in range(1, L):
+        li = li0 + l - 1
+        n = _field(layers, li, ROWS, FIELDS)
+        in_node = _field(layers, li, IN_NODE, FIELDS)
+        out_node = _field(layers, li, OUT_NODE, FIELDS)
+        w_ptr = _ptr(ptrs, li, P_W, ST)
+        g_ptr = _ptr(ptrs, li, P_G, ST)
+        for j0 in range(0, n, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            m = j < n
+            ti = tl.load(idx + _field(layers, li, TAU_IDX, FIELDS) + j, mask=m, other=0)
+            src = tl.load(idx + _field(layers, li, TAU_SRC, FIELDS) + j, mask=m, other=0)
+            free = tl.load(idx + _field(layers, li, TAU_FREE, FIELDS) + j, mask=m, other=1) != 0
+            w = tl.load(w_ptr + ti, mask=m, other=0.0).to(DT)
+            g = _grad(g_ptr, ti, m, DT, MAXIMIZE)
+            V = (tl.load(Fw + out_node + j, mask=m, other=0.0)
+                 * tl.load(Bw + in_node + src, mask=m, other=0.0)) * w
+            D = _path_gradient(w * g - tl.load(Tw + out_node + j, mask=m, other=0.0), V, g)
+            M = tl.zeros((BLOCK,), DT)
+            if HAS_M:
+                m_ptr = _ptr(ptrs, li, P_M, ST)
+                M = tl.load(m_ptr + ti, mask=m, other=0.0).to(DT)
+            step, Mn = _direction(D, M, V, first, mu, damp, wd, HAS_WD, HAS_M, NESTEROV)
+            R = 1.0 - _scaled_div(lr, step, V)
+            R = tl.where(R == 0, eps, R)
+            rho_src = tl.load(Rw + in_node + src, mask=m, other=1.0)
+            new = w * (R / rho_src)
+            written = _finite(new)
+            tl.store(Rw + out_node + j, tl.where(free | ~written, rho_src, R), mask=m)
+            moved = _and(m & ~free, ok)
+            tl.store(w_ptr + ti, tl.where(written, new, w).to(ST), mask=moved)
+            if HAS_M:
+                tl.store(m_ptr + ti, _kept(Mn, M).to(ST), mask=moved)
+        tl.debug_barrier()
+
+
+@_device
+def _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST: tl.constexpr,
+                   DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
+                   NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    """The momentum buffers at free edges: no path, ``D = V = 0`` (the core's icr3)."""
+    for l in range(2, L + 1):
+        li = li0 + l - 1
+        p = _field(layers, li, UNITS, FIELDS)
+        m_ptr = _ptr(ptrs, li, P_M, ST)
+        for a0 in range(0, p, BLOCK):
+            a = a0 + tl.arange(0, BLOCK)
+            m = a < p
+            fi = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=m, other=0)
+            M = tl.load(m_ptr + fi, mask=m, other=0.0).to(DT)
+            zero = tl.zeros((BLOCK,), DT)
+            _, Mn = _direction(zero, M, zero, first, mu, damp, wd, HAS_WD, HAS_M, NESTEROV)
+            tl.store(m_ptr + fi, _kept(Mn, M).to(ST), mask=_and(m, ok))
+
+
+@_device
+def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST: tl.constexpr,
+            DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
+            NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The core's bias rule: ``Db = grad_b / F`` (frozen on overflow), its direction with
+    ``Vb = b F``, ``b' = b - lr dir / F``, kept where not finite."""
+    for l in range(1, L + 1):
+        li = li0 + l - 1
+        if _field(layers, li, HAS_BIAS, FIELDS) != 0:
+            n = _field(layers, li, ROWS, FIELDS)
+            out_node = _field(layers, li, OUT_NODE, FIELDS)
+            b_ptr = _ptr(ptrs, li, P_B, ST)
+            gb_ptr = _ptr(ptrs, li, P_GB, ST)
+            for j0 in range(0, n, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                m = j < n
+                F = tl.load(Fw + out_node + j, mask=m, other=1.0)
+                b = tl.load(b_ptr + j, mask=m, other=0.0).to(DT)
+                g = _grad(gb_ptr, j, m, DT, MAXIMIZE)
+                M = tl.zeros((BLOCK,), DT)
+                if HAS_M:
+                    mb_ptr = _ptr(ptrs, li, P_MB, ST)
+                    M = tl.load(mb_ptr + j, mask=m, other=0.0).to(DT)
+                step, Mn = _direction(_path_gradient(g, F, g), M, b * F, first, mu, damp, wd,
+                                      HAS_WD, HAS_M, NESTEROV)
+                tl.store(b_ptr + j, _kept(b - _scaled_div(lr, step, F), b).to(ST),
+                         mask=_and(m, ok))
+                if HAS_M:
+                    tl.store(mb_ptr + j, _kept(Mn, M).to(ST), mask=_and(m, ok))
+
+
+@triton.jit
+def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf, found,
+                 lr_ptr, hyper, eps, ST: tl.constexpr, DT: tl.constexpr,
+                 HAS_WD: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, HAS_STEP: tl.constexpr, HAS_FOUND: tl.constexpr,
+                 GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per chain: the read pass's flag (and ``found_inf``) decide the step,
+    handed to the write pass in ``okbuf`` (the flag is cleared for the next step; with
+    ``GIVEN`` column sums, the caller's gradient check must be finite too); then the
+    node-vector work of the step on the chain's workspace, the special edges, biases and
+    step counter written in place where the step is taken."""
+    c = tl.program_id(0)
+    li0 = _field(chains, c, C_FIRST, CFIELDS)
+    L = _field(chains, c, C_DEPTH, CFIELDS)
+    nodes = _field(chains, c, C_NODES, CFIELDS)
+    Bw = ws + _field(chains, c, C_WS, CFIELDS)
+    Fw = Bw + nodes
+    Rw = Fw + nodes
+    Tw = Rw + nodes
+    ok = tl.load(flag + c) == 0
+    if HAS_FOUND:
+        ok = ok & (tl.load(found) == 0)
+    if GIVEN:
+        ok = ok & _finite(tl.load(_counter(steps, c, S_CHECK, ST)).to(DT))
+    tl.store(okbuf + c, ok.to(tl.int32))
+    tl.store(flag + c, 0)
+    lr = tl.load(lr_ptr).to(DT)
+    mu = tl.load(hyper)
+    damp = tl.load(hyper + 1)
+    wd = tl.load(hyper + 2)
+    first = False
+    if HAS_STEP:
+        step_ptr = _counter(steps, c, S_STEP, tl.int32)
+        count = tl.load(step_ptr)
+        first = count == 0
+    _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST, DT, BLOCK)
+    _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST, DT, MAXIMIZE, GIVEN, BLOCK)
+    _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
+               ST, DT, HAS_WD, HAS_M, NESTEROV, MAXIMIZE, BLOCK)
+    if HAS_M:
+        _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST, DT, HAS_WD,
+                       HAS_M, NESTEROV, BLOCK)
+    _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST, DT, HAS_WD, HAS_M,
+            NESTEROV, MAXIMIZE, BLOCK)
+    if HAS_STEP:
+        tl.store(step_ptr, count + 1, mask=ok)
+
+
+@triton.jit
+def write_pass(tiles, chains, layers, ptrs, steps, idx, ws, okbuf, lr_ptr, hyper,
+               ST: tl.constexpr, DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
+               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BR: tl.constexpr,
+               BC: tl.constexpr):
+    """One tile ``(layer, first row, first column)`` of a layer seen as ``(n, p*k)``: the
+    bulk update (fast.rows_by_rules) ``W' = (W - lr dir / (F B)) / rho`` with ``D = grad /
+    (F B)``, weight decay and momentum, every entry by the core's rules; tau and free edges
+    (found by their flat indices) are the vector stage's and are not written."""
+    t = tl.program_id(0)
+    li = tl.load(tiles + t * 3)
+    r0 = tl.load(tiles + t * 3 + 1)
+    c0 = tl.load(tiles + t * 3 + 2)
+    c = _field(layers, li, CHAIN, FIELDS)
+    if tl.load(okbuf + c) != 0:
+        nodes = _field(chains, c, C_NODES, CFIELDS)
+        Bw = ws + _field(chains, c, C_WS, CFIELDS)
+        Fw = Bw + nodes
+        Rw = Fw + nodes
+        n = _field(layers, li, ROWS, FIELDS)
+        k = _field(layers, li, SLOTS, FIELDS)
+        width = _field(layers, li, UNITS, FIELDS) * k
+        pos = _field(layers, li, POS, FIELDS)
+        rows = r0 + tl.arange(0, BR)
+        cols = c0 + tl.arange(0, BC)
+        rm = rows < n
+        cm = cols < width
+        a = cols // k
+        F = tl.load(Fw + _field(layers, li, OUT_NODE, FIELDS) + rows, mask=rm, other=1.0)
+        in_node = _field(layers, li, IN_NODE, FIELDS)
+        B = tl.load(Bw + in_node + a, mask=cm, other=1.0)
+        rho = tl.load(Rw + in_node + a, mask=cm, other=1.0)
+        tau = tl.load(idx + _field(layers, li, TAU_IDX, FIELDS) + rows,
+                      mask=_and(rm, pos < _field(layers, li, DEPTH, FIELDS)), other=-1)
+        free = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=_and(cm, pos > 1),
+                       other=-1)
+        offs = rows[:, None] * width + cols[None, :]
+        m = (rm[:, None] & cm[None, :]) & (offs != tau[:, None]) & (offs != free[None, :])
+        w_ptr = _ptr(ptrs, li, P_W, ST)
+        W = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
+        G = _grad(_ptr(ptrs, li, P_G, ST), offs, m, DT, MAXIMIZE)
+        M = tl.zeros((BR, BC), DT)
+        first = False
+        if HAS_M:
+            m_ptr = _ptr(ptrs, li, P_M, ST)
+            M = tl.load(m_ptr + offs, mask=m, other=0.0).to(DT)
+            # the vector stage has counted this step: a first step now reads 1
+            first = tl.load(_counter(steps, c, S_STEP, tl.int32)) == 1
+        fb = F[:, None] * B[None, :]
+        step, Mn = _direction(_path_gradient(G, fb, G), M, fb * W, first, tl.load(hyper),
+                              tl.load(hyper + 1), tl.load(hyper + 2), HAS_WD, HAS_M, NESTEROV)
+        new = (W - _scaled_div(tl.load(lr_ptr).to(DT), step, fb)) / rho[None, :]
+        tl.store(w_ptr + offs, _kept(new, W).to(ST), mask=m)
+        if HAS_M:
+            tl.store(m_ptr + offs, _kept(Mn, M).to(ST), mask=m)

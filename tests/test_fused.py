@@ -1,0 +1,307 @@
+"""The fused step (gsgd_backends.fused): Triton kernels run by Triton's interpreter on CPU
+tensors, against the core, in three launches and with no read back to the host.
+
+``TRITON_INTERPRET=1`` is set while gsgd_backends.fused is first imported (Triton decides at
+a kernel's definition whether it is interpreted) and while this module's tests run (the
+interpreter checks it again at each launch), and restored between, so no other test sees
+it. Where the kernels were already compiled for a GPU in this process, these tests skip.
+"""
+
+import contextlib
+import importlib
+import os
+
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import gsgd_core as gc
+from _conditioning import synced_gsgd_steps
+from _helpers import Problem, from_repository
+from _strategies import chains, examples, seeds
+
+torch = pytest.importorskip("torch")
+
+
+@contextlib.contextmanager
+def _interpreting():
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+with _interpreting():  # triton's own library functions too are decided when it is imported
+    triton = pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
+    fused = importlib.import_module("gsgd_backends.fused")
+
+
+def _interpreted(fn) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    with _interpreting():
+        yield
+
+gbt = importlib.import_module("gsgd_backends.torch")
+READS = from_repository("benchmarks.step_counts").READS
+if not (fused.interpreted() and _interpreted(triton.language.standard.sum)):
+    pytest.skip("triton was imported for compiled kernels in this process before these tests "
+                "(run them in a process of their own)", allow_module_level=True)
+
+#: Small tiles, so that tiny layers still take several tiles, row chunks and node blocks.
+BLOCKS = fused.Blocks(rows=4, cols=16, chunk=4, nodes=4)
+HYPERS = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+          dict(momentum=0.5, dampening=0.3), dict(weight_decay=0.1)]
+
+
+def _plan(chains_, like):
+    return fused.FusedPlan([gbt.ON_DEVICE.plan(c, like) for c in chains_], BLOCKS)
+
+
+def _fused_step(chain, hyper, **kw):
+    """A step for synced_gsgd_steps: the fused step of ``chain`` alone."""
+    def step(A, Ab, G, Gb, lr, state):
+        fused.fused_step_(_plan([chain], A[0]), [A], [Ab], [G], [Gb], lr,
+                          None if state is None else [state], **hyper, **kw)
+    return step
+
+
+# No shrinking: an interpreted step takes a second, and the failing example is small anyway.
+@settings(max_examples=examples(3), deadline=None,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(chain=chains(max_depth=4, max_width=5, max_slots=4), seed=seeds,
+       hyper=st.sampled_from(HYPERS), dtype=st.sampled_from(["float64", "float32"]))
+def test_fused_step_equals_the_core(chain, seed, hyper, dtype):
+    """Two fused steps against gsgd_update, each from the core's state (path values,
+    momentum buffers, weights and biases where no tau ratio nears 0: _conditioning), on
+    drawn chains (custom skeletons, skeleton scales, convolution slots, biases)."""
+    from _namespaces import _torch
+    synced_gsgd_steps(_torch(dtype), chain, Problem(chain, seed), hyper, 2, lr=0.1,
+                      rtol=1e-12 if dtype == "float64" else 2e-4,
+                      step=_fused_step(chain, hyper))
+
+
+CNN = gc.Chain.from_shapes([(4, 3, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
+                           bias=[True, False, True, True])
+
+
+def test_fused_step_of_a_conv_flatten_chain_maximizes_on_the_negated_gradients():
+    """Convolutions, a Linear after a flatten, Nesterov and weight decay: ``maximize``
+    steps as the core does on ``-grad`` (the helper hands the core ``grad`` and the fused
+    step ``-grad`` with ``maximize``)."""
+    from _namespaces import _torch
+    hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
+    inner = _fused_step(CNN, hyper, maximize=True)
+
+    def step(A, Ab, G, Gb, lr, state):
+        inner(A, Ab, [-g for g in G], [None if g is None else -g for g in Gb], lr, state)
+    synced_gsgd_steps(_torch("float64"), CNN, Problem(CNN, 3), hyper, 2, lr=0.1, rtol=1e-12,
+                      step=step)
+
+
+def _tensors(arrays):
+    return [None if a is None else torch.tensor(a) for a in arrays]
+
+
+def _setup(chains_, seed=0):
+    """Per chain: weights, biases, gradients, bias gradients and a state (torch, float64),
+    and the host problems."""
+    out = []
+    for i, c in enumerate(chains_):
+        pb = Problem(c, seed + i)
+        G, Gb = pb.grads()
+        W, b = _tensors(pb.W), _tensors(pb.b)
+        out.append((pb, W, b, _tensors(G), _tensors(Gb), gc.gsgd_init(c, W, b)))
+    return out
+
+
+def _step_all(plan, parts, lr=0.1, **kw):
+    fused.fused_step_(plan, *[[p[i] for p in parts] for i in range(1, 5)], lr,
+                      [p[5] for p in parts], **kw)
+
+
+def _snapshot(parts):
+    return [[None if t is None else t.clone() for t in [*p[1], *p[2], *p[5].momentum,
+                                                       *p[5].bias_momentum, p[5].step]]
+            for p in parts]
+
+
+def _assert_unchanged(before, after, which):
+    for i in which:
+        for x, y in zip(before[i], after[i]):
+            if x is not None:
+                assert torch.equal(x, y), f"chain {i} changed"
+
+
+MANY = [gc.Chain.mlp([3, 4, 2]), gc.Chain((2, 3, 1, 2), (1, 2, 1), bias=False)]
+
+
+def test_chains_in_one_fused_step_are_skipped_one_by_one_and_all_by_found_inf():
+    """Two chains in one plan: a non-finite gradient in one skips that chain only (its
+    weights, biases, buffers and step count unchanged) while the other takes the core's
+    first step (with dampening: the first buffer is the path gradient itself); a set ``found_inf`` skips every chain; a clear one does not."""
+    parts = _setup(MANY)
+    plan = _plan(MANY, parts[0][1][0])
+    parts[1][3][1][0, 0, 0] = float("nan")
+    before = _snapshot(parts)
+    _step_all(plan, parts, momentum=0.9, dampening=0.5)
+    _assert_unchanged(before, _snapshot(parts), [1])
+    for i in (0,):
+        pb, W, b, _, _, state = parts[i]
+        want_W, want_b, want_s = gc.gsgd_update(MANY[i], gc.gsgd_init(MANY[i], pb.W, pb.b),
+                                                pb.W, pb.b, *pb.grads(), lr=0.1, momentum=0.9,
+                                                dampening=0.5)
+        for got, want in zip(W + list(state.momentum), list(want_W) + list(want_s.momentum)):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+        assert int(state.step) == 1
+    before = _snapshot(parts)
+    _step_all(plan, parts, momentum=0.9, found_inf=torch.ones(1))
+    _assert_unchanged(before, _snapshot(parts), range(2))
+    _step_all(plan, parts, momentum=0.9, found_inf=torch.zeros(1))
+    assert [int(p[5].step) for p in parts] == [2, 0]
+
+
+class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen operations, except inside the Triton launches (the interpreter's own
+    copies of the launch's arguments, which a GPU launch does not make)."""
+
+    def __init__(self):
+        super().__init__()
+        self.aten, self.launches, self.inside = [], [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            self.aten.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monkeypatch):
+    """Chains of 2, 3 and 12 layers in one plan: a step (with
+    momentum, Nesterov, weight decay and a device learning rate) launches the three kernels
+    once each and no ATen operation, the first step after building the plan at most the
+    pointer tables' copies: at most 8 in all."""
+    group = [gc.Chain.mlp([1] * 3), gc.Chain.mlp([1] * 13, bias=False), MANY[1]]
+    parts = _setup(group)
+    plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
+    counting = _Counting()
+    real = fused._launch
+
+    def launch(kernel, grid, *args, **meta):
+        counting.launches.append(kernel.fn.__name__)
+        counting.inside = True
+        try:
+            real(kernel, grid, *args, **meta)
+        finally:
+            counting.inside = False
+    monkeypatch.setattr(fused, "_launch", launch)
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
+    totals = []
+    for _ in range(2):
+        counting.aten, counting.launches = [], []
+        with counting:
+            _step_all(plan, parts, lr=lr, **hyper)
+        assert counting.launches == ["read_pass", "vector_stage", "write_pass"]
+        totals.append(len(counting.aten) + len(counting.launches))
+    assert totals[0] <= 8, counting.aten
+    assert totals[1] == 3, counting.aten
+
+
+class _NoHostReads(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in READS:
+            raise AssertionError(f"{func.__name__} read a tensor back to the host")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_fused_step_reads_nothing_back_to_the_host():
+    """``item``, ``bool``, ``tolist``, ``cpu``, ``numpy``, ``float``, ``int`` of any
+    tensor raise during the step (a skipping one, of two chains, with momentum and
+    ``found_inf``); the step still takes place."""
+    parts = _setup(MANY[:2])
+    plan = _plan(MANY[:2], parts[0][1][0])
+    parts[1][3][0][0, 0, 0] = float("inf")
+    with _NoHostReads():
+        _step_all(plan, parts, momentum=0.9, found_inf=torch.zeros(1))
+    assert [int(p[5].step) for p in parts] == [1, 0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p[3].__setitem__(1, p[3][1][:, :1]), "layer 2"),
+    (lambda p: p[1].__setitem__(0, p[1][0].transpose(0, 1).contiguous().transpose(0, 1)),
+     "not contiguous"),
+    (lambda p: p[5]._replace(step=p[5].step.double()), None),
+])
+def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
+    """The core's errors naming the layer, non-contiguous tensors, and a step counter of
+    another dtype: ``ValueError`` before any kernel runs."""
+    parts = [list(p) for p in _setup(MANY[:1])]
+    plan = _plan(MANY[:1], parts[0][1][0])
+    out = change(parts[0])
+    if isinstance(out, gc.GSGDState):
+        parts[0][5] = out
+        message = "int32"
+    monkeypatch.setattr(fused, "_launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        _step_all(plan, parts, momentum=0.9)
+
+
+def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
+    parts = _setup(MANY[:1])
+    plan = _plan(MANY[:1], parts[0][1][0])
+    monkeypatch.setattr(fused, "interpreted", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        _step_all(plan, parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_steps_as_the_core_in_float32(dtype):
+    """float16 and bfloat16 weights, biases and buffers step as the core steps them
+    (computed in float32, written back in their own dtype): within one unit of their last
+    place."""
+    chain = MANY[0]
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+
+    def half(arrays):
+        return [None if a is None else torch.tensor(a, dtype=dtype) for a in arrays]
+    W, b, Gt, Gbt = half(pb.W), half(pb.b), half(G), half(Gb)
+    state = gc.gsgd_init(chain, W, b)
+    want = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, Gt, Gbt, lr=0.1,
+                          momentum=0.9)
+    fused.fused_step_(_plan([chain], W[0]), [W], [b], [Gt], [Gbt], 0.1, [state], momentum=0.9)
+    for got, expected in zip(W + b + list(state.momentum),
+                             list(want[0]) + list(want[1]) + list(want[2].momentum)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), atol=0,
+                                   rtol=torch.finfo(dtype).eps)
+
+
+def test_column_sums_from_the_backward_step_as_the_read_pass_and_a_bad_check_skips():
+    """Column sums and a gradient check handed in (DESIGN §12: the backward pass takes
+    them): the step equals the one that sums ``W * grad`` itself, with momentum and
+    ``maximize``; a non-finite check skips the chain."""
+    taken, given = _setup([CNN]), _setup([CNN])
+    _, W, _, G, _, _ = given[0]
+    sums = [(w * g).reshape(CNN.layer_shape(l)).sum(dim=(0, 2))
+            for l, w, g in zip(range(2, CNN.L + 1), W[1:], G[1:])]
+    check = sum(g.sum() for g in G)
+    hyper = dict(momentum=0.9, dampening=0.5, maximize=True)
+    _step_all(_plan([CNN], W[0]), taken, **hyper)
+    plan = _plan([CNN], W[0])
+    _step_all(plan, given, column_sums=[sums], gradient_check=[check], **hyper)
+    for a, b in zip(_snapshot(taken)[0], _snapshot(given)[0]):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13)
+    before = _snapshot(given)
+    _step_all(plan, given, column_sums=[sums], gradient_check=[check * float("nan")], **hyper)
+    _assert_unchanged(before, _snapshot(given), [0])
