@@ -55,7 +55,7 @@ from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_st
                        psi_init, psi_update)
 from gsgd_core.arrays import is_off, is_real
 
-from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name
+from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name, positions
 
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
@@ -105,10 +105,6 @@ def _lr(learning_rate, count):
     return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
-def _chain_leaf_paths(chains):
-    return {p for c in chains for p in c.weights + c.biases if p is not None}
-
-
 def _sgd_rest(g, p, buf, count, lr, *, momentum, dampening, nesterov, weight_decay):
     """torch.optim.SGD's update of one leaf outside the chains: returns (update, buffer)."""
     # Array hyperparameters (inject_hyperparams makes them of the params' widest dtype)
@@ -135,15 +131,15 @@ def _skip_unless_finite(grads, updates: list, new_state, state):
 
 def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
     chains = list(chains)
-    chain_paths = _chain_leaf_paths(chains)
     momentum = rest_hyper.get("momentum", 0.0)
 
     def init(params):
         paths, leaves, _ = _flat(params)
         index = dict(zip(paths, range(len(paths))))
         states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
-        bufs = tuple(None if (path in chain_paths or is_off(momentum)) else jnp.zeros_like(x)
-                     for path, x in zip(paths, leaves))
+        claimed = positions(chains, index)
+        bufs = tuple(None if (i in claimed or is_off(momentum)) else jnp.zeros_like(x)
+                     for i, x in enumerate(leaves))
         return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
 
     def update(updates, state, params=None):
@@ -162,8 +158,9 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
             c.put(out, index, [w2 - w for w2, w in zip(W2, W)],
                   [None if x is None else x2 - x for x2, x in zip(b2, b)])
         bufs = list(state.momentum)
-        for i, path in enumerate(paths):
-            if path not in chain_paths:
+        claimed = positions(chains, index)
+        for i in range(len(paths)):
+            if i not in claimed:
                 out[i], bufs[i] = _sgd_rest(grads[i], leaves[i], bufs[i], state.count, lr,
                                             **rest_hyper)
         new = ChainTransformState(state.count + 1, tuple(new_states), tuple(bufs))

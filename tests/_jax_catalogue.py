@@ -20,6 +20,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from gsgd_adapters.jax.nnx import as_function
+
 KEY = jax.random.PRNGKey(0)
 X = jax.random.normal(jax.random.PRNGKey(1), (3, 5))            # a batch of vectors
 IMAGES = jax.random.normal(jax.random.PRNGKey(2), (2, 6, 6, 2))  # NHWC
@@ -171,8 +173,9 @@ def flax_batchnorm(squared_head=False):
 
 
 class NnxMLP(nnx.Module):
-    def __init__(self, rngs):
-        self.l1, self.l2 = nnx.Linear(5, 6, rngs=rngs), nnx.Linear(6, 3, rngs=rngs)
+    def __init__(self, rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.l1, self.l2 = nnx.Linear(5, 6, **kw), nnx.Linear(6, 3, **kw)
 
     def __call__(self, x):
         return self.l2(nnx.relu(self.l1(x)))
@@ -182,6 +185,32 @@ def flax_nnx():
     """nnx's idiom: split the module into its graph and its state (the params)."""
     graphdef, state = nnx.split(NnxMLP(nnx.Rngs(0)))
     return (lambda s, x: nnx.merge(graphdef, s)(x)), state, (X,), {}
+
+
+class NnxCNN(nnx.Module):
+    """conv, batch norm (in training mode, NNX's default), conv, max pool, conv, average
+    pool, NHWC flatten, Linear, Linear."""
+
+    def __init__(self, rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.c1 = nnx.Conv(2, 3, (3, 3), use_bias=False, **kw)
+        self.bn = nnx.BatchNorm(3, **kw)
+        for stat in (self.bn.mean, self.bn.var):   # float32 whatever param_dtype is
+            stat.set_value(stat.get_value().astype(param_dtype))
+        self.c2 = nnx.Conv(3, 4, (3, 3), **kw)
+        self.c3 = nnx.Conv(4, 3, (3, 3), **kw)
+        self.l1, self.l2 = nnx.Linear(27, 5, **kw), nnx.Linear(5, 3, **kw)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn(self.c1(x)))
+        x = nnx.max_pool(nnx.relu(self.c2(x)), (2, 2), (2, 2))
+        x = nnx.avg_pool(nnx.relu(self.c3(x)), (3, 3), (1, 1), padding="SAME")
+        return self.l2(nnx.relu(self.l1(x.reshape((x.shape[0], -1)))))
+
+
+def nnx_module(model, x):
+    """What ``find_chains(model, x)`` traces: the module as a function of its pure params."""
+    return (*as_function(model), (x,), {})
 
 
 # ---------------------------------------------------------------------------- Equinox
@@ -309,6 +338,10 @@ CATALOGUE = {
     "flax_same_scale_sum": Case(lambda: flax(FlaxSameScaleSum()),
                                 [[D(0, "kernel"), D(1, "kernel")]]),
     "flax_nnx_mlp": Case(flax_nnx, [["l1/kernel/value", "l2/kernel/value"]]),
+    "nnx_cnn_batch_norm": Case(lambda: nnx_module(NnxCNN(nnx.Rngs(0), jnp.float64), IMAGES),
+                               [["c2/kernel", "c3/kernel", "l1/kernel", "l2/kernel"]],
+                               {"bn/scale": "read by"}, normalised=["c1/kernel"],
+                               trains=False),   # its twins train in test_nnx.py
     "flax_batch_norm": Case(flax_batchnorm, [[C(1, "kernel"), D(0, "kernel")]],
                             {"params/BatchNorm_0/scale": "read by"},
                             normalised=[C(0, "kernel")], trains=False),

@@ -41,3 +41,16 @@ def test_the_library_examples_find_what_their_comments_say(blocks):
     assert [p[0] for p in hk_found[0].weights] == ["linear_1", "linear"]
     bn = blocks[-1]["found"]
     assert [p[-2] for p in bn.normalised.weights] == ["Conv_0"]
+
+
+def test_the_nnx_example_finds_the_mlp_and_trains_it_in_nnx_optimizer(blocks):
+    import jax
+    from flax import nnx
+    scope = blocks[3]
+    (chain,) = scope["found"]
+    assert chain.weights == (("l1", "kernel"), ("l2", "kernel"), ("l3", "kernel"))
+    start = scope["skeleton_init"](scope["NnxMLP"](nnx.Rngs(0)), scope["found"])
+    moved = jax.tree_util.tree_map(lambda a, b: float(abs(a - b).max()),
+                                   nnx.state(scope["net"], nnx.Param),
+                                   nnx.state(start, nnx.Param))
+    assert int(scope["opt"].step[...]) == 1 and max(jax.tree_util.tree_leaves(moved)) > 0

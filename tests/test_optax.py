@@ -570,5 +570,7 @@ def test_a_chain_naming_a_leaf_that_params_lack_is_refused_with_its_key_path():
             (ChainLeaves(chains[0].chain, ((0, 0), (1, 0), (3, 0)), chains[0].biases), "(3, 0)"),
             (ChainLeaves(chains[0].chain, chains[0].weights, ((0, 1), (1, 1), (2, 2))), "(2, 2)")):
         opt = gsgd(0.1, [wrong])
-        with pytest.raises(ValueError, match=rf"^no leaf at key path {re.escape(path)} in params$"):
+        other = path[:-1] + ", 'value')"   # the key path of a Flax NNX Variable-wrapped leaf
+        with pytest.raises(ValueError, match=rf"^no leaf at key path {re.escape(path)} in "
+                                             rf"params, nor at {re.escape(other)}: "):
             opt.update(grad(params), opt.init(params), params)

@@ -22,6 +22,7 @@ from gsgd_core import Chain
 from .layers import find_layers, leaf_readers
 from .norms import is_normalised, is_statistic
 from .leaves import ChainLeaves, key_paths, path_name
+from .nnx import as_function, is_module
 from .ops import default_rtol, output_changes
 from .program import Program, flatten
 from .walk import walk
@@ -197,11 +198,18 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
     activations, normalisations, a max or sum across units, a weight read twice, a layer's
     output feeding something else, a residual addition.
 
+    A Flax NNX module is passed alone, with its example arguments: ``find_chains(model,
+    x)`` traces a copy of the module as a function of its ``nnx.Param`` variables, named by
+    their pure key paths (``l1/kernel``), the form ``nnx.Optimizer`` hands the optax
+    transformations (which read either form).
+
     Parameters
     ----------
-    apply_fn : callable
+    apply_fn : callable or flax.nnx.Module
         ``apply_fn(params, *example_args, **example_kwargs)``, e.g. a Flax module's
-        ``apply``, a Haiku ``transform``'s ``apply``, or ``lambda m, x: jax.vmap(m)(x)``.
+        ``apply``, a Haiku ``transform``'s ``apply``, or ``lambda m, x: jax.vmap(m)(x)``;
+        or a Flax NNX module, called as ``model(params, *example_args, **example_kwargs)``
+        (``params`` is then its first example argument).
     params : pytree
         The parameters (a Flax variables dict, a Haiku params dict, an Equinox module).
         Leaf key paths name the chains' weights and biases.
@@ -229,6 +237,10 @@ def find_chains(apply_fn: Callable, params, *example_args: Any, skeleton: str = 
         When ``apply_fn`` does not trace with these params and arguments (the message
         gives their shapes).
     """
+    if is_module(apply_fn):
+        model_fn, model_params = as_function(apply_fn)
+        return find_chains(model_fn, model_params, params, *example_args, skeleton=skeleton,
+                           check=check, **example_kwargs)
     if skeleton not in ("he", "paper"):
         raise ValueError(f"skeleton must be 'he' or 'paper', got {skeleton!r}")
     all_paths, _, _ = key_paths(params)

@@ -18,6 +18,7 @@ import numpy as np
 from gsgd_core import Chain
 
 Path = tuple
+NNX_VALUE = "value"   # the last key of a Flax NNX Variable-wrapped leaf
 
 
 @dataclass(frozen=True)
@@ -122,19 +123,44 @@ class ChainLeaves:
         """Weights and biases as the core views them into their places in ``out`` (a
         flattened pytree whose entries there give the leaves' shapes)."""
         for i, (p, x) in enumerate(zip(self.weights, weights)):
-            out[index[p]] = self.leaf(i, x, out[index[p]].shape)
+            k = position(index, p)
+            out[k] = self.leaf(i, x, out[k].shape)
         for p, x in zip(self.biases, biases):
             if p is not None:
-                out[index[p]] = x.reshape(out[index[p]].shape)
+                k = position(index, p)
+                out[k] = x.reshape(out[k].shape)
 
     def name(self) -> str:
         return " -> ".join(path_name(p) for p in self.weights)
 
 
 def _leaf(index: dict, leaves: list, path: Path):
-    if path not in index:
-        raise ValueError(f"no leaf at key path {path} in params")
-    return leaves[index[path]]
+    return leaves[position(index, path)]
+
+
+def position(index: dict, path: Path) -> int:
+    """Where the leaf at key path ``path`` is among the leaves whose key paths ``index``
+    maps to positions.
+
+    Flax NNX hands the same params in two forms: ``Variable``-wrapped (``nnx.state``; key
+    paths end in ``"value"``, the attribute that holds the array) and pure
+    (``nnx.as_pure``; ``nnx.Optimizer.update`` passes these), so a path found in one form
+    also names its leaf in the other.
+    """
+    if path in index:
+        return index[path]
+    other = path[:-1] if path[-1:] == (NNX_VALUE,) else path + (NNX_VALUE,)
+    if other in index:
+        return index[other]
+    raise ValueError(
+        f"no leaf at key path {path} in params, nor at {other}: a Flax NNX leaf's key path "
+        f"ends in {NNX_VALUE!r} when its params are Variable-wrapped (nnx.state), not when "
+        "they are pure (nnx.as_pure)")
+
+
+def positions(chains, index: dict) -> set[int]:
+    """The positions (:func:`position`) of every weight and bias of ``chains``."""
+    return {position(index, p) for c in chains for p in c.weights + c.biases if p is not None}
 
 
 def _key(entry):

@@ -13,6 +13,7 @@ import gsgd_core as gc
 from gsgd_core.chain import HE_SKELETON_SHARE
 
 from .leaves import ChainLeaves, key_paths
+from .nnx import is_module, update_params
 
 __all__ = ["check_invariance", "random_rescale", "skeleton_init"]
 
@@ -42,7 +43,13 @@ def skeleton_init(params, chains: Sequence[ChainLeaves], *, skeleton: str = "he"
     activation scale. ``skeleton="paper"``: every skeleton edge ``+1``. Call once after the
     usual initialisation (it changes the function); the chains' ``skeleton`` (of
     :func:`find_chains`) should be the same.
+
+    A Flax NNX module in place of ``params`` is updated in place (as ``nnx.update`` does)
+    and returned.
     """
+    if is_module(params):
+        update_params(params, lambda p: skeleton_init(p, chains, skeleton=skeleton))
+        return params
     if skeleton not in ("he", "paper"):
         raise ValueError(f"skeleton must be 'he' or 'paper', got {skeleton!r}")
     he = skeleton == "he"
