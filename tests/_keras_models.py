@@ -65,7 +65,8 @@ def nested_functional():
 
 def batch_norm():
     return _seq(L.Dense(5, activation="relu", name="a"), L.Dense(4, use_bias=False, name="b"),
-                L.BatchNormalization(), L.ReLU(), L.Dense(4, activation="relu", name="c"),
+                L.BatchNormalization(epsilon=1e-12), L.ReLU(),
+                L.Dense(4, activation="relu", name="c"),
                 L.Dense(2, name="d"), shape=(3,)), [["c", "d"]]
 
 

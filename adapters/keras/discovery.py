@@ -151,7 +151,7 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
     check : bool
         Rescale each chain's hidden units at random (``exp(N(0, 1))``) on a random input of
         the model's input shapes and drop any chain whose output moves by more than
-        rounding (``1e-9`` relative where Keras computes in float64, ``1e-4`` otherwise).
+        rounding (``1e-6`` relative in float64, ``1e-4`` otherwise).
 
     Raises
     ------
@@ -213,10 +213,9 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
 
 
 def _rtol(c: ChainLayers) -> float:
-    # Keras's type promotion computes float64 in float32 on some backends (torch).
-    exact = c.kernels[0].dtype == "float64" and \
-        keras.backend.result_type("float64", "float64") == "float64"
-    return 1e-9 if exact else 1e-4
+    # Not 1e-9 in float64: Keras computes some float64 operations in float32 (matmuls on
+    # torch, average pooling on JAX), and a wrong claim moves the output by far more.
+    return 1e-6 if c.kernels[0].dtype == "float64" else 1e-4
 
 
 def example_inputs(model, seed: int = 0) -> list:
