@@ -172,7 +172,7 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
         elif not layer.trainable:
             reasons[layer.name] = "frozen (trainable=False)"
     eligible = [i for i in weight_calls if calls[i].layer.name not in reasons]
-    links = {i: follow(calls, i, counts) for i in eligible}
+    links = {i: follow(calls, i) for i in eligible}
     normalised = {calls[i].layer.name: calls[i].layer.kernel for i in eligible
                   if _normalised(calls, i, links[i])}
     for i, link in links.items():

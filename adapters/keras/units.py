@@ -142,9 +142,10 @@ class Link:
     units: Units
 
 
-def follow(calls, i: int, counts: dict) -> Link:
+def follow(calls, i: int) -> Link:
     """Follow the units of weight-layer call ``i`` to the next weight layer, or to where
-    they stop (``counts``: how many calls each layer has, by ``id``)."""
+    they stop. (A stateless layer called elsewhere too passes them all the same; a shared
+    weight layer is refused by :func:`~.discovery.find_chains`.)"""
     u = units_after(calls[i].layer, calls[i].shape)
     activation = calls[i].layer.activation
     if not homogeneous(activation):
@@ -163,9 +164,6 @@ def follow(calls, i: int, counts: dict) -> Link:
         if len(calls[j].inputs) != 1:
             return Link(None, None, f"{layer.name} ({type(layer).__name__}) merges "
                         f"{len(calls[j].inputs)} tensors", j, u)
-        if counts[id(layer)] > 1:
-            return Link(None, None, f"{layer.name} is a shared layer (called "
-                        f"{counts[id(layer)]} times)", j, u)
         if is_weight_layer(layer):
             layout = _reads(layer, u)
             if isinstance(layout, str):
