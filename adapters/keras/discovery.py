@@ -225,19 +225,20 @@ def example_inputs(model, seed: int = 0) -> list:
             .astype(keras.backend.standardize_dtype(t.dtype)) for t in model.inputs]
 
 
-def _numpy(x) -> np.ndarray:
+def as_numpy(x) -> np.ndarray:
+    """A backend array as a NumPy array (a copy where the backend needs one)."""
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
 def _outputs(model, x) -> np.ndarray:
     out = model(x if len(x) > 1 else x[0], training=False)
-    return np.concatenate([_numpy(o).ravel() for o in keras.tree.flatten(out)])
+    return np.concatenate([as_numpy(o).ravel() for o in keras.tree.flatten(out)])
 
 
 def rescaled(c: ChainLayers, scales) -> tuple[list, list]:
     """The chain's kernels and biases (NumPy) with its hidden units rescaled by ``scales``."""
-    W = [lay.view(_numpy(k.value)) for lay, k in zip(c.layouts, c.kernels)]
-    b = [None if x is None else _numpy(x.value) for x in c.biases]
+    W = [lay.view(as_numpy(k.value)) for lay, k in zip(c.layouts, c.kernels)]
+    b = [None if x is None else as_numpy(x.value) for x in c.biases]
     W, b = rescale(c.chain, W, b, scales)
     return ([lay.kernel(w, tuple(k.shape)) for lay, w, k in zip(c.layouts, W, c.kernels)], b)
 
@@ -247,7 +248,7 @@ def output_change(model, c: ChainLayers, seed: int = 0) -> float:
     (the variables are restored afterwards)."""
     x = example_inputs(model, seed)
     before = _outputs(model, x)
-    saved = [_numpy(v.value).copy() for v in c.kernels + c.biases if v is not None]
+    saved = [as_numpy(v.value).copy() for v in c.kernels + c.biases if v is not None]
     W, b = rescaled(c, random_rescaling(c.chain, np.random.default_rng(seed), 1.0))
     try:
         for v, value in zip([*c.kernels, *c.biases], [*W, *b]):

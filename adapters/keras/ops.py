@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import gsgd_core as gc
 from gsgd_core.chain import HE_SKELETON_SHARE
 
-from .discovery import find_chains
+from .discovery import as_numpy, find_chains
 
 
 def skeleton_init(model, *, skeleton: str = "he") -> None:
@@ -21,7 +19,7 @@ def skeleton_init(model, *, skeleton: str = "he") -> None:
     he = skeleton == "he"
     rest = math.sqrt(1.0 - HE_SKELETON_SHARE) if he else 1.0
     for c in find_chains(model, skeleton=skeleton):
-        W = [lay.view(np.asarray(k.numpy())) for lay, k in zip(c.layouts, c.kernels)]
+        W = [lay.view(as_numpy(k.value)) for lay, k in zip(c.layouts, c.kernels)]
         W, _ = gc.skeleton_init(c.chain, W, keep_signs=he, rest_scale=rest)
         for lay, k, w in zip(c.layouts, c.kernels, W):
             k.assign(lay.kernel(w, tuple(k.shape)))

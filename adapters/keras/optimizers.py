@@ -19,6 +19,7 @@ Keras's own ``SGD`` (or ``Adam``) rule, including Keras's decoupled ``weight_dec
 from __future__ import annotations
 
 import json
+import warnings
 
 import keras
 
@@ -142,7 +143,10 @@ class _PathSpaceOptimizer(keras.optimizers.Optimizer):
         return self._found
 
     def get_config(self):
-        config = super().get_config()
+        with warnings.catch_warnings():
+            # Keras reads the learning rate with Variable.numpy(), which NumPy 2 warns about.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            config = super().get_config()
         config.update(skeleton=self.skeleton, claims=json.loads(self._claims_json))
         return config
 
