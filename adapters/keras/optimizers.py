@@ -172,12 +172,12 @@ class GSGD(_PathSpaceOptimizer):
     bn : {"psi", "sgd"}
         Kernels without a bias followed by ``BatchNormalization`` take PSI-SGD(M) (Yi et
         al., Algorithm 1; ``"psi"``) or Keras's SGD (``"sgd"``).
-    skeleton : {"he", "paper"}
-        The units of path values; the same as :func:`~gsgd_adapters.keras.skeleton_init`'s.
     **kwargs
-        Keras's optimizer arguments: ``clipnorm``, ``clipvalue``, ``global_clipnorm``,
-        ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``, ``loss_scale_factor``,
-        ``gradient_accumulation_steps``, ``name``.
+        ``skeleton`` (``"he"`` or ``"paper"``: the units of path values, the same as
+        :func:`~gsgd_adapters.keras.skeleton_init`'s), and Keras's optimizer arguments:
+        ``clipnorm``, ``clipvalue``, ``global_clipnorm``, ``use_ema``, ``ema_momentum``,
+        ``ema_overwrite_frequency``, ``loss_scale_factor``, ``gradient_accumulation_steps``,
+        ``name``.
     """
 
     psi = True
