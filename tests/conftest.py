@@ -31,6 +31,9 @@ except ImportError:
 # tolerances). JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns the first back on. Set before JAX
 # starts; spawned processes (examples, benchmarks) and test workers inherit them.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# Keras reads its backend once, at import; the docs' Keras examples run in the test
+# processes on JAX (tests/test_keras.py runs each backend in a process of its own).
+os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
 def _add_xla_flag_if_known(flag: str) -> None:

@@ -1,0 +1,322 @@
+"""The Keras adapter on one Keras backend: tests/test_keras.py runs this file in a process
+of its own per backend (``KERAS_BACKEND`` is read once, when keras is imported)."""
+
+import os
+
+import numpy as np
+import pytest
+
+BACKEND = os.environ["KERAS_BACKEND"]
+if BACKEND == "jax":
+    import jax
+    jax.config.update("jax_enable_x64", True)
+
+import keras  # noqa: E402
+from keras import layers as L  # noqa: E402
+
+from _keras_models import CATALOGUE  # noqa: E402
+from gsgd_adapters.keras import GAdam, GSGD, PSISGD, find_chains, skeleton_init  # noqa: E402
+from gsgd_adapters.keras.discovery import rescaled  # noqa: E402
+from gsgd_core import random_rescaling  # noqa: E402
+
+keras.config.set_floatx("float64")
+if BACKEND == "torch":
+    # Keras's type promotion computes float64 in float32 on torch (as JAX does without
+    # x64); the float64 checks need float64 arithmetic.
+    from keras.src.backend.common import dtypes
+    dtypes.BIT64_TO_BIT32_DTYPE["float64"] = "float64"
+RNG = np.random.default_rng(0)
+X4, Y2 = RNG.normal(size=(8, 4)), RNG.normal(size=(8, 2))
+
+
+def data(model, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(8, *model.inputs[0].shape[1:]))
+    return x, rng.normal(size=(8, *model.outputs[0].shape[1:]))
+
+
+def fit(model, opt, x, y, steps=3, **compile_args):
+    model.compile(optimizer=opt, loss="mse", **compile_args)
+    model.fit(x, y, batch_size=len(x), epochs=steps, shuffle=False, verbose=0)
+    return np.asarray(keras.ops.convert_to_numpy(model(x)))
+
+
+def twin(model, spread=1.0, seed=3):
+    """A copy of ``model`` with every chain's hidden units rescaled at random."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    for c in find_chains(copy):
+        W, b = rescaled(c, random_rescaling(c.chain, np.random.default_rng(seed), spread))
+        for v, value in zip([*c.kernels, *c.biases], [*W, *b]):
+            if v is not None:
+                v.assign(value)
+    return copy
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+
+@pytest.mark.parametrize("build", CATALOGUE, ids=lambda f: f.__name__)
+def test_catalogue_claims(build):
+    keras.utils.set_random_seed(0)
+    model, expected = build()
+    found = find_chains(model)
+    assert [list(c.layers) for c in found] == expected, str(found)
+    claimed = {n for c in found for n in c.layers} | set(found.normalised)
+    with_weights = [ly.name for ly in model._flatten_layers(include_self=False)
+                    if ly.trainable_weights and not isinstance(ly, keras.Model)]
+    assert all(n in claimed or n in found.reasons for n in with_weights), str(found)
+
+
+def test_the_self_check_drops_a_claim_that_rescaling_breaks(monkeypatch):
+    from gsgd_adapters.keras import units
+    monkeypatch.setattr(units, "_HOMOGENEOUS", units._HOMOGENEOUS + (keras.activations.gelu,))
+    keras.utils.set_random_seed(0)
+    model, _ = next(f for f in CATALOGUE if f.__name__ == "gelu")()
+    found = find_chains(model)
+    assert len(found) == 0 and "the self-check found" in found.reasons["a"]
+    assert len(find_chains(model, check=False)) == 1
+
+
+TWINS = [f for f in CATALOGUE if f()[1]]
+# JAX compiles each model's step: its twins run on one small model, torch's on all.
+if BACKEND == "jax":
+    TWINS = TWINS[:1]
+# Code that runs alike on both backends is checked on torch, which compiles nothing.
+torch_only = pytest.mark.skipif(BACKEND != "torch", reason="checked on the torch backend")
+
+
+@pytest.mark.parametrize("build", TWINS, ids=lambda f: f.__name__)
+def test_rescaled_twins_train_identically(build):
+    """Under GSGD and GAdam a model and its rescaled twin follow the same functions for
+    several fit steps; under Keras's SGD they part."""
+    for make, same in ((lambda m: GSGD(m, 0.05, momentum=0.9), True),
+                       (lambda m: GAdam(m, 0.01), True),
+                       (lambda m: keras.optimizers.SGD(0.05, momentum=0.9), False)):
+        keras.utils.set_random_seed(0)
+        a, _ = build()
+        skeleton_init(a)
+        b = twin(a)
+        x, y = data(a)
+        out_a, out_b = fit(a, make(a), x, y), fit(b, make(b), x, y)
+        assert (rel(out_a, out_b) < 1e-9) == same, rel(out_a, out_b)
+
+
+@torch_only
+def test_a_model_with_no_chain_trains_as_keras_sgd():
+    keras.utils.set_random_seed(0)
+    model, _ = next(f for f in CATALOGUE if f.__name__ == "gelu")()
+    x, y = data(model)
+    start = model.get_weights()
+    opt = GSGD(model, 0.1, momentum=0.5)
+    assert "gelu" in str(opt.describe())
+    ours = fit(model, opt, x, y)
+    model.set_weights(start)
+    theirs = fit(model, keras.optimizers.SGD(0.1, momentum=0.5), x, y)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-14, atol=0)
+
+
+def test_bad_models_are_refused_naming_them():
+    unbuilt = keras.Sequential([L.Dense(3, name="d")], name="lazy")
+    with pytest.raises(ValueError, match="'lazy' is not built"):
+        GSGD(unbuilt, 0.1)
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__(name="sub")
+            self.d = L.Dense(2)
+
+        def call(self, x):
+            return self.d(x)
+
+    sub = Sub()
+    sub(np.zeros((1, 3)))
+    with pytest.raises(ValueError, match="'sub': its layers were not traced"):
+        GSGD(sub, 0.1)
+    keras.utils.set_random_seed(0)
+    one, _ = CATALOGUE[0]()
+    other, _ = CATALOGUE[0]()
+    opt = GSGD(one, 0.1)
+    with pytest.raises(ValueError, match="layer 'a'"):
+        opt.build(other.trainable_variables)
+
+
+def small_cnn():
+    return keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(3, 3, activation="relu"),
+                             L.MaxPooling2D(2), L.Flatten(), L.Dense(4, activation="relu"),
+                             L.Dense(2)])
+
+
+def numpy(x):
+    return np.asarray(keras.ops.convert_to_numpy(x))
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the torch adapter runs on the torch backend")
+def test_same_trajectory_as_the_torch_adapter():
+    import torch
+    from gsgd_adapters.torch import GSGD as TorchGSGD
+
+    keras.utils.set_random_seed(0)
+    model = small_cnn()
+    skeleton_init(model)
+    conv, dense1, dense2 = [ly for ly in model.layers if ly.weights]
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(12, 4), torch.nn.ReLU(),
+                              torch.nn.Linear(4, 2)).double()
+    as_torch = [lambda k: k.transpose(3, 2, 0, 1),     # HWIO -> OIHW
+                lambda k: k.reshape(2, 2, 3, 4).transpose(3, 2, 0, 1).reshape(4, 12),
+                lambda k: k.T]                          # (in, out) -> (out, in)
+    torch_layers = [net[0], net[4], net[6]]
+    with torch.no_grad():
+        for ly, t, f in zip((conv, dense1, dense2), torch_layers, as_torch):
+            t.weight.copy_(torch.tensor(f(numpy(ly.kernel.value))))
+            t.bias.copy_(torch.tensor(numpy(ly.bias.value)))
+    x, y = data(model)
+    xt, yt = torch.tensor(x).permute(0, 3, 1, 2), torch.tensor(y)
+    fit(model, GSGD(model, 0.05, momentum=0.9), x, y)
+    opt = TorchGSGD(net, lr=0.05, momentum=0.9)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(xt), yt).backward()
+        opt.step()
+    for ly, t, f in zip((conv, dense1, dense2), torch_layers, as_torch):
+        ours = f(numpy(ly.kernel.value))
+        assert rel(t.weight.detach().numpy(), ours) < 1e-10
+        assert rel(t.bias.detach().numpy(), numpy(ly.bias.value)) < 1e-10
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="optax runs on the JAX backend")
+def test_same_chains_and_trajectory_as_optax():
+    """The layer graph's chains are the ones the jaxpr of ``model.stateless_call`` proves,
+    and a jitted fit follows optax's G-SGD step for step."""
+    import jax.numpy as jnp
+    import optax
+    from gsgd_adapters.jax import find_chains as find_in_jaxpr
+    from gsgd_adapters.optax import gsgd
+
+    keras.utils.set_random_seed(0)
+    model = small_cnn()
+    skeleton_init(model)
+    x, y = data(model)
+    params = [v.value for v in model.trainable_variables]
+    apply = lambda p, x: model.stateless_call(p, [], x)[0]
+    found = find_in_jaxpr(apply, params, x)
+    assert [c.chain for c in found] == [c.chain for c in find_chains(model)]
+    opt = gsgd(0.05, found, momentum=0.9)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: jnp.mean((apply(p, x) - y) ** 2))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = step(params, state)
+    fit(model, GSGD(model, 0.05, momentum=0.9), x, y, jit_compile=True)
+    assert model.jit_compile
+    for v, p in zip(model.trainable_variables, params):
+        assert rel(numpy(p), numpy(v.value)) < 1e-10
+
+
+def mlp():
+    keras.utils.set_random_seed(0)
+    model, _ = CATALOGUE[0]()
+    skeleton_init(model)
+    return model
+
+
+def test_save_and_load_resume_bit_exact(tmp_path):
+    model = mlp()
+    x, y = data(model)
+    fit(model, GSGD(model, 0.05, momentum=0.9), x, y, steps=2)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert type(loaded.optimizer) is GSGD
+    assert str(loaded.optimizer.describe()) .startswith("1 chain(s)\n  a -> b -> c")
+    for m in (model, loaded):
+        m.fit(x, y, batch_size=len(x), epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights() + [numpy(v) for v in model.optimizer.variables],
+                    loaded.get_weights() + [numpy(v) for v in loaded.optimizer.variables]):
+        np.testing.assert_array_equal(a, b)
+
+
+@torch_only
+def test_config_round_trip_keeps_the_claims():
+    model = mlp()
+    opt = GAdam(model, 0.01, beta_1=0.8)
+    again = GAdam.from_config(opt.get_config())
+    again.build(model.trainable_variables)
+    assert again.beta_1 == 0.8
+    assert [c.chain for c in again.describe()] == [c.chain for c in opt.describe()]
+
+
+@torch_only
+def test_a_schedule_sets_each_steps_learning_rate():
+    x, y = data(mlp())
+    model = mlp()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    scheduled = fit(model, GSGD(model, schedule), x, y, steps=2)
+    model = mlp()
+    opt = GSGD(model, 0.1)
+    fit(model, opt, x, y, steps=1)
+    opt.learning_rate = 0.05
+    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    assert rel(scheduled, numpy(model(x))) < 1e-12
+
+
+def test_gradient_accumulation_steps_once_per_accumulated_batch():
+    model = mlp()
+    x, y = data(model)
+    whole = fit(model, GSGD(model, 0.05), x, y, steps=1)
+    model = mlp()
+    model.compile(optimizer=GSGD(model, 0.05, gradient_accumulation_steps=2), loss="mse")
+    model.fit(x, y, batch_size=len(x) // 2, epochs=1, shuffle=False, verbose=0)
+    assert rel(whole, numpy(model(x))) < 1e-12
+
+
+@torch_only
+def test_global_clipnorm_clips_the_gradients_the_step_reads():
+    model = mlp()
+    x, y = data(model)
+    start = model(x)
+    clipped = fit(model, GSGD(model, 0.05, global_clipnorm=1e-9), x, y, steps=1)
+    assert rel(numpy(start), clipped) < 1e-8
+
+
+@torch_only
+def test_mixed_precision_steps_in_float32():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = mlp()
+        x, y = data(model)
+        start = [numpy(v) for v in model.trainable_variables]
+        fit(model, GSGD(model, 0.05, momentum=0.9), x, y, steps=1)
+        assert isinstance(model.optimizer.inner_optimizer, GSGD)
+    finally:
+        keras.mixed_precision.set_global_policy("float64")
+    for v, s in zip(model.trainable_variables, start):
+        assert v.dtype == "float32" and np.all(np.isfinite(numpy(v)))
+        assert not np.array_equal(numpy(v), s)
+
+
+@torch_only
+def test_psi_sgd_steps_normalised_kernels_by_their_rule():
+    """PSISGD moves a kernel followed by batch normalisation by ``lr * ||w_i||^2 g_i`` per
+    row (Yi et al.): its iterates commute with rescaling the rows (Theorem 1)."""
+    keras.utils.set_random_seed(0)
+    model, _ = next(f for f in CATALOGUE if f.__name__ == "batch_norm")()
+    opt = PSISGD(model, 0.05, momentum=0.5)
+    assert list(opt.describe().normalised) == ["b"]
+    x, y = data(model)
+    kernel = model.get_layer("b").kernel
+    twin_model = keras.models.clone_model(model)
+    twin_model.set_weights(model.get_weights())
+    scales = np.exp(np.random.default_rng(1).normal(size=kernel.shape[-1]))
+    twin_kernel = twin_model.get_layer("b").kernel
+    twin_kernel.assign(numpy(twin_kernel.value) * scales)
+    fit(model, opt, x, y)
+    fit(twin_model, PSISGD(twin_model, 0.05, momentum=0.5), x, y)
+    # (batch normalisation's epsilon, 1e-12 here, keeps the invariance from being exact)
+    assert rel(numpy(kernel.value), numpy(twin_kernel.value) / scales) < 1e-8
