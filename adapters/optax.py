@@ -35,6 +35,7 @@ from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_st
 from gsgd_core.arrays import is_off, is_real
 
 from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name
+from .jax.placement import check_placement
 
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
@@ -119,6 +120,7 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
 
     def init(params):
         paths, leaves, _ = _flat(params)
+        check_placement(paths, leaves, chain_paths)
         index = dict(zip(paths, range(len(paths))))
         states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
         bufs = tuple(None if (path in chain_paths or is_off(momentum)) else jnp.zeros_like(x)
@@ -130,6 +132,7 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
             raise ValueError("this transformation needs params: opt.update(grads, state, params)")
         paths, leaves, treedef = _flat(params)
         grads = treedef.flatten_up_to(updates)
+        check_placement(paths, leaves, chain_paths, grads)
         index = dict(zip(paths, range(len(paths))))
         lr = _lr(learning_rate, state.count)
         out = list(grads)   # every leaf is written below: a chain's, or SGD's
@@ -238,6 +241,7 @@ def in_path_space(inner: optax.GradientTransformation,
         values at chain leaves, and the flat gradients."""
         paths, leaves, treedef = _flat(params)
         grads = treedef.flatten_up_to(grads)
+        check_placement(paths, leaves, _chain_leaf_paths(chains), grads)
         index = dict(zip(paths, range(len(paths))))
         D, V, arrays = list(grads), list(leaves), []
         for c in chains:

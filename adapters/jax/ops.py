@@ -13,6 +13,7 @@ import gsgd_core as gc
 from gsgd_core.chain import HE_SKELETON_SHARE
 
 from .leaves import ChainLeaves, key_paths
+from .placement import check_placement
 
 __all__ = ["check_invariance", "random_rescale", "skeleton_init"]
 
@@ -21,6 +22,7 @@ def _map_chains(params, chains: Sequence[ChainLeaves], fn):
     """``params`` with each chain's weights and biases replaced by ``fn(k, c, W, b)``'s
     (``W``, ``b`` as the core views them)."""
     paths, leaves, treedef = key_paths(params)
+    check_placement(paths, leaves, {p for c in chains for p in c.weights + c.biases if p})
     index = {p: i for i, p in enumerate(paths)}
     out = list(leaves)
     for k, c in enumerate(chains):
