@@ -16,7 +16,7 @@ BATCH = 8
 
 
 class MLP(nn.Module):
-    widths: tuple = (16, 16, 16, 4)
+    widths: tuple = (16, 16, 4)
 
     @nn.compact
     def __call__(self, x):
@@ -51,22 +51,23 @@ COL, ROW = P(None, "model"), P("model", None)
 # Each layout: (model, spec of each params leaf, spec of the batch).
 LAYOUTS = {
     "replicated": ("mlp", lambda path, leaf: P(), P("data")),
-    # each kernel sharded over one of its axes (inputs, outputs, inputs, outputs), biases
+    # each kernel sharded over one of its axes (inputs, outputs, inputs), biases
     # replicated: a parameter's shards live apart and are gathered where they are used
-    "fsdp": ("mlp", _dense([ROW, COL, ROW, COL], [P()] * 4), P("data")),
+    "fsdp": ("mlp", _dense([ROW, COL, ROW], [P()] * 3), P("data")),
     # Megatron: a layer's units over "model" with its bias, the next layer's inputs alike
-    "tensor": ("mlp", _dense([COL, ROW, COL, ROW], [P("model"), P(), P("model"), P()]),
-               P("data")),
+    "tensor": ("mlp", _dense([COL, ROW, COL], [P("model"), P(), P("model")]), P("data")),
     # kernels over both mesh axes, biases over "model"
-    "mesh2d": ("mlp", _dense([P("data", "model")] * 4, [P("model")] * 4), P("data")),
+    "mesh2d": ("mlp", _dense([P("data", "model")] * 3, [P("model")] * 3), P("data")),
     "conv": ("cnn", _cnn, P("data")),
 }
 
 # What each layout trains with: G-SGD (with skeleton_init and random_rescale) everywhere, the
 # other transformations where the layouts differ most (compiling each costs seconds).
-EVERY = ("gsgd", "in_path_space", "path_sgd", "psi_sgd")
-TRANSFORMS = {"replicated": ("gsgd",), "fsdp": ("gsgd", "in_path_space"), "tensor": EVERY,
-              "mesh2d": EVERY, "conv": ("gsgd",)}
+TRANSFORMS = {"replicated": ("gsgd",), "fsdp": ("gsgd",), "tensor": ("gsgd", "in_path_space"),
+              "mesh2d": ("gsgd", "path_sgd", "psi_sgd"), "conv": ("gsgd",)}
+# Where the collectives of G-SGD's update are read: units and inputs sharded (the tensor
+# layout holds both kernel shardings of FSDP's), both mesh axes, convolutions.
+COLLECTIVES = ("tensor", "mesh2d", "conv")
 
 
 def mesh() -> Mesh:

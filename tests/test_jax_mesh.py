@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
-from _jax_mesh import LAYOUTS, TRANSFORMS  # noqa: E402
+from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 
@@ -57,7 +57,7 @@ def test_sharded_layouts_hold_less_per_device(mesh_run):
         assert held[layout]["params"] < held["replicated"]["params"]
 
 
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "replicated"])
+@pytest.mark.parametrize("layout", COLLECTIVES)
 def test_update_moves_no_weight_between_devices(mesh_run, layout):
     """The compiled update's collectives move vectors of units (column sums, skeleton
     edges, path ratios), never a weight or a shard of one."""
