@@ -6,7 +6,8 @@
   steps under ``jax.jit``, or ``init``: ``skeleton_init`` then ``random_rescale``);
 - ``state_bytes[layout][what]``: the most bytes of optimizer state on one device after an
   eager ``opt.init``, next to the params' (``params``);
-- ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none);
+- ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none), and
+  ``fsdp_eager`` the one the core's validation raised for an FSDP layout (none expected);
 - ``collectives[layout]``: the arrays G-SGD's update moves between devices, and how many
   of them are weight-sized.
 """
@@ -24,6 +25,8 @@ import optax
 jax.config.update("jax_enable_x64", True)
 
 from gsgd_adapters.jax import random_rescale, skeleton_init  # noqa: E402
+from gsgd_adapters.jax.leaves import key_paths  # noqa: E402
+from gsgd_core.arrays import prepare  # noqa: E402
 from gsgd_adapters.optax import gsgd, in_path_space, path_sgd, psi_sgd  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS, loss_fn, mesh, model, place  # noqa: E402
@@ -131,7 +134,8 @@ def refusals(m):
             jax.sharding.Mesh(np.array(devices)[[1, 0, 3, 2]], ("x",)), P("x"))),
         "one_device": lambda t: jax.device_put(t, devices[3]),
     }
-    refused = {}
+    refused = {"fsdp_eager": _error(lambda: _validated(chains, place(params, LAYOUTS["fsdp"][1],
+                                                                     m)))}
     for case, move in cases.items():
         bad = jax.tree_util.tree_map(lambda a: a, placed)
         bad["Dense_1"]["kernel"] = move(bad["Dense_1"]["kernel"])
@@ -143,6 +147,15 @@ def refusals(m):
     sharded = place(params, lambda path, a: P(None, "model") if a.ndim == 2 else P(), explicit)
     refused["explicit_axes"] = _error(lambda: jax.jit(opt.init)(sharded))
     return refused
+
+
+def _validated(chains, params):
+    """The core's validation of an eager update's arrays (kernels sharded, biases replicated:
+    one mesh, two shardings), without the update's arithmetic, each eager operation of which
+    compiles anew for every sharding."""
+    index = {p: i for i, p in enumerate(key_paths(params)[0])}
+    W, b = chains[0].arrays(index, key_paths(params)[1])
+    prepare(chains[0].chain, W, b, grads=W, bias_grads=b)
 
 
 def _error(fn):

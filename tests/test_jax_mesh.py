@@ -66,6 +66,13 @@ def test_update_moves_no_weight_between_devices(mesh_run, layout):
     assert moved["weight_sized"] == 0, moved
 
 
+def test_eager_arrays_on_one_mesh_in_two_shardings_are_accepted(mesh_run):
+    """Kernels sharded and biases replicated on the same devices pass the core's
+    validation outside ``jit`` too: it compares the devices arrays span, not their
+    shardings."""
+    assert mesh_run["refused"]["fsdp_eager"] is None
+
+
 @pytest.mark.parametrize("case, leaf, placements", [
     ("two_devices", "params leaf Dense_1/kernel", ("[0, 1]", "[0, 1, 2, 3]")),
     ("other_mesh", "params leaf Dense_1/kernel", ("[1, 0, 3, 2]", "[0, 1, 2, 3]")),
