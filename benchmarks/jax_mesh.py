@@ -93,7 +93,7 @@ def main() -> None:
 
     batch = NamedSharding(mesh, P("data"))
     xb, yb = jax.device_put(x, batch), jax.device_put(y, batch)
-    print("| layout | optimizer | collectives | weight-sized arrays | bytes per step |")
+    print("| layout | optimizer | arrays moved | weight-sized arrays | bytes per step |")
     print("|---|---|---:|---:|---:|")
     for name, spec in layouts.items():
         placed = jax.tree_util.tree_map_with_path(

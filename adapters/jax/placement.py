@@ -1,7 +1,8 @@
 """Where the leaves of a params pytree live, checked before a step touches them.
 
 Under ``jax.jit`` XLA places every intermediate of a step, so the step follows any
-``NamedSharding`` of its inputs on a mesh whose axes are ``Auto`` (the default): replicated,
+``NamedSharding`` of its inputs on a mesh whose axes are ``Auto`` (``jax.sharding.Mesh``'s
+default; ``jax.make_mesh`` makes ``Explicit`` ones unless given ``axis_types``): replicated,
 sharded over units or inputs, over one mesh axis or two. What it cannot follow is refused
 here with the leaf's key path and both placements:
 
