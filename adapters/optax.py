@@ -56,6 +56,7 @@ from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_st
 from gsgd_core.arrays import is_off, is_real
 
 from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name, positions
+from .jax.placement import check_placement
 
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
@@ -136,8 +137,9 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
     def init(params):
         paths, leaves, _ = _flat(params)
         index = dict(zip(paths, range(len(paths))))
-        states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
         claimed = positions(chains, index)
+        check_placement(paths, leaves, claimed)
+        states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
         bufs = tuple(None if (i in claimed or is_off(momentum)) else jnp.zeros_like(x)
                      for i, x in enumerate(leaves))
         return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
@@ -148,6 +150,8 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
         paths, leaves, treedef = _flat(params)
         grads = treedef.flatten_up_to(updates)
         index = dict(zip(paths, range(len(paths))))
+        claimed = positions(chains, index)
+        check_placement(paths, leaves, claimed, grads)
         lr = _lr(learning_rate, state.count)
         out = list(grads)   # every leaf is written below: a chain's, or SGD's
         new_states = []
@@ -158,7 +162,6 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
             c.put(out, index, [w2 - w for w2, w in zip(W2, W)],
                   [None if x is None else x2 - x for x2, x in zip(b2, b)])
         bufs = list(state.momentum)
-        claimed = positions(chains, index)
         for i in range(len(paths)):
             if i not in claimed:
                 out[i], bufs[i] = _sgd_rest(grads[i], leaves[i], bufs[i], state.count, lr,
@@ -257,6 +260,7 @@ def in_path_space(inner: optax.GradientTransformation,
         paths, leaves, treedef = _flat(params)
         grads = treedef.flatten_up_to(grads)
         index = dict(zip(paths, range(len(paths))))
+        check_placement(paths, leaves, positions(chains, index), grads)
         D, V, arrays = list(grads), list(leaves), []
         for c in chains:
             W, b, G, Gb = _chain_arrays(c, index, leaves, grads)

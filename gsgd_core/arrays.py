@@ -181,7 +181,7 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
 def alike(arrays: Sequence) -> tuple[Any, Any, Any]:
     """The namespace, dtype and device of ``arrays`` (the first weight first), which every
     array must share; the dtype is real floating point. ``ValueError`` names the first array
-    that differs."""
+    that differs. The device is where new arrays go (:func:`creation_device`)."""
     try:
         xp = array_api_compat.array_namespace(*arrays)
     except TypeError as exc:
@@ -194,11 +194,42 @@ def alike(arrays: Sequence) -> tuple[Any, Any, Any]:
             raise ValueError(f"all arrays must share the weights' dtype {dtype}; "
                              f"found an array of dtype {a.dtype} and shape {tuple(a.shape)}")
     device = array_api_compat.device(arrays[0])
+    where = _where(arrays[0], device)
     for a in arrays:
-        if array_api_compat.device(a) != device:
+        if _where(a, array_api_compat.device(a)) != where:
             raise ValueError(f"all arrays must be on the weights' device {device}; found an "
                              f"array of shape {tuple(a.shape)} on {array_api_compat.device(a)}")
-    return xp, dtype, device
+    return xp, dtype, creation_device(arrays[0])
+
+
+def _spans(x, device) -> frozenset | None:
+    """The devices ``x`` is split or copied over when they are several, else ``None``.
+
+    An array over several devices (a sharded ``jax.Array``) has a ``devices()`` method, and
+    its ``device`` is then its placement over them (a ``Sharding``), which two arrays on the
+    same devices may hold differently (sharded and replicated). A traced array has no device
+    (``None``) and is placed by its compiler."""
+    devices = getattr(x, "devices", None)
+    if device is None or not callable(devices):
+        return None
+    found = frozenset(devices())
+    return found if len(found) > 1 else None
+
+
+def _where(x, device):
+    """What two arrays that can meet in one computation share: their device, or the set of
+    devices they span."""
+    spans = _spans(x, device)
+    return device if spans is None else spans
+
+
+def creation_device(x):
+    """The ``device=`` for new arrays that meet ``x``: its device, or ``None`` (the
+    namespace's default, which JAX moves to wherever the computation runs) where ``x``
+    spans several devices, since a placement of ``x``'s rank fits no array of another rank.
+    New arrays shaped like ``x`` are made with ``zeros_like``, which keeps its placement."""
+    device = array_api_compat.device(x)
+    return None if _spans(x, device) is not None else device
 
 
 def _cast(p: Prepared, a, dtype):

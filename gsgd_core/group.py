@@ -14,7 +14,7 @@ import numpy as np
 from .arrays import check_hyper, is_array, outer3, prepare, restore, unvecs, vecs, view3
 from .chain import Chain
 from .rules import safe_div
-from .sweeps import chain_products, in_units
+from .sweeps import chain_products, in_units, tau_edges
 
 __all__ = ["rescale", "random_rescaling", "canonicalize", "skeleton_init",
            "weights_from_path_values"]
@@ -150,7 +150,7 @@ def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequen
         Wl = xp.where(m.free_mask, W[l - 1], safe_div(xp, V3[l - 1], outer3(F[l], B)))
         W_new.append(Wl)
         if l < chain.L:
-            tau_w = xp.take(xp.reshape(Wl, (-1,)), m.tau_idx)
+            tau_w = tau_edges(xp, m, Wl)
             B = xp.take(B, m.tau_src) * in_units(xp, tau_w, chain.skeleton_scale[l - 1], p.device)
     b_new = [None if v is None else safe_div(xp, v, F[l + 1])
              for l, v in enumerate(vecs(p, Vb, chain.L))]

@@ -87,11 +87,12 @@ def gsgd_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Ar
 
 
 def gsgd_init(chain: Chain, weights: Arrays, biases: OptArrays | None = None) -> GSGDState:
-    """Zero momentum buffers shaped like ``weights`` and ``biases``."""
+    """Zero momentum buffers shaped and placed like ``weights`` and ``biases``."""
     p = prepare(chain, weights, biases)
     xp = p.xp
-    zeros = tuple(xp.zeros(s, dtype=p.store, device=p.device) for s in p.shapes)
-    bzeros = tuple(None if b is None else xp.zeros(b.shape, dtype=p.store, device=p.device)
+    # zeros_like: each buffer placed as its array is (a sharded array's shards included)
+    zeros = tuple(xp.zeros_like(w, dtype=p.store) for w in weights)
+    bzeros = tuple(None if b is None else xp.zeros_like(b, dtype=p.store)
                    for b in (biases if biases is not None else [None] * chain.L))
     return GSGDState(zeros, bzeros, xp.asarray(0, dtype=xp.int32, device=p.device))
 

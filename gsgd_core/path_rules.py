@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol, Sequence, runtime_checka
 
 import array_api_compat
 
-from .arrays import check_hyper
+from .arrays import check_hyper, creation_device
 from .gsgd import check_update_hypers
 from .rules import StepRule, direction
 
@@ -72,12 +72,11 @@ class ElementwiseRule(abc.ABC):
         """``(Delta, new buffers)`` of one array of paths; elementwise."""
 
     def init(self, values: tuple) -> RuleState:
-        """Zero buffers shaped like ``values``, ``count = 0``."""
+        """Zero buffers shaped and placed like ``values``, ``count = 0``."""
         xp = array_api_compat.array_namespace(*values)
-        device = array_api_compat.device(values[0])
-        zeros = tuple(tuple(xp.zeros(v.shape, dtype=v.dtype, device=device) for v in values)
-                      for _ in self.buffers)
-        return RuleState(zeros, xp.asarray(0, dtype=xp.int32, device=device))
+        zeros = tuple(tuple(xp.zeros_like(v) for v in values) for _ in self.buffers)
+        return RuleState(zeros, xp.asarray(0, dtype=xp.int32,
+                                           device=creation_device(values[0])))
 
     def update(self, grads: tuple, state: RuleState, values: tuple) -> tuple[tuple, RuleState]:
         """:meth:`apply` on every array, with the coefficients of ``state.count``."""

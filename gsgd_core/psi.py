@@ -41,8 +41,7 @@ def psi_init(weights: Sequence[Any]) -> PSIState:
     """Zero momentum buffers ``u_0 = 0`` shaped like ``weights``."""
     _check_pairs(weights, weights, "weights")
     xp = array_api_compat.array_namespace(*weights)
-    return PSIState(tuple(xp.zeros(w.shape, dtype=w.dtype, device=array_api_compat.device(w))
-                          for w in weights))
+    return PSIState(tuple(xp.zeros_like(w) for w in weights))
 
 
 def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *, lr,

@@ -8,13 +8,28 @@ shapes or control flow), and O(m) work per sweep. The public wrappers live in
 
 from __future__ import annotations
 
+import math
+
 from .arrays import outer3
 from .rules import (frozen_if_overflow, path_gradient, safe_div, scaled_div, tau_ratio,
                     written_ratio)
 
 
-def _flat(xp, a):
-    return xp.reshape(a, (-1,))
+def tau_edges(xp, m, A):
+    """The entries of ``A`` (one layer's 3-D view) at the layer's tau edges, one per node
+    of the layer: ``A[j, tau(j), s]``; ``m`` is the layer's :class:`~.arrays.LayerMeta`.
+
+    A masked maximum over each row, not a gather: a gather from a flattened array needs the
+    whole array where it is sharded (XLA gathers every shard), a row's reduction only a
+    vector. Each row holds one tau edge among ``-inf`` entries, so the maximum is that entry
+    exactly (signed zeros, infinities and NaN included)."""
+    return xp.max(xp.where(m.tau_mask, A, -math.inf), axis=(1, 2))
+
+
+def free_edges(xp, m, A):
+    """The entries of ``A`` (one layer's 3-D view) at the free edges lying in the layer, one
+    per node of the layer below (column): ``A[sigma(a), a, s]``, as :func:`tau_edges`."""
+    return xp.max(xp.where(m.free_mask, A, -math.inf), axis=(0, 2))
 
 
 def chain_products(xp, chain, meta, W, dtype, device):
@@ -27,9 +42,9 @@ def chain_products(xp, chain, meta, W, dtype, device):
     ``F[0]`` are ``None``.
     """
     L = chain.L
-    tau_w = [xp.take(_flat(xp, W[l - 1]), meta[l - 1].tau_idx) for l in range(1, L)]
+    tau_w = [tau_edges(xp, meta[l - 1], W[l - 1]) for l in range(1, L)]
     # layer l+1 holds the free edges of the nodes of layer l
-    free_w = [xp.take(_flat(xp, W[l]), meta[l].free_idx) for l in range(1, L)]
+    free_w = [free_edges(xp, meta[l], W[l]) for l in range(1, L)]
     return products_of_edges(xp, chain, meta, tau_w, free_w, dtype, device)
 
 
@@ -132,10 +147,9 @@ def allocate3(xp, chain, meta, *, W, b, D, Db, V, B, F, lr, dtype, device):
         bl = b[l - 1]
         b_new.append(None if bl is None else bl - scaled_div(xp, lr, Db[l - 1], F[l]))
         if l < chain.L:
-            D_tau = xp.take(_flat(xp, D[l - 1]), m.tau_idx)
-            V_tau = xp.take(_flat(xp, V[l - 1]), m.tau_idx)
+            D_tau, V_tau = tau_edges(xp, m, D[l - 1]), tau_edges(xp, m, V[l - 1])
             R = tau_ratio(xp, scaled_div(xp, lr, D_tau, V_tau), eps)
-            tau_w = xp.take(_flat(xp, W[l - 1]), m.tau_idx)
+            tau_w = tau_edges(xp, m, W[l - 1])
             _, R = written_ratio(xp, tau_w, R, xp.take(rho, m.tau_src))
             # The tau edge itself as W * R / rho, so that the epsilon rule holds for it too.
             tau_new = W[l - 1] * (R[:, None, None] / rho[None, :, None])

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import gsgd_core as gc
 from gsgd_core.chain import HE_SKELETON_SHARE
 
-from .leaves import ChainLeaves, key_paths
+from .leaves import ChainLeaves, key_paths, positions
 from .nnx import is_module, update_params
+from .placement import check_placement
 
 __all__ = ["check_invariance", "random_rescale", "skeleton_init"]
 
@@ -23,6 +24,7 @@ def _map_chains(params, chains: Sequence[ChainLeaves], fn):
     (``W``, ``b`` as the core views them)."""
     paths, leaves, treedef = key_paths(params)
     index = {p: i for i, p in enumerate(paths)}
+    check_placement(paths, leaves, positions(chains, index))
     out = list(leaves)
     for k, c in enumerate(chains):
         c.put(out, index, *fn(k, c, *c.arrays(index, leaves)))

@@ -1,0 +1,176 @@
+"""Run by test_jax_mesh.py in a process of its own, whose XLA_FLAGS give JAX 4 host devices
+(set before JAX starts, so not in the test process). Prints one JSON object:
+
+- ``errors[layout][what]``: the largest relative difference, over the leaves, between the
+  params trained on the mesh and on one device (``what``: a transformation after several
+  steps under ``jax.jit``, or ``init``: ``skeleton_init`` then ``random_rescale``);
+- ``state_bytes[layout][what]``: the most bytes of optimizer state on one device after an
+  eager ``opt.init``, next to the params' (``params``);
+- ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none), and
+  ``fsdp_eager`` the one the core's validation raised for an FSDP layout (none expected);
+- ``collectives[layout]``: the arrays G-SGD's update moves between devices, and how many
+  of them are weight-sized.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+import optax
+
+jax.config.update("jax_enable_x64", True)
+
+from gsgd_adapters.jax import random_rescale, skeleton_init  # noqa: E402
+from gsgd_adapters.jax.leaves import key_paths  # noqa: E402
+from gsgd_core.arrays import prepare  # noqa: E402
+from gsgd_adapters.optax import gsgd, in_path_space, path_sgd, psi_sgd  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS, loss_fn, mesh, model, place  # noqa: E402
+from benchmarks.jax_mesh import collectives, weight_sized  # noqa: E402
+
+STEPS = 3
+
+
+def optimizers(chains):
+    kernels = [w for c in chains for w in c.weights]
+    return {"gsgd": gsgd(0.05, chains, momentum=0.9, weight_decay=1e-3),
+            "psi_sgd": psi_sgd(0.05, kernels, momentum=0.9),
+            "path_sgd": path_sgd(0.01, chains),
+            "in_path_space": in_path_space(optax.adam(1e-2), chains)}
+
+
+def trainer(module, chains, names):
+    """One jitted function: skeleton init and a rescaling, then ``STEPS`` steps of each
+    transformation in ``names`` from there (``opt.init`` traced inside it too)."""
+    loss, opts = loss_fn(module), optimizers(chains)
+
+    @jax.jit
+    def train(params, x, y):
+        params = random_rescale(skeleton_init(params, chains), chains, jax.random.PRNGKey(3),
+                                0.5)
+        out = {"init": params}
+        for name in names:
+            opt = opts[name]
+
+            def step(carry, _):
+                p, s = carry
+                u, s = opt.update(jax.grad(loss)(p, x, y), s, p)
+                return (optax.apply_updates(p, u), s), None
+
+            out[name] = jax.lax.scan(step, (params, opt.init(params)), length=STEPS)[0][0]
+        return out
+    return train, opts
+
+
+def relative(a, b) -> float:
+    """The largest ``|a - b|`` of a leaf over the largest ``|b|`` of that leaf."""
+    a, b = jax.device_get((a, b))     # NumPy: an eager JAX operation compiles per sharding
+    return max(float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def most_bytes(tree) -> int:
+    """The most bytes ``tree``'s arrays hold on any one device."""
+    held = {}
+    for a in jax.tree_util.tree_leaves(tree):
+        for shard in a.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values())
+
+
+def layouts(m):
+    errors, state_bytes, built = {}, {}, {}
+    for name, (kind, spec, batch) in LAYOUTS.items():
+        names = TRANSFORMS[name]
+        if kind not in built:
+            module, params, chains, x, y = model(kind)
+            every = sorted({n for k, v in TRANSFORMS.items() if LAYOUTS[k][0] == kind
+                            for n in v})
+            built[kind] = (module, params, chains, x, y,
+                           trainer(module, chains, every)[0](params, x, y))
+        module, params, chains, x, y, reference = built[kind]
+        train, opts = trainer(module, chains, names)
+        placed = place(params, spec, m)
+        got = train(placed, jax.device_put(x, NamedSharding(m, batch)),
+                    jax.device_put(y, NamedSharding(m, P(batch[0]))))
+        errors[name] = {k: relative(got[k], reference[k]) for k in got}
+        state_bytes[name] = {"params": most_bytes(placed),
+                             "gsgd": most_bytes(opts["gsgd"].init(placed))}
+    return errors, state_bytes
+
+
+def weight_sized_moves(m) -> dict:
+    """How many arrays larger than a layer's width (a weight, or a shard of one) the
+    collectives of G-SGD's update move, compiled alone with gradients placed like the params
+    (the gradient computation's own collectives are not in it)."""
+    counts = {}
+    for name in COLLECTIVES:
+        kind, spec, _ = LAYOUTS[name]
+        _, params, chains, _, _ = model(kind)
+        placed, opt = place(params, spec, m), optimizers(chains)["gsgd"]
+        hlo = jax.jit(opt.update).lower(placed, opt.init(placed), placed).compile().as_text()
+        found = collectives(hlo)
+        counts[name] = {"arrays": len(found),
+                        "weight_sized": weight_sized(found, max(chains[0].chain.sizes))}
+    return counts
+
+
+def refusals(m):
+    """The error of each placement the step cannot follow (eager ``opt.init``/``update``)."""
+    module, params, chains, x, _ = model("mlp")
+    opt = gsgd(0.05, chains, momentum=0.9)
+    placed = place(params, lambda path, a: P(), m)
+    devices = jax.devices()
+    cases = {
+        # one kernel on two of the mesh's devices
+        "two_devices": lambda t: jax.device_put(t, NamedSharding(
+            jax.sharding.Mesh(np.array(devices[:2]), ("x",)), P("x"))),
+        # one kernel on the mesh's devices in another order: another mesh
+        "other_mesh": lambda t: jax.device_put(t, NamedSharding(
+            jax.sharding.Mesh(np.array(devices)[[1, 0, 3, 2]], ("x",)), P("x"))),
+        "one_device": lambda t: jax.device_put(t, devices[3]),
+    }
+    refused = {"fsdp_eager": _error(lambda: _validated(chains, place(params, LAYOUTS["fsdp"][1],
+                                                                     m)))}
+    for case, move in cases.items():
+        bad = jax.tree_util.tree_map(lambda a: a, placed)
+        bad["Dense_1"]["kernel"] = move(bad["Dense_1"]["kernel"])
+        refused[case] = _error(lambda: opt.init(bad))
+    # gradients on other devices than the params
+    grads = jax.tree_util.tree_map(lambda a: jax.device_put(a, devices[0]), placed)
+    refused["grads_elsewhere"] = _error(lambda: opt.update(grads, opt.init(placed), placed))
+    explicit = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    sharded = place(params, lambda path, a: P(None, "model") if a.ndim == 2 else P(), explicit)
+    refused["explicit_axes"] = _error(lambda: jax.jit(opt.init)(sharded))
+    return refused
+
+
+def _validated(chains, params):
+    """The core's validation of an eager update's arrays (kernels sharded, biases replicated:
+    one mesh, two shardings), without the update's arithmetic, each eager operation of which
+    compiles anew for every sharding."""
+    index = {p: i for i, p in enumerate(key_paths(params)[0])}
+    W, b = chains[0].arrays(index, key_paths(params)[1])
+    prepare(chains[0].chain, W, b, grads=W, bias_grads=b)
+
+
+def _error(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def main():
+    m = mesh()
+    errors, state_bytes = layouts(m)
+    json.dump({"errors": errors, "state_bytes": state_bytes, "refused": refusals(m),
+               "collectives": weight_sized_moves(m)}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Sharded JAX params on a 2x2 mesh of 4 host devices, under ``jax.jit``: every layout
+trains as one device does, the optimizer state is placed like the params, G-SGD's update
+moves vectors between devices (never a weight), and placements the step cannot follow
+are refused naming the leaf.
+
+JAX takes its device count from XLA_FLAGS when it starts, so the work runs once in a
+process of its own (``_jax_mesh_worker.py``); the tests read its results.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = os.environ | {"XLA_FLAGS": flags, "PYTHONPATH": str(HERE.parent)}
+    done = subprocess.run([sys.executable, str(HERE / "_jax_mesh_worker.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_each_layout_trains_as_one_device(mesh_run, layout):
+    """skeleton_init, random_rescale and 3 steps of each transformation (momentum where it
+    has one), float64 under jax.jit: the mesh's params equal one device's to 1e-12."""
+    errors = mesh_run["errors"][layout]
+    assert set(errors) == {"init", *TRANSFORMS[layout]}
+    assert max(errors.values()) <= 1e-12, errors
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_optimizer_state_is_placed_like_the_params(mesh_run, layout):
+    """An eager ``opt.init`` holds on each device the momentum of the params' shards there
+    (and two step counts): sharded params get sharded state, not a replicated copy."""
+    held = mesh_run["state_bytes"][layout]
+    assert held["params"] <= held["gsgd"] <= held["params"] + 8
+
+
+def test_sharded_layouts_hold_less_per_device(mesh_run):
+    """The placement the state test compares with is real: sharded params hold less on a
+    device than replicated ones."""
+    held = mesh_run["state_bytes"]
+    for layout in ("fsdp", "tensor", "mesh2d"):
+        assert held[layout]["params"] < held["replicated"]["params"]
+
+
+@pytest.mark.parametrize("layout", COLLECTIVES)
+def test_update_moves_no_weight_between_devices(mesh_run, layout):
+    """The compiled update's collectives move vectors of units (column sums, skeleton
+    edges, path ratios), never a weight or a shard of one."""
+    moved = mesh_run["collectives"][layout]
+    assert moved["arrays"] > 0          # sharded chains do need their vectors reduced
+    assert moved["weight_sized"] == 0, moved
+
+
+def test_eager_arrays_on_one_mesh_in_two_shardings_are_accepted(mesh_run):
+    """Kernels sharded and biases replicated on the same devices pass the core's
+    validation outside ``jit`` too: it compares the devices arrays span, not their
+    shardings."""
+    assert mesh_run["refused"]["fsdp_eager"] is None
+
+
+@pytest.mark.parametrize("case, leaf, placements", [
+    ("two_devices", "params leaf Dense_1/kernel", ("[0, 1]", "[0, 1, 2, 3]")),
+    ("other_mesh", "params leaf Dense_1/kernel", ("[1, 0, 3, 2]", "[0, 1, 2, 3]")),
+    ("one_device", "params leaf Dense_1/kernel", ("[3]", "[0, 1, 2, 3]")),
+    ("grads_elsewhere", "grads leaf Dense_0/bias", ("[0]", "[0, 1, 2, 3]")),
+    ("explicit_axes", "params leaf Dense_0/kernel", ("('model',)", "Explicit")),
+])
+def test_placements_the_step_cannot_follow_are_refused(mesh_run, case, leaf, placements):
+    """A ValueError names the leaf and both placements (devices, sharding) before any
+    arithmetic."""
+    message = mesh_run["refused"][case]
+    assert message is not None and message.startswith(leaf), message
+    for placement in placements:
+        assert placement in message
