@@ -185,16 +185,11 @@ class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monkeypatch):
-    """Chains of 2, 3 and 12 layers in one plan: a step (with
-    momentum, Nesterov, weight decay and a device learning rate) launches the three kernels
-    once each and no ATen operation, the first step after building the plan at most the
-    pointer tables' copies: at most 8 in all."""
-    group = [gc.Chain.mlp([1] * 3), gc.Chain.mlp([1] * 13, bias=False), MANY[1]]
-    parts = _setup(group)
-    plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
+def _counted_launches(monkeypatch, module):
+    """A _Counting mode that also records ``module``'s launches (the interpreter's own
+    ATen work inside them not counted)."""
     counting = _Counting()
-    real = fused._launch
+    real = module._launch
 
     def launch(kernel, grid, *args, **meta):
         counting.launches.append(kernel.fn.__name__)
@@ -203,7 +198,19 @@ def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monke
             real(kernel, grid, *args, **meta)
         finally:
             counting.inside = False
-    monkeypatch.setattr(fused, "_launch", launch)
+    monkeypatch.setattr(module, "_launch", launch)
+    return counting
+
+
+def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monkeypatch):
+    """Chains of 2, 3 and 12 layers in one plan: a step (with
+    momentum, Nesterov, weight decay and a device learning rate) launches the three kernels
+    once each and no ATen operation, the first step after building the plan at most the
+    pointer tables' copies: at most 8 in all."""
+    group = [gc.Chain.mlp([1] * 3), gc.Chain.mlp([1] * 13, bias=False), MANY[1]]
+    parts = _setup(group)
+    plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
+    counting = _counted_launches(monkeypatch, fused)
     lr = torch.tensor(0.1, dtype=torch.float64)
     hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
     totals = []
@@ -351,23 +358,6 @@ def test_fused_psi_step_equals_psi_update(dtype, momentum):
         norms.append(float(torch.linalg.vector_norm(W[1][0])))
     assert norms[0] == pytest.approx(1.0) and norms[1] != pytest.approx(1.0)  # renormalised
     assert torch.equal(W[0][1:3], _psi_problem(dtype)[0][0][1:3])  # both kept
-
-
-def _counted_launches(monkeypatch, module):
-    """A _Counting mode that also records ``module``'s launches (the interpreter's own
-    ATen work inside them not counted)."""
-    counting = _Counting()
-    real = module._launch
-
-    def launch(kernel, grid, *args, **meta):
-        counting.launches.append(kernel.fn.__name__)
-        counting.inside = True
-        try:
-            real(kernel, grid, *args, **meta)
-        finally:
-            counting.inside = False
-    monkeypatch.setattr(module, "_launch", launch)
-    return counting
 
 
 def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(monkeypatch):
