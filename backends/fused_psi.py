@@ -28,7 +28,7 @@ from gsgd_core.arrays import is_off
 from gsgd_core.psi import PSIState, check_psi_arguments
 
 from . import fused_psi_kernels as fk
-from .fused import _TL, _launch, interpreted
+from .fused import _TL, DeviceValues, _launch, interpreted
 
 __all__ = ["FusedPSIPlan", "PSIBlocks", "fused_psi_step_"]
 
@@ -40,7 +40,7 @@ class PSIBlocks(NamedTuple):
     cols: int = 256
 
 
-class FusedPSIPlan:
+class FusedPSIPlan(DeviceValues):
     """The tables of one fused PSI step of weights shaped as ``weights`` (one device, one
     dtype). Build it once and keep it: the pointer table is rebuilt only when a tensor's
     address changes (a captured CUDA graph needs the same tensors every step).
@@ -69,41 +69,22 @@ class FusedPSIPlan:
         tiles = [(i, r0) for i, (n, _) in enumerate(sizes) for r0 in range(0, n, blocks.rows)]
         self.sizes = torch.tensor(sizes, dtype=torch.int64, device=self.device)
         self.tiles = torch.tensor(tiles, dtype=torch.int64, device=self.device).reshape(-1)
-        self._ptrs: tuple = (None, None)
-        self._lr: tuple = (None, None)
-        self._hyper: tuple = (None, None)
 
     def __repr__(self) -> str:
         return (f"FusedPSIPlan({len(self.shapes)} weights, device={self.device}, "
                 f"dtype={self.dtype})")
 
-    def _cached(self, slot: str, key, make) -> torch.Tensor:
-        """The device tensor ``make()`` kept under ``slot`` while ``key`` is unchanged."""
-        held = getattr(self, slot)
-        if held[0] != key:
-            held = (key, make())
-            setattr(self, slot, held)
-        return held[1]
-
     def pointers(self, weights, grads, buffers) -> torch.Tensor:
         """The pointer table (weight, gradient, buffer per weight; 0 where no buffer)."""
         key = tuple(0 if a is None else a.data_ptr()
                     for row in zip(weights, grads, buffers) for a in row)
-        return self._cached("_ptrs", key, lambda: torch.tensor(key, dtype=torch.int64,
+        return self.cached("_ptrs", key, lambda: torch.tensor(key, dtype=torch.int64,
                                                                device=self.device))
-
-    def learning_rate(self, lr) -> torch.Tensor:
-        """``lr`` as the kernel reads it: a device tensor as given, a number as a tensor
-        made when it changes."""
-        if isinstance(lr, torch.Tensor):
-            return lr
-        return self._cached("_lr", lr, lambda: torch.full((), lr, dtype=self.compute,
-                                                          device=self.device))
 
     def hyperparameters(self, momentum: float, max_norm: float) -> torch.Tensor:
         """``(momentum, max_norm)`` as a device tensor, made when they change."""
         key = (float(momentum), float(max_norm))
-        return self._cached("_hyper", key, lambda: torch.tensor(key, dtype=self.compute,
+        return self.cached("_hyper", key, lambda: torch.tensor(key, dtype=self.compute,
                                                                 device=self.device))
 
 
