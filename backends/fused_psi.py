@@ -95,6 +95,10 @@ def _check(plan: FusedPSIPlan, state, weights, grads, lr, momentum, max_norm,
     kernel reads (``None`` each for PSI-SGD)."""
     check_psi_arguments(state, weights, grads, lr=1.0 if isinstance(lr, torch.Tensor) else lr,
                         momentum=momentum, max_norm=max_norm)
+    for name, v in (("momentum", momentum), ("max_norm", max_norm)):
+        if isinstance(v, torch.Tensor):  # its value would be read back to choose the kernel
+            raise ValueError(f"the fused PSI step takes {name} as a Python number, got a "
+                             f"tensor; only lr may be a device tensor")
     if plan.device.type == "cpu" and not interpreted():
         raise ValueError("the fused PSI step runs on CPU tensors only under Triton's "
                          "interpreter (TRITON_INTERPRET=1 set before gsgd_backends.fused is "

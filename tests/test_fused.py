@@ -389,18 +389,20 @@ def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(m
     (lambda W, G, U: U.__setitem__(0, U[0].float()), "weight 0: .*momentum buffer.*float32"),
     (lambda W, G, U: W.__setitem__(1, W[1].t().contiguous().t()), "not contiguous"),
     (lambda W, G, U: W.append(torch.zeros(2, 2)), "shapes"),
+    (lambda W, G, U: dict(momentum=torch.tensor(0.9)), "momentum as a Python number"),
 ])
 def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message):
     """The core's errors naming the weight and the shapes, and the plan's (dtype, layout,
-    shapes): ``ValueError`` before any kernel runs."""
+    shapes, a momentum whose value would be read back): ``ValueError`` before any kernel
+    runs."""
     W, G, U = _psi_problem(torch.float64)
     plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
-    change(W, G, U)
+    hyper = change(W, G, U) or dict(momentum=0.9)
     G += [torch.zeros(2, 2)] * (len(W) - len(G))
     U += [torch.zeros(2, 2)] * (len(W) - len(U))
     monkeypatch.setattr(fused_psi, "_launch", lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=message):
-        fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, momentum=0.9)
+        fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, **hyper)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
