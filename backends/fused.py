@@ -41,8 +41,9 @@ from .plan import StepPlan, check_column_sums
 
 __all__ = ["Blocks", "DeviceValues", "FusedPlan", "fused_step_", "interpreted"]
 
-_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-       torch.float64: tl.float64}
+#: The Triton element type of each torch dtype the fused steps take.
+TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                 torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 class Blocks(NamedTuple):
@@ -61,7 +62,7 @@ def interpreted() -> bool:
     return type(fk.write_pass).__name__ == "InterpretedFunction"
 
 
-def _launch(kernel, grid: int, *args, **meta) -> None:
+def launch(kernel, grid: int, *args, **meta) -> None:
     """Every launch of the step goes through here (tests count them). The interpreter
     computes in NumPy, which warns where a GPU computes quietly (``inf - inf`` of the
     finiteness test)."""
@@ -144,7 +145,7 @@ class FusedPlan(DeviceValues):
             if torch.device(p.device) != self.device or p.dtype != self.dtype:
                 raise ValueError(f"a fused plan steps chains of one device and dtype: {p} "
                                  f"against {self.device}, {self.dtype}")
-        if self.dtype not in _TL:
+        if self.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused step takes floating tensors, got {self.dtype}")
         self.compute = (torch.float32 if self.dtype in (torch.float16, torch.bfloat16)
                         else self.dtype)
@@ -325,20 +326,21 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
     lr_t = plan.learning_rate(lr)
     hyper = plan.hyperparameters((float(momentum), float(dampening), float(weight_decay)))
     bl = plan.blocks
-    flags = dict(ST=_TL[plan.dtype], DT=_TL[plan.compute], MAXIMIZE=bool(maximize))
+    flags = dict(ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
+                 MAXIMIZE=bool(maximize))
     rule = dict(HAS_WD=bool(weight_decay), HAS_M=bool(momentum), NESTEROV=bool(nesterov))
     tiles = plan.bias_tiles if given else plan.read_tiles
     if tiles.shape[0]:
-        _launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
-                plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
-    _launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, counters, plan.idx, plan.scale,
-            plan.part, plan.ws, plan.flag, plan.ok,
-            plan.flag if found_inf is None else found_inf, lr_t, hyper,
-            float(torch.finfo(plan.compute).eps), HAS_STEP=states is not None,
-            HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **flags, **rule)
-    _launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
-            plan.layers, ptrs, counters, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
-            BC=bl.cols, **flags, **rule)
+        launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
+               plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
+    launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, counters, plan.idx, plan.scale,
+           plan.part, plan.ws, plan.flag, plan.ok,
+           plan.flag if found_inf is None else found_inf, lr_t, hyper,
+           float(torch.finfo(plan.compute).eps), HAS_STEP=states is not None,
+           HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **flags, **rule)
+    launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
+           plan.layers, ptrs, counters, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
+           BC=bl.cols, **flags, **rule)
 
 
 def _validated(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states, hyper: dict,

@@ -28,7 +28,7 @@ from gsgd_core.arrays import is_off
 from gsgd_core.psi import PSIState, check_psi_arguments
 
 from . import fused_psi_kernels as fk
-from .fused import _TL, DeviceValues, _launch, interpreted
+from .fused import TRITON_DTYPES, DeviceValues, launch, interpreted
 
 __all__ = ["FusedPSIPlan", "PSIBlocks", "fused_psi_step_"]
 
@@ -57,7 +57,7 @@ class FusedPSIPlan(DeviceValues):
             raise ValueError("a fused PSI plan needs at least one weight")
         self.shapes = tuple(tuple(w.shape) for w in weights)
         self.device, self.dtype = weights[0].device, weights[0].dtype
-        if self.dtype not in _TL:
+        if self.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused PSI step takes floating tensors, got {self.dtype}")
         if any(len(s) < 1 for s in self.shapes):
             raise ValueError(f"the fused PSI step takes weights with rows, got shapes "
@@ -136,7 +136,8 @@ def fused_psi_step_(plan: FusedPSIPlan, state: PSIState, weights, grads, lr, *,
         return
     ptrs = plan.pointers(weights, grads, buffers)
     hyper = plan.hyperparameters(momentum, max_norm)
-    _launch(fk.psi_rows, plan.tiles.shape[0] // 2, plan.tiles, plan.sizes, ptrs,
-            plan.learning_rate(lr), hyper, hyper if found_inf is None else found_inf,
-            ST=_TL[plan.dtype], DT=_TL[plan.compute], HAS_M=not is_off(momentum),
-            HAS_FOUND=found_inf is not None, BR=plan.blocks.rows, BC=plan.blocks.cols)
+    launch(fk.psi_rows, plan.tiles.shape[0] // 2, plan.tiles, plan.sizes, ptrs,
+           plan.learning_rate(lr), hyper, hyper if found_inf is None else found_inf,
+           ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
+           HAS_M=not is_off(momentum),
+           HAS_FOUND=found_inf is not None, BR=plan.blocks.rows, BC=plan.blocks.cols)

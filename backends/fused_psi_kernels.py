@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_kernels import _device, _finite
+from .fused_kernels import device_function, finite
 
 # Fields of a row of the weight table (int64), built by gsgd_backends.fused_psi.
 W_ROWS, W_REST, WFIELDS = map(tl.constexpr, range(3))
@@ -22,7 +22,7 @@ W_ROWS, W_REST, WFIELDS = map(tl.constexpr, range(3))
 Q_W, Q_G, Q_U, QPTRS = map(tl.constexpr, range(4))
 
 
-@_device
+@device_function
 def _new_rows(w_ptr, g_ptr, u_ptr, offs, m, sq, lr, mu, DT: tl.constexpr,
               HAS_M: tl.constexpr):
     """``u' = mu u + ||w||^2 g`` and ``w' = w - lr u'`` of a block of rows (the old ``w``
@@ -75,7 +75,7 @@ def psi_rows(tiles, sizes, ptrs, lr_ptr, hyper, found, ST: tl.constexpr, DT: tl.
             _, G, U, Wn = _new_rows(w_ptr, g_ptr, u_ptr, rows[:, None] * width + cols[None, :],
                                     m, sq, lr, mu, DT, HAS_M)
             norm2 += tl.sum(Wn * Wn, axis=1)
-            fine = _finite(G) & _finite(U) & _finite(Wn)
+            fine = finite(G) & finite(U) & finite(Wn)
             bad = tl.maximum(bad, tl.max(tl.where(m, ~fine, False).to(tl.int32), axis=1))
         norm = tl.sqrt(norm2)
         # the core's order: dividing by the norm, not multiplying by its inverse

@@ -149,7 +149,8 @@ MANY = [gc.Chain.mlp([3, 4, 2]), gc.Chain((2, 3, 1, 2), (1, 2, 1), bias=False)]
 def test_chains_in_one_fused_step_are_skipped_one_by_one_and_all_by_found_inf():
     """Two chains in one plan: a non-finite gradient in one skips that chain only (its
     weights, biases, buffers and step count unchanged) while the other takes the core's
-    first step (with dampening: the first buffer is the path gradient itself); a set ``found_inf`` skips every chain; a clear one does not."""
+    first step (with dampening: the first buffer is the path gradient itself); a set
+    ``found_inf`` skips every chain; a clear one does not."""
     parts = _setup(MANY)
     plan = _plan(MANY, parts[0][1][0])
     parts[1][3][1][0, 0, 0] = float("nan")
@@ -189,7 +190,7 @@ def _counted_launches(monkeypatch, module):
     """A _Counting mode that also records ``module``'s launches (the interpreter's own
     ATen work inside them not counted)."""
     counting = _Counting()
-    real = module._launch
+    real = module.launch
 
     def launch(kernel, grid, *args, **meta):
         counting.launches.append(kernel.fn.__name__)
@@ -198,7 +199,7 @@ def _counted_launches(monkeypatch, module):
             real(kernel, grid, *args, **meta)
         finally:
             counting.inside = False
-    monkeypatch.setattr(module, "_launch", launch)
+    monkeypatch.setattr(module, "launch", launch)
     return counting
 
 
@@ -258,7 +259,7 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
     if isinstance(out, gc.GSGDState):
         parts[0][5] = out
         message = "int32"
-    monkeypatch.setattr(fused, "_launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, momentum=0.9)
 
@@ -400,7 +401,7 @@ def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message
     hyper = change(W, G, U) or dict(momentum=0.9)
     G += [torch.zeros(2, 2)] * (len(W) - len(G))
     U += [torch.zeros(2, 2)] * (len(W) - len(U))
-    monkeypatch.setattr(fused_psi, "_launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=message):
         fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, **hyper)
 
