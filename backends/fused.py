@@ -39,10 +39,11 @@ from gsgd_core.gsgd import check_update_hypers
 from . import fused_kernels as fk
 from .plan import StepPlan, check_column_sums
 
-__all__ = ["Blocks", "FusedPlan", "fused_step_", "interpreted"]
+__all__ = ["Blocks", "DeviceValues", "FusedPlan", "fused_step_", "interpreted"]
 
-_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
-       torch.float64: tl.float64}
+#: The Triton element type of each torch dtype the fused steps take.
+TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+                 torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 class Blocks(NamedTuple):
@@ -61,7 +62,7 @@ def interpreted() -> bool:
     return type(fk.write_pass).__name__ == "InterpretedFunction"
 
 
-def _launch(kernel, grid: int, *args, **meta) -> None:
+def launch(kernel, grid: int, *args, **meta) -> None:
     """Every launch of the step goes through here (tests count them). The interpreter
     computes in NumPy, which warns where a GPU computes quietly (``inf - inf`` of the
     finiteness test)."""
@@ -97,7 +98,32 @@ class _Tables:
         return at if a.size else 0
 
 
-class FusedPlan:
+class DeviceValues:
+    """Device tensors of a plan's host values, made when a value changes (so a step
+    copies nothing to the device while they stay the same). Needs ``device`` and
+    ``compute`` (the kernels' dtype)."""
+
+    device: torch.device
+    compute: torch.dtype
+
+    def cached(self, slot: str, key, make) -> torch.Tensor:
+        """The tensor ``make()`` kept in attribute ``slot`` while ``key`` is unchanged."""
+        held = getattr(self, slot, (None, None))
+        if held[0] != key:
+            held = (key, make())
+            setattr(self, slot, held)
+        return held[1]
+
+    def learning_rate(self, lr) -> torch.Tensor:
+        """``lr`` as the kernels read it: a 0-d device tensor as given, a number as a
+        tensor made when it changes."""
+        if isinstance(lr, torch.Tensor):
+            return lr
+        return self.cached("_lr", lr, lambda: torch.full((), lr, dtype=self.compute,
+                                                         device=self.device))
+
+
+class FusedPlan(DeviceValues):
     """The tables and workspace of one fused step of ``plans``' chains (all on one device,
     of one dtype). Build it once and keep it: it is specialised to the chains' shapes, and
     to the tensors' addresses (the pointer table is rebuilt when one changes; a captured
@@ -119,7 +145,7 @@ class FusedPlan:
             if torch.device(p.device) != self.device or p.dtype != self.dtype:
                 raise ValueError(f"a fused plan steps chains of one device and dtype: {p} "
                                  f"against {self.device}, {self.dtype}")
-        if self.dtype not in _TL:
+        if self.dtype not in TRITON_DTYPES:
             raise ValueError(f"the fused step takes floating tensors, got {self.dtype}")
         self.compute = (torch.float32 if self.dtype in (torch.float16, torch.bfloat16)
                         else self.dtype)
@@ -144,10 +170,6 @@ class FusedPlan:
         self.ok = torch.zeros(len(chains), dtype=torch.int32, device=dev)
         self.read_tiles, self.bias_tiles, self.write_tiles = (
             ints(x).reshape(-1) for x in self._tiles(t))
-        self._ptrs: tuple = (None, None)
-        self._steps: tuple = (None, None)
-        self._lr: tuple = (None, None)
-        self._hyper: tuple = (None, None)
 
     def __repr__(self) -> str:
         return (f"FusedPlan({len(self.plans)} chains, {len(self.layers)} layers, "
@@ -193,33 +215,21 @@ class FusedPlan:
         """The pointer table of the tensors in ``lists`` (one row of ``fk.PTRS``
         addresses per layer), rebuilt only when an address changes."""
         key = tuple(0 if a is None else a.data_ptr() for a in lists)
-        if key != self._ptrs[0]:
-            self._ptrs = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
-        return self._ptrs[1]
+        return self.cached("_ptrs", key, lambda: torch.tensor(key, dtype=torch.int64,
+                                                              device=self.device))
 
     def step_pointers(self, steps, checks) -> torch.Tensor:
         """The table of the chains' step counters' and gradient checks' addresses (0 where
         none; cached as :meth:`pointers`)."""
         key = tuple(0 if t is None else t.data_ptr() for pair in zip(steps, checks)
                     for t in pair)
-        if key != self._steps[0]:
-            self._steps = (key, torch.tensor(key, dtype=torch.int64, device=self.device))
-        return self._steps[1]
-
-    def learning_rate(self, lr) -> torch.Tensor:
-        """``lr`` as the kernels read it: a 0-d device tensor as given, a number as a
-        tensor made when it changes."""
-        if isinstance(lr, torch.Tensor):
-            return lr
-        if lr != self._lr[0]:
-            self._lr = (lr, torch.full((), lr, dtype=self.compute, device=self.device))
-        return self._lr[1]
+        return self.cached("_steps", key, lambda: torch.tensor(key, dtype=torch.int64,
+                                                               device=self.device))
 
     def hyperparameters(self, values: tuple) -> torch.Tensor:
         """``(momentum, dampening, weight_decay)`` as a device tensor, made when they change."""
-        if values != self._hyper[0]:
-            self._hyper = (values, torch.tensor(values, dtype=self.compute, device=self.device))
-        return self._hyper[1]
+        return self.cached("_hyper", values, lambda: torch.tensor(
+            values, dtype=self.compute, device=self.device))
 
 
 def _has_bias(chain, l: int) -> bool:
@@ -316,20 +326,21 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
     lr_t = plan.learning_rate(lr)
     hyper = plan.hyperparameters((float(momentum), float(dampening), float(weight_decay)))
     bl = plan.blocks
-    flags = dict(ST=_TL[plan.dtype], DT=_TL[plan.compute], MAXIMIZE=bool(maximize))
+    flags = dict(ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
+                 MAXIMIZE=bool(maximize))
     rule = dict(HAS_WD=bool(weight_decay), HAS_M=bool(momentum), NESTEROV=bool(nesterov))
     tiles = plan.bias_tiles if given else plan.read_tiles
     if tiles.shape[0]:
-        _launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
-                plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
-    _launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, counters, plan.idx, plan.scale,
-            plan.part, plan.ws, plan.flag, plan.ok,
-            plan.flag if found_inf is None else found_inf, lr_t, hyper,
-            float(torch.finfo(plan.compute).eps), HAS_STEP=states is not None,
-            HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **flags, **rule)
-    _launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
-            plan.layers, ptrs, counters, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
-            BC=bl.cols, **flags, **rule)
+        launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
+               plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
+    launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, counters, plan.idx, plan.scale,
+           plan.part, plan.ws, plan.flag, plan.ok,
+           plan.flag if found_inf is None else found_inf, lr_t, hyper,
+           float(torch.finfo(plan.compute).eps), HAS_STEP=states is not None,
+           HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **flags, **rule)
+    launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
+           plan.layers, ptrs, counters, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
+           BC=bl.cols, **flags, **rule)
 
 
 def _validated(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states, hyper: dict,

@@ -36,7 +36,7 @@ S_STEP, S_CHECK, SFIELDS = map(tl.constexpr, range(3))
 C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = map(tl.constexpr, range(5))
 
 
-def _device(fn):
+def device_function(fn):
     """A device function of the kernels: compiled with them by Triton, or, under the
     interpreter, a plain Python function run inside the interpreted kernel (the
     interpreter patches the language module once per launch, not once per call, which
@@ -44,35 +44,35 @@ def _device(fn):
     return fn if knobs.runtime.interpret else triton.jit(fn)
 
 
-@_device
+@device_function
 def _field(table, row, field: tl.constexpr, width: tl.constexpr):
     return tl.load(table + row * width + field)
 
 
-@_device
+@device_function
 def _ptr(ptrs, layer, which: tl.constexpr, ST: tl.constexpr):
     return tl.load(ptrs + layer * PTRS + which).to(tl.pointer_type(ST))
 
 
-@_device
+@device_function
 def _counter(steps, chain, which: tl.constexpr, T: tl.constexpr):
     return tl.load(steps + chain * SFIELDS + which).to(tl.pointer_type(T))
 
 
-@_device
-def _finite(x):
+@device_function
+def finite(x):
     """rules.finite_mask: ``x - x`` is 0 exactly when ``x`` is finite."""
     return (x - x) == 0
 
 
-@_device
+@device_function
 def _safe_div(num, den):
     """rules.safe_div: 0 where ``den == 0``."""
     zero = den == 0
     return tl.where(zero, 0.0, num / tl.where(zero, 1.0, den))
 
 
-@_device
+@device_function
 def _scaled_div(lr, num, den):
     """rules.scaled_div with a 0-d ``lr``: ``lr * num / den`` in the order that overflows
     only where the value does."""
@@ -80,14 +80,14 @@ def _scaled_div(lr, num, den):
     return tl.where(small, 1.0, lr) * _safe_div(tl.where(small, lr, 1.0) * num, den)
 
 
-@_device
+@device_function
 def _path_gradient(num, den, g):
     """rules.path_gradient: ``num / den``, 0 where it overflows from a finite ``g``."""
     D = _safe_div(num, den)
-    return tl.where(_finite(D) | ~_finite(g), D, 0.0)
+    return tl.where(finite(D) | ~finite(g), D, 0.0)
 
 
-@_device
+@device_function
 def _direction(D, M, V, first, mu, damp, wd, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
                NESTEROV: tl.constexpr):
     """rules.direction: weight decay, then momentum (torch.optim.SGD's conventions).
@@ -105,20 +105,20 @@ def _direction(D, M, V, first, mu, damp, wd, HAS_WD: tl.constexpr, HAS_M: tl.con
     return out, Mn
 
 
-@_device
+@device_function
 def _kept(new, old):
     """rules.kept: ``new`` where finite, else ``old``."""
-    return tl.where(_finite(new), new, old)
+    return tl.where(finite(new), new, old)
 
 
-@_device
+@device_function
 def _and(mask, flag):
     """``mask & flag`` for a scalar ``flag`` (the interpreter turns ``&`` of a vector and
     a scalar into integers, which a mask may not be)."""
     return tl.where(flag, mask, False)
 
 
-@_device
+@device_function
 def _grad(ptr, offs, mask, DT: tl.constexpr, MAXIMIZE: tl.constexpr):
     g = tl.load(ptr + offs, mask=mask, other=0.0).to(DT)
     if MAXIMIZE:
@@ -158,7 +158,7 @@ def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexp
         m = (rows < r_end)[:, None] & cm[None, :]
         offs = rows[:, None] * width + cols[None, :]
         g = _grad(g_ptr, offs, m, DT, MAXIMIZE)
-        bad = bad | tl.max((~_finite(g) & m).to(tl.int32), axis=0).to(tl.int1)
+        bad = bad | tl.max((~finite(g) & m).to(tl.int32), axis=0).to(tl.int1)
         if poff >= 0:
             w = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
             acc += tl.sum(w * g, axis=0)
@@ -167,7 +167,7 @@ def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexp
     tl.store(flag + chain, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
 
 
-@_device
+@device_function
 def _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST: tl.constexpr,
               DT: tl.constexpr, BLOCK: tl.constexpr):
     """Chain products (core's sweeps.chain_products, in its order): ``B`` at the nodes of
@@ -193,7 +193,7 @@ def _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST: tl.constexpr,
                  OUT_NODE, IN_NODE, ST, DT, BLOCK)
 
 
-@_device
+@device_function
 def _factors(layers, ptrs, idx, scale, vec, li, COUNT: tl.constexpr, EDGE: tl.constexpr,
              LINK: tl.constexpr, FROM: tl.constexpr, TO: tl.constexpr, ST: tl.constexpr,
              DT: tl.constexpr, BLOCK: tl.constexpr):
@@ -214,7 +214,7 @@ def _factors(layers, ptrs, idx, scale, vec, li, COUNT: tl.constexpr, EDGE: tl.co
     tl.debug_barrier()
 
 
-@_device
+@device_function
 def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl.constexpr,
                    MAXIMIZE: tl.constexpr, GIVEN: tl.constexpr, BLOCK: tl.constexpr):
     """ICR's backward sweep (fast.backward_sums, layer by layer from the top)::
@@ -260,7 +260,7 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
         tl.debug_barrier()
 
 
-@_device
+@device_function
 def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
                ST: tl.constexpr, DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -296,7 +296,7 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, dam
             R = tl.where(R == 0, eps, R)
             rho_src = tl.load(Rw + in_node + src, mask=m, other=1.0)
             new = w * (R / rho_src)
-            written = _finite(new)
+            written = finite(new)
             tl.store(Rw + out_node + j, tl.where(free | ~written, rho_src, R), mask=m)
             moved = _and(m & ~free, ok)
             tl.store(w_ptr + ti, tl.where(written, new, w).to(ST), mask=moved)
@@ -305,7 +305,7 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, dam
         tl.debug_barrier()
 
 
-@_device
+@device_function
 def _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST: tl.constexpr,
                    DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
                    NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
@@ -324,7 +324,7 @@ def _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST: tl.co
             tl.store(m_ptr + fi, _kept(Mn, M).to(ST), mask=_and(m, ok))
 
 
-@_device
+@device_function
 def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST: tl.constexpr,
             DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
             NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
@@ -378,7 +378,7 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
     if HAS_FOUND:
         ok = ok & (tl.load(found) == 0)
     if GIVEN:
-        ok = ok & _finite(tl.load(_counter(steps, c, S_CHECK, ST)).to(DT))
+        ok = ok & finite(tl.load(_counter(steps, c, S_CHECK, ST)).to(DT))
     tl.store(okbuf + c, ok.to(tl.int32))
     tl.store(flag + c, 0)
     lr = tl.load(lr_ptr).to(DT)

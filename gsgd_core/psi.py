@@ -15,7 +15,7 @@ import array_api_compat
 
 from .arrays import check_hyper, is_array, is_off, quiet_fp
 
-__all__ = ["PSIState", "psi_init", "psi_update"]
+__all__ = ["PSIState", "check_psi_arguments", "psi_init", "psi_update"]
 
 
 class PSIState(NamedTuple):
@@ -44,6 +44,24 @@ def psi_init(weights: Sequence[Any]) -> PSIState:
     return PSIState(tuple(xp.zeros_like(w) for w in weights))
 
 
+def check_psi_arguments(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
+                        lr, momentum, max_norm) -> None:
+    """``ValueError`` for arguments :func:`psi_update` does not take (hyperparameters, a
+    state not from :func:`psi_init`, shapes, dtypes), before anything is computed."""
+    check_hyper("lr", lr)
+    check_hyper("momentum", momentum)
+    check_hyper("max_norm", max_norm)
+    if not (isinstance(state, PSIState)):
+        raise ValueError("state must come from psi_init")
+    _check_pairs(weights, grads, "grads")
+    _check_pairs(weights, state.momentum, "momentum buffers")
+    xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
+    for w, g in zip(weights, grads):
+        if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:
+            raise ValueError(f"weights and grads must share one real floating dtype, got "
+                             f"{w.dtype} and {g.dtype}")
+
+
 def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *, lr,
                momentum=0.0, max_norm: float = 1e4):
     """One PSI-SGDM step (Yi et al., Algorithm 1; eq. 10–11), per row ``i`` of each weight::
@@ -64,22 +82,14 @@ def psi_update(state: PSIState, weights: Sequence[Any], grads: Sequence[Any], *,
     (Yi et al., Theorem 1) as long as no row is renormalised.
     """
     with quiet_fp():
-        check_hyper("lr", lr)
-        check_hyper("momentum", momentum)
-        check_hyper("max_norm", max_norm)
-        if not (isinstance(state, PSIState)):
-            raise ValueError("state must come from psi_init")
-        _check_pairs(weights, grads, "grads")
-        _check_pairs(weights, state.momentum, "momentum buffers")
+        check_psi_arguments(state, weights, grads, lr=lr, momentum=momentum,
+                            max_norm=max_norm)
         xp = array_api_compat.array_namespace(*weights, *grads, *state.momentum)
         # PSI-SGD keeps no buffer (torch.optim.SGD's convention): momentum switched on later
         # starts from u = 0, i.e. from ||w||^2 g, as torch's first momentum step does.
         plain = is_off(momentum)
         new_w, new_u = [], []
         for w, g, u in zip(weights, grads, state.momentum):
-            if not xp.isdtype(w.dtype, "real floating") or g.dtype != w.dtype:
-                raise ValueError(f"weights and grads must share one real floating dtype, got "
-                                 f"{w.dtype} and {g.dtype}")
             compute = xp.float32 if xp.finfo(w.dtype).bits < 32 else w.dtype
             rows = (w.shape[0], math.prod(w.shape[1:]))  # explicit: a shard may hold no rows
             w2, g2, u2 = (xp.astype(xp.reshape(a, rows), compute) for a in (w, g, u))

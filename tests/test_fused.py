@@ -40,6 +40,7 @@ def _interpreting():
 with _interpreting():  # triton's own library functions too are decided when it is imported
     triton = pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
     fused = importlib.import_module("gsgd_backends.fused")
+    fused_psi = importlib.import_module("gsgd_backends.fused_psi")
 
 
 def _interpreted(fn) -> bool:
@@ -148,7 +149,8 @@ MANY = [gc.Chain.mlp([3, 4, 2]), gc.Chain((2, 3, 1, 2), (1, 2, 1), bias=False)]
 def test_chains_in_one_fused_step_are_skipped_one_by_one_and_all_by_found_inf():
     """Two chains in one plan: a non-finite gradient in one skips that chain only (its
     weights, biases, buffers and step count unchanged) while the other takes the core's
-    first step (with dampening: the first buffer is the path gradient itself); a set ``found_inf`` skips every chain; a clear one does not."""
+    first step (with dampening: the first buffer is the path gradient itself); a set
+    ``found_inf`` skips every chain; a clear one does not."""
     parts = _setup(MANY)
     plan = _plan(MANY, parts[0][1][0])
     parts[1][3][1][0, 0, 0] = float("nan")
@@ -184,16 +186,11 @@ class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monkeypatch):
-    """Chains of 2, 3 and 12 layers in one plan: a step (with
-    momentum, Nesterov, weight decay and a device learning rate) launches the three kernels
-    once each and no ATen operation, the first step after building the plan at most the
-    pointer tables' copies: at most 8 in all."""
-    group = [gc.Chain.mlp([1] * 3), gc.Chain.mlp([1] * 13, bias=False), MANY[1]]
-    parts = _setup(group)
-    plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
+def _counted_launches(monkeypatch, module):
+    """A _Counting mode that also records ``module``'s launches (the interpreter's own
+    ATen work inside them not counted)."""
     counting = _Counting()
-    real = fused._launch
+    real = module.launch
 
     def launch(kernel, grid, *args, **meta):
         counting.launches.append(kernel.fn.__name__)
@@ -202,7 +199,19 @@ def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monke
             real(kernel, grid, *args, **meta)
         finally:
             counting.inside = False
-    monkeypatch.setattr(fused, "_launch", launch)
+    monkeypatch.setattr(module, "launch", launch)
+    return counting
+
+
+def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monkeypatch):
+    """Chains of 2, 3 and 12 layers in one plan: a step (with
+    momentum, Nesterov, weight decay and a device learning rate) launches the three kernels
+    once each and no ATen operation, the first step after building the plan at most the
+    pointer tables' copies: at most 8 in all."""
+    group = [gc.Chain.mlp([1] * 3), gc.Chain.mlp([1] * 13, bias=False), MANY[1]]
+    parts = _setup(group)
+    plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
+    counting = _counted_launches(monkeypatch, fused)
     lr = torch.tensor(0.1, dtype=torch.float64)
     hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
     totals = []
@@ -250,7 +259,7 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
     if isinstance(out, gc.GSGDState):
         parts[0][5] = out
         message = "int32"
-    monkeypatch.setattr(fused, "_launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, momentum=0.9)
 
@@ -305,3 +314,110 @@ def test_column_sums_from_the_backward_step_as_the_read_pass_and_a_bad_check_ski
     before = _snapshot(given)
     _step_all(plan, given, column_sums=[sums], gradient_check=[check * float("nan")], **hyper)
     _assert_unchanged(before, _snapshot(given), [0])
+
+
+# PSI-SGD(M): normalised weights (a Conv, a Linear) in tiles of 2 rows, 4 columns at a time.
+PSI_SHAPES = [(3, 2, 2, 2), (4, 5)]
+PSI_BLOCKS = fused_psi.PSIBlocks(rows=2, cols=4)
+
+
+def _psi_problem(dtype, seed=0):
+    """Weights, gradients and buffers where the core's per-row rules act: row 0 of the
+    Linear passes ``max_norm`` = 5 after the step, a NaN gradient in a Conv row, a Conv row
+    whose squared norm overflows."""
+    rng = np.random.default_rng(seed)
+
+    def draw():
+        return [torch.tensor(rng.uniform(-1, 1, s), dtype=torch.float64) for s in PSI_SHAPES]
+    W, G, U = draw(), draw(), draw()
+    W[1][0] *= 8
+    G[0][1, 0, 0, 1] = float("nan")
+    W[0][2] *= torch.finfo(dtype).max ** 0.5
+    return [[t.to(dtype) for t in x] for x in (W, G, U)]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_fused_psi_step_equals_psi_update(dtype, momentum):
+    """Two fused PSI steps (the second from the first's result, at a device learning rate)
+    against psi_update's: float64 to rounding, float32 within 1e-5 of the values' size;
+    rows renormalised, a row with a NaN gradient and one that overflows kept, buffers
+    untouched by PSI-SGD."""
+    W, G, U = _psi_problem(dtype)
+    want_W, want = list(W), gc.PSIState(tuple(U))
+    state = gc.PSIState(tuple(u.clone() for u in U))
+    W = [w.clone() for w in W]
+    plan, norms = fused_psi.FusedPSIPlan(W, PSI_BLOCKS), []
+    for lr in (0.1, torch.tensor(0.05, dtype=dtype)):
+        want_W, want = gc.psi_update(want, want_W, G, lr=float(lr), momentum=momentum,
+                                     max_norm=5.0)
+        fused_psi.fused_psi_step_(plan, state, W, G, lr, momentum=momentum, max_norm=5.0)
+        for got, expected in zip(W + list(state.momentum), want_W + list(want.momentum)):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, expected, atol=0,
+                                       rtol=1e-12 if dtype == torch.float64 else 1e-5)
+        norms.append(float(torch.linalg.vector_norm(W[1][0])))
+    assert norms[0] == pytest.approx(1.0) and norms[1] != pytest.approx(1.0)  # renormalised
+    assert torch.equal(W[0][1:3], _psi_problem(dtype)[0][0][1:3])  # both kept
+
+
+def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(monkeypatch):
+    """PSI-SGDM over every weight: one launch and no ATen operation once the plan's tables
+    are made (at most 8 with them); no read back to the host (``item``, ``bool``, ...
+    raise); a set ``found_inf`` writes nothing, a clear one steps."""
+    W, G, U = _psi_problem(torch.float64)
+    state = gc.PSIState(tuple(U))
+    plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
+    counting = _counted_launches(monkeypatch, fused_psi)
+    totals = []
+    for found in (1.0, 0.0):
+        before = [t.clone() for t in W + U]
+        found_inf = torch.tensor([found], dtype=torch.float64)
+        counting.aten, counting.launches = [], []
+        with counting, _NoHostReads():
+            fused_psi.fused_psi_step_(plan, state, W, G, 0.1, momentum=0.9,
+                                      found_inf=found_inf)
+        assert counting.launches == ["psi_rows"]
+        totals.append(len(counting.aten) + 1)
+        same = [torch.equal(a, b) for a, b in zip(before, W + U)]
+        assert all(same) if found else not any(same)
+    assert totals[0] <= 8, counting.aten
+    assert totals[1] == 1, counting.aten
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda W, G, U: G.__setitem__(1, G[1][:, :2]), "weight 1: grads has shape"),
+    (lambda W, G, U: U.__setitem__(0, U[0].float()), "weight 0: .*momentum buffer.*float32"),
+    (lambda W, G, U: W.__setitem__(1, W[1].t().contiguous().t()), "not contiguous"),
+    (lambda W, G, U: W.append(torch.zeros(2, 2)), "shapes"),
+    (lambda W, G, U: dict(momentum=torch.tensor(0.9)), "momentum as a Python number"),
+])
+def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message):
+    """The core's errors naming the weight and the shapes, and the plan's (dtype, layout,
+    shapes, a momentum whose value would be read back): ``ValueError`` before any kernel
+    runs."""
+    W, G, U = _psi_problem(torch.float64)
+    plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
+    hyper = change(W, G, U) or dict(momentum=0.9)
+    G += [torch.zeros(2, 2)] * (len(W) - len(G))
+    U += [torch.zeros(2, 2)] * (len(W) - len(U))
+    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, **hyper)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_psi_steps_as_the_core_in_float32(dtype):
+    """float16 and bfloat16 weights and buffers step as psi_update steps them (computed in
+    float32, written in their own dtype): within one unit of their last place."""
+    W, G, U = _psi_problem(dtype)
+    want_W, want = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1, momentum=0.9,
+                                 max_norm=5.0)
+    state = gc.PSIState(tuple(u.clone() for u in U))
+    W = [w.clone() for w in W]
+    fused_psi.fused_psi_step_(fused_psi.FusedPSIPlan(W, PSI_BLOCKS), state, W, G, 0.1,
+                              momentum=0.9, max_norm=5.0)
+    for got, expected in zip(W + list(state.momentum), want_W + list(want.momentum)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected.float(), atol=0,
+                                   rtol=torch.finfo(dtype).eps)
