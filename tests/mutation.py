@@ -417,6 +417,7 @@ def _survivors(results: dict[str, dict], why: dict[str, str], title: str) -> lis
 
 
 def _not_run(conf: dict, results: dict[str, dict]) -> str:
+    """The modules of the table that a pass has no result for."""
     return ", ".join(f"`{m}`" for m in sorted(set(conf["tests"]) - set(results))) or "none"
 
 

@@ -197,8 +197,10 @@ def operators(ctx: Context) -> list[tuple[type, Callable[[cst.CSTNode], Iterable
             (cst.Return, return_none), (cst.Param, default_zero)]
 
 
-def create_mutations(filename, code, covered_lines=None, coverage_excluded_lines=None):
-    """mutmut's ``create_mutations`` with these operators in place of its own."""
+def create_mutations(filename: str, code: str, covered_lines: set[int] | None = None,
+                     coverage_excluded_lines: set[int] | None = None) -> tuple:
+    """mutmut's ``create_mutations`` with these operators in place of its own: the module,
+    its mutations, and the classes and functions its pragmas leave alone."""
     from mutmut.mutation.pragma_handling import get_ignored_lines
 
     wrapper = MetadataWrapper(cst.parse_module(code))
@@ -206,7 +208,8 @@ def create_mutations(filename, code, covered_lines=None, coverage_excluded_lines
     return _mutations(wrapper, ignored, covered_lines)
 
 
-def _mutations(wrapper, ignored, covered_lines):
+def _mutations(wrapper: MetadataWrapper, ignored, covered_lines: set[int] | None) -> tuple:
+    """mutmut's visitor over the module with these operators, each given its context."""
     from mutmut.mutation.file_mutation import MutationVisitor
 
     visitor = MutationVisitor(operators(Context(wrapper.module)), ignored, covered_lines)
@@ -228,6 +231,7 @@ def mutants(code: str) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str]) -> None:
+    """``mutmut ARGV`` with these operators."""
     from mutmut import __main__ as cli
     from mutmut.mutation import file_mutation
 

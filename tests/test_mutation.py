@@ -1,6 +1,7 @@
 """The mutation-testing driver (tests/mutation.py): every module is in its table, a staged
 copy puts each package under its import name, and scores and the page follow the runs."""
 
+import difflib
 import json
 import sys
 import tomllib
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import mutation
+import mutation_conditions
 
 MODULES = sorted(str(p.relative_to(mutation.ROOT)) for folder in mutation.PACKAGES
                  for p in (mutation.ROOT / folder).rglob("*.py") if p.name != "__init__.py")
@@ -383,10 +385,6 @@ def test_the_page_counts_the_mutants_of_functions_changed_since(tmp_path, monkey
 
 def _changes(code: str) -> list[tuple[str, ...]]:
     """Each condition-level mutant of ``code`` as the lines it removes and adds."""
-    import difflib
-
-    import mutation_conditions
-
     def stripped(text):
         return [line.strip() for line in text.splitlines() if line.strip()]
     out = []
@@ -433,8 +431,6 @@ def test_conditions_become_true_and_false_and_a_guard_is_deleted():
     ("        raise ValueError\n    else:\n        pass\n", False)])
 def test_a_guard_is_an_if_that_only_leaves_or_warns(body, guard):
     import libcst as cst
-
-    import mutation_conditions
 
     loop = f"for x in y:\n    if x:\n{body}"
     node = cst.parse_module(loop).body[0].body.body[0]
