@@ -164,7 +164,7 @@ def operators(ctx: Context) -> list[tuple[type, Callable[[cst.CSTNode], Iterable
         chained = isinstance(node.left, cst.BooleanOperation) and not node.left.lpar and (
             type(node.left.operator) is type(node.operator))
         yield _same_parens(node, node.left)
-        if not chained:
+        if not (chained or node.left.deep_equals(node.right)):  # `x - x` makes one mutant
             yield _same_parens(node, node.right)
 
     def not_dropped(node: cst.UnaryOperation) -> Iterator[cst.BaseExpression]:
@@ -174,7 +174,8 @@ def operators(ctx: Context) -> list[tuple[type, Callable[[cst.CSTNode], Iterable
     def term_dropped(node: cst.BinaryOperation) -> Iterator[cst.BaseExpression]:
         if isinstance(node.operator, TERMS):
             yield _same_parens(node, node.left)
-            yield _same_parens(node, node.right)
+            if not node.left.deep_equals(node.right):
+                yield _same_parens(node, node.right)
 
     def keyword_dropped(node: cst.Call) -> Iterator[cst.Call]:
         for i, arg in enumerate(node.args):
