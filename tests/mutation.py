@@ -8,6 +8,7 @@ Usage, from the repository root (``pip install -e .[test,torch,jax,jax-test,muta
     python tests/mutation.py backends/plan.py --again      # its survivors, with new tests
     python tests/mutation.py adapters/jax/units.py --again --tests tests/test_jax_discovery.py
     python tests/mutation.py backends/inplace.py --functions _finite  # one function's mutants
+    python tests/mutation.py gsgd_core/chain.py --pass conditions  # the second pass
     python tests/mutation.py --report                      # docs/mutation.md from results/
 
 mutmut names a mutant by its file's path (``backends/plan.py`` gives ``backends.plan.*``)
@@ -22,6 +23,13 @@ diff, the run's duration) go to ``tests/mutation-results/<module>.json``, kept w
 sources; ``--report`` turns them into ``docs/mutation.md`` together with the reasons given
 in ``[tool.gsgd.mutation]``. A result whose per-mutant statuses were not kept holds their
 ``counts`` instead (``{"killed": 150, "survived": 1}``).
+
+``--pass conditions`` makes the second pass: mutmut with the condition-level operators of
+``tests/mutation_conditions.py`` (a condition made ``True`` or ``False``, a guard deleted,
+an operand or a term dropped...), its copies in ``build/mutation/conditions/``, its results
+in ``tests/mutation-results/conditions/``, its equivalents in
+``[tool.gsgd.mutation.conditions.equivalent]``; ``--again``, ``--tests``, ``--functions``
+and ``--stopped`` work on it as on the first.
 """
 
 from __future__ import annotations
@@ -43,6 +51,26 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"gsgd_core": "gsgd_core", "backends": "gsgd_backends", "adapters": "gsgd_adapters"}
 BUILD, RESULTS = ROOT / "build" / "mutation", ROOT / "tests" / "mutation-results"
 MUTMUT = Path(sys.executable).with_name("mutmut")  # beside this interpreter
+#: The passes, each mutmut with its operators: its own, and the condition-level ones
+#: (tests/mutation_conditions.py), whose runs and results have folders of their own.
+PASSES = {"mutmut": [str(MUTMUT)],
+          "conditions": [sys.executable, str(ROOT / "tests" / "mutation_conditions.py")]}
+PASS = "mutmut"  # the pass this run makes (``--pass``)
+
+
+def _folder(kind: str | None = None) -> str:
+    """The subfolder of a pass's runs and results: none for mutmut's own."""
+    kind = kind or PASS
+    return "" if kind == "mutmut" else kind
+
+
+def equivalent(conf: dict, kind: str | None = None) -> dict[str, str]:
+    """A pass's equivalent mutants and why: ``[tool.gsgd.mutation.equivalent]`` for
+    mutmut's, ``[tool.gsgd.mutation.<pass>.equivalent]`` for another's (the passes name
+    their mutants alike)."""
+    kind = kind or PASS
+    return conf.get("equivalent", {}) if kind == "mutmut" else conf.get(kind, {}).get(
+        "equivalent", {})
 
 
 def settings() -> dict:
@@ -60,16 +88,17 @@ def settings() -> dict:
 
 def _staged(module: str) -> Path:
     """``module``'s staged copy and mutmut's folder (``build/mutation/backends.plan.py``)."""
-    return BUILD / module.replace("/", ".")
+    return BUILD / _folder() / module.replace("/", ".")
 
 
 def _saved(module: str) -> Path:
-    """Where ``module``'s result is kept (``tests/mutation-results/backends.plan.py.json``)."""
-    return RESULTS / (module.replace("/", ".") + ".json")
+    """Where ``module``'s result is kept (``tests/mutation-results/backends.plan.py.json``,
+    another pass's under its folder there)."""
+    return RESULTS / _folder() / (module.replace("/", ".") + ".json")
 
 
 def _save(result: dict) -> dict:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    _saved(result["module"]).parent.mkdir(parents=True, exist_ok=True)
     _saved(result["module"]).write_text(json.dumps(result, indent=1))
     return result
 
@@ -146,7 +175,7 @@ def hashes(dest: Path, module: str) -> dict[str, str]:
 
 def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) -> None:
     """``mutmut run`` in ``dest``: the mutants without a verdict, or ``names`` again."""
-    done = subprocess.run([str(MUTMUT), "run", "--max-children", str(jobs), *names], cwd=dest,
+    done = subprocess.run([*PASSES[PASS], "run", "--max-children", str(jobs), *names], cwd=dest,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
@@ -197,7 +226,7 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
         # a result kept as counts names its survivors only; equivalents need no new look
         status = before.get("status", dict.fromkeys(before["survivors"], "survived"))
         rerun = [n for n, s in status.items() if s in ("survived", "no tests") and n in known
-                 and n not in conf.get("equivalent", {})]
+                 and n not in equivalent(conf)]
         if only:  # mutmut traces which of these tests reach each function anew
             stage(module, only, conf, keep=True)
             (dest / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
@@ -226,7 +255,7 @@ def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
 
 def _diffs(dest: Path, status: dict[str, str], env: dict) -> dict[str, str]:
     """Each survivor's diff (``mutmut show``)."""
-    return {name: subprocess.run([str(MUTMUT), "show", name], cwd=dest, env=env,
+    return {name: subprocess.run([*PASSES[PASS], "show", name], cwd=dest, env=env,
                                  capture_output=True, text=True).stdout
             for name, s in status.items() if s == "survived"}
 
@@ -283,7 +312,7 @@ def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
     table = conf.get("in_workers", {})
     todo = {name: tests for name in result["survivors"] for function, tests in table.items()
             if name.startswith(function + "__mutmut_")
-            and name not in conf.get("equivalent", {})}
+            and name not in equivalent(conf)}
     if not todo:
         return result
 
@@ -354,11 +383,49 @@ def score(result: dict) -> tuple[int, int]:
     return n["killed"] + n["timeout"], n.total() - n["skipped"] - n["not checked"]
 
 
+def _results(kind: str) -> dict[str, dict]:
+    """A pass's saved results by module."""
+    found = sorted((RESULTS / _folder(kind)).glob("*.json"))
+    return {r["module"]: r for r in (json.loads(p.read_text()) for p in found)}
+
+
+def _pass_cell(r: dict | None, why: dict[str, str]) -> str:
+    """A module's result in one pass, in one cell of the page's table."""
+    if r is None:
+        return "not run"
+    killed, counted = score(r)
+    same = sum(name in why for name in r["survivors"])
+    return (f"{counted} mutants, {killed} killed, {same} equivalent: "
+            f"{100 * killed / max(counted - same, 1):.1f}% of the others, "
+            f"{len(r['survivors']) - same} open; {run_time(r)}")
+
+
+def _survivors(results: dict[str, dict], why: dict[str, str], title: str) -> list[str]:
+    """Each survivor of a pass with its diff, and why it is equivalent or that it is open."""
+    out = []
+    for r in results.values():
+        if r.get("killed_in_workers"):
+            out += ["", f"Killed in `{r['module']}` by tests in the processes they spawn "
+                        "(`in_workers`): " + ", ".join(f"`{n}`" for n in r["killed_in_workers"])
+                    + "."]
+        if r["survivors"]:
+            out += ["", f"## {title} in `{r['module']}`"]
+        for name, diff in r["survivors"].items():
+            out += ["", f"**`{name}`**: {why.get(name, 'open: no test kills it yet.')}", "",
+                    "```diff", diff.strip(), "```"]
+    return out
+
+
+def _not_run(conf: dict, results: dict[str, dict]) -> str:
+    """The modules of the table that a pass has no result for."""
+    return ", ".join(f"`{m}`" for m in sorted(set(conf["tests"]) - set(results))) or "none"
+
+
 def report(conf: dict) -> str:
-    """The results page: score per module, then every survivor with its diff and either
-    the reason it is equivalent (``[tool.gsgd.mutation.equivalent]``) or "open"."""
-    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
-    why = conf.get("equivalent", {})
+    """The results page: score per module in each pass, then every survivor with its diff
+    and either the reason it is equivalent (``equivalent``) or "open"."""
+    results, conditions = _results("mutmut"), _results("conditions")
+    why, why_conditions = equivalent(conf, "mutmut"), equivalent(conf, "conditions")
     out = ["# Mutation testing: results", "",
            "Produced by `python tests/mutation.py --report` from the runs of",
            "`python tests/mutation.py MODULE` (see [Testing](testing.md)). A mutant counts",
@@ -368,10 +435,20 @@ def report(conf: dict) -> str:
            "\"GPU only\"). mutmut runs on the CPU; the GPU-only mutants were planted one at a",
            "time on a GPU against the CUDA tests ([Testing](testing.md#on-a-gpu)), and each",
            "reason says whether they killed it or why it is equivalent there too.", "",
+           "Two passes: mutmut's own operators (the columns up to its run time), and the",
+           "condition-level ones (`--pass conditions`, its column last): a condition made",
+           "`True` or `False`, a guard deleted, an operand of `and`/`or` or a `not` dropped,",
+           "a term of `+ - * /` dropped, a keyword argument dropped, a branch's `return`",
+           "made `return None`, a public default made its type's zero.", "",
            "| module | mutants | killed | of which timeouts | score | equivalent or GPU only "
-           "| score of the others | open survivors | run time |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
+           "| score of the others | open survivors | run time | condition-level pass |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for module in sorted(set(results) | set(conditions)):
+        cell = _pass_cell(conditions.get(module), why_conditions)
+        r = results.get(module)
+        if r is None:
+            out.append(f"| `{module}` | | | | | | | | not run | {cell} |")
+            continue
         killed, counted = score(r)
         same = sum(name in why for name in r["survivors"])
         timeouts = counts(r)["timeout"]
@@ -379,21 +456,12 @@ def report(conf: dict) -> str:
                    f"| {100 * killed / counted:.1f}% | {same} "
                    f"| {100 * killed / max(counted - same, 1):.1f}% "
                    f"| {len(r['survivors']) - same} "
-                   f"| {run_time(r)} |")
-    missing = sorted(set(conf["tests"]) - {r["module"] for r in results})
-    out += ["", "Not run yet: " + (", ".join(f"`{m}`" for m in missing) or "none") + ".",
+                   f"| {run_time(r)} | {cell} |")
+    out += ["", f"Not run yet: {_not_run(conf, results)}.",
+            f"Condition-level pass, not run yet: {_not_run(conf, conditions)}.",
             "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + "."]
-    for r in results:
-        if r.get("killed_in_workers"):
-            out += ["", f"Killed in `{r['module']}` by tests in the processes they spawn "
-                        "(`in_workers`): " + ", ".join(f"`{n}`" for n in r["killed_in_workers"])
-                    + "."]
-        if r["survivors"]:
-            out += ["", f"## Survivors in `{r['module']}`"]
-        for name, diff in r["survivors"].items():
-            out += ["", f"**`{name}`**: {why.get(name, 'open: no test kills it yet.')}", "",
-                    "```diff", diff.strip(), "```"]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + _survivors(results, why, "Survivors") + _survivors(
+        conditions, why_conditions, "Condition-level survivors")) + "\n"
 
 
 def main(argv=None) -> int:
@@ -412,8 +480,13 @@ def main(argv=None) -> int:
                              "alone and add them to the module's saved result")
     parser.add_argument("--stopped", action="store_true",
                         help="save the result of these modules' runs stopped before their end")
+    parser.add_argument("--pass", dest="kind", choices=PASSES, default="mutmut",
+                        help="mutmut's own operators, or the condition-level ones "
+                             "(tests/mutation_conditions.py)")
     parser.add_argument("--report", action="store_true", help="write docs/mutation.md")
     args = parser.parse_args(argv)
+    global PASS
+    PASS = args.kind
     conf = settings()
     modules = list(conf["tests"]) if args.all else args.modules
     unknown = [m for m in modules if m not in conf["tests"]]

@@ -135,6 +135,21 @@ def test_every_result_is_on_the_weights_device_in_their_dtype(name, layout, dtyp
     assert all(a.ndim == 0 and a.dtype == torch.int32 for a in counts)
 
 
+@pytest.mark.parametrize("name", [n for n in CALLS if n != "rescale-meta-scales"])
+def test_every_result_stays_on_a_device_that_takes_no_array_from_another(name):
+    """array_api_strict's second device refuses to combine any array made elsewhere, even
+    a 0-d one (which torch lets a ``meta`` tensor take): with every input there, every
+    result and state comes back there."""
+    xs = pytest.importorskip("array_api_strict")
+    other, rng = xs.Device("device1"), np.random.default_rng(0)
+    chain, W, b, G, Gb = _problem(*CHAINS["mlp-units"], torch.float32)
+    W, b, G, Gb = ([None if a is None else xs.asarray(
+        rng.standard_normal(tuple(a.shape)).astype(np.float32), device=other) for a in arrays]
+        for arrays in (W, b, G, Gb))
+    results, states = map(_leaves, CALLS[name](chain, W, b, G, Gb))
+    assert results and {a.device for a in results + states} == {other}
+
+
 def test_layer_metadata_is_cached_per_namespace_and_device():
     """A chain builds its index arrays once per namespace and device and hands the same
     ones out again; used on the CPU and then on ``meta``, it gets arrays of each device

@@ -1,13 +1,16 @@
 """The mutation-testing driver (tests/mutation.py): every module is in its table, a staged
 copy puts each package under its import name, and scores and the page follow the runs."""
 
+import difflib
 import json
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 import mutation
+import mutation_conditions
 
 MODULES = sorted(str(p.relative_to(mutation.ROOT)) for folder in mutation.PACKAGES
                  for p in (mutation.ROOT / folder).rglob("*.py") if p.name != "__init__.py")
@@ -378,3 +381,191 @@ def test_the_page_counts_the_mutants_of_functions_changed_since(tmp_path, monkey
     r = mutation.run(module, 2, conf, again=True)
     assert r["again"][0]["new"] == 3
     assert "; 3 new mutants and 1 survivor again: " in mutation.run_time(r)
+
+
+def _changes(code: str) -> list[tuple[str, ...]]:
+    """Each condition-level mutant of ``code`` as the lines it removes and adds."""
+    def stripped(text):
+        return [line.strip() for line in text.splitlines() if line.strip()]
+    out = []
+    for function, mutant in mutation_conditions.mutants(code):
+        diff = difflib.ndiff(stripped(function), stripped(mutant))
+        out.append(tuple(line for line in diff if line[:2] in ("- ", "+ ")))
+    return out
+
+
+def test_conditions_become_true_and_false_and_a_guard_is_deleted():
+    """Every condition of an ``if``/``elif``/``while``/``assert``, a conditional expression
+    and a comprehension's filter becomes ``True`` and ``False``; a guard's ``False`` is the
+    guard deleted, an ``elif``'s is not (its ``if`` would lose its branch)."""
+    code = ("def f(x, ys):\n"
+            "    if x is None:\n"
+            "        raise ValueError('x')\n"
+            "    if x > 1:\n"
+            "        x = 1\n"
+            "    elif x < 0:\n"
+            "        return 0\n"
+            "    while x:\n"
+            "        x -= 1\n"
+            "    assert x == 0, 'm'\n"
+            "    return [y for y in ys if y] if x else ys\n")
+    found = _changes(code)
+    for old, new in [("if x is None:", "if True:"), ("if x > 1:", "if True:"),
+                     ("if x > 1:", "if False:"), ("elif x < 0:", "elif True:"),
+                     ("elif x < 0:", "elif False:"), ("while x:", "while True:"),
+                     ("while x:", "while False:"), ("assert x == 0, 'm'", "assert True, 'm'"),
+                     ("assert x == 0, 'm'", "assert False, 'm'")]:
+        assert ("- " + old, "+ " + new) in found, (old, new)
+    assert ("+ pass", "- if x is None:", "- raise ValueError('x')") in found
+    assert ("- if x is None:", "+ if False:") not in found
+    ret = "- return [y for y in ys if y] if x else ys"
+    for new in ("[y for y in ys if True] if x else ys", "[y for y in ys if False] if x else ys",
+                "[y for y in ys if y] if True else ys", "[y for y in ys if y] if False else ys"):
+        assert (ret, "+ return " + new) in found, new
+    assert len(found) == 15
+
+
+@pytest.mark.parametrize("body, guard", [
+    ("        return x\n", True), ("        continue\n", True), ("        break\n", True),
+    ("        warnings.warn('w')\n        return\n", True), ("        x = 1\n", False),
+    ("        raise ValueError\n    else:\n        pass\n", False)])
+def test_a_guard_is_an_if_that_only_leaves_or_warns(body, guard):
+    import libcst as cst
+
+    loop = f"for x in y:\n    if x:\n{body}"
+    node = cst.parse_module(loop).body[0].body.body[0]
+    assert mutation_conditions.is_guard(node) is guard
+
+
+def test_each_operand_of_and_or_and_each_not_is_dropped():
+    """``a and b and c`` loses each operand once (three mutants, not four); parentheses
+    stay where the dropped expression had them."""
+    found = _changes("def f(a, b, c, d):\n"
+                     "    x = a and b and c\n"
+                     "    return not (x or d), -a\n")
+    assert sorted(found) == sorted([
+        ("- x = a and b and c", "+ x = a and b"), ("- x = a and b and c", "+ x = a and c"),
+        ("- x = a and b and c", "+ x = b and c"),
+        ("- return not (x or d), -a", "+ return not (x), -a"),
+        ("- return not (x or d), -a", "+ return not (d), -a"),
+        ("- return not (x or d), -a", "+ return (x or d), -a")])
+
+
+def test_each_term_of_a_sum_difference_product_or_quotient_is_dropped():
+    """Each operand of ``+ - * /`` once (``x - x`` makes one mutant), no other operator's."""
+    found = _changes("def f(x, y, z):\n"
+                     "    return x - y * 2, x / z + 1, x ** 2, x % y, x - x\n")
+    line = "- return x - y * 2, x / z + 1, x ** 2, x % y, x - x"
+    assert sorted(new for _, new in found) == sorted("+ return " + terms + ", x % y" + rest
+                                                     for terms, rest in (
+        ("x, x / z + 1, x ** 2", ", x - x"), ("y * 2, x / z + 1, x ** 2", ", x - x"),
+        ("x - y, x / z + 1, x ** 2", ", x - x"), ("x - 2, x / z + 1, x ** 2", ", x - x"),
+        ("x - y * 2, x / z, x ** 2", ", x - x"), ("x - y * 2, 1, x ** 2", ", x - x"),
+        ("x - y * 2, x + 1, x ** 2", ", x - x"), ("x - y * 2, z + 1, x ** 2", ", x - x"),
+        ("x - y * 2, x / z + 1, x ** 2", ", x")))
+    assert all(old == line for old, _ in found)
+
+
+def test_each_keyword_argument_is_dropped():
+    assert sorted(_changes("def f(g, x):\n    return g(x, k=1, **{'m': 2})\n")) == [
+        ("- return g(x, k=1, **{'m': 2})", "+ return g(x, **{'m': 2})")]
+
+
+def test_a_return_in_a_branch_becomes_none_where_its_function_has_another():
+    """Only a ``return EXPR`` in a branch of a function with another ``return``: not the
+    last one of the body, not one that returns None already, not a function's only one,
+    and a function defined inside counts its own."""
+    found = _changes("def f(x):\n"
+                     "    def g(y):\n"
+                     "        for z in y:\n"
+                     "            return z\n"
+                     "    if x:\n"
+                     "        return g(x)\n"
+                     "    elif x is None:\n"
+                     "        return None\n"
+                     "    return 0\n")
+    assert all(found), "every mutant changes the code"
+    returns = [c for c in found if any("return" in line for line in c)]
+    assert ("- return g(x)", "+ return None") in returns
+    assert ("- return z", "+ return None") not in found
+    assert ("- return 0", "+ return None") not in found
+    assert len([c for c in returns if c[-1] == "+ return None"]) == 1
+
+
+def test_a_public_functions_defaults_become_their_types_zero():
+    """Public functions and the methods of public classes (``__init__`` among them): ints,
+    floats, ``True`` and strings become ``0``, ``0.0``, ``False`` and ``""``; a default
+    that is its zero, ``None`` or a name is left, and so are private functions, methods of
+    private classes and functions defined inside others."""
+    found = _changes("def f(a=2, *, b=0.5, c=True, d='x', e=None, g=0, h=False, k=N, s=''):\n"
+                     "    def inner(m=3):\n"
+                     "        return m\n"
+                     "    return inner()\n"
+                     "def _private(n=4):\n"
+                     "    return n\n"
+                     "class Public:\n"
+                     "    def __init__(self, lr=0.1):\n"
+                     "        pass\n"
+                     "class _Hidden:\n"
+                     "    def method(self, lr=0.1):\n"
+                     "        pass\n")
+    old = "- def f(a=2, *, b=0.5, c=True, d='x', e=None, g=0, h=False, k=N, s=''):"
+    assert sorted(found) == sorted([
+        (old, "+ def f(a=0, *, b=0.5, c=True, d='x', e=None, g=0, h=False, k=N, s=''):"),
+        (old, "+ def f(a=2, *, b=0.0, c=True, d='x', e=None, g=0, h=False, k=N, s=''):"),
+        (old, "+ def f(a=2, *, b=0.5, c=False, d='x', e=None, g=0, h=False, k=N, s=''):"),
+        (old, "+ def f(a=2, *, b=0.5, c=True, d=\"\", e=None, g=0, h=False, k=N, s=''):"),
+        ("- def __init__(self, lr=0.1):", "+ def __init__(self, lr=0.0):")])
+
+
+def test_the_conditions_pass_runs_its_operators_in_folders_of_its_own(tmp_path, monkeypatch):
+    """``--pass conditions`` runs mutmut through ``mutation_conditions.py`` in a copy and
+    with results of its own, whose equivalents are its own table's; mutmut's pass keeps
+    its folders."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    commands = []
+    monkeypatch.setattr(mutation.subprocess, "run", lambda args, cwd, **k: commands.append(
+        (args, cwd)) or type("P", (), {"returncode": 0, "stdout": "-x\n+y"})())
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed", "b": "survived"})
+    conf = mutation.settings()
+    module = "gsgd_core/chain.py"
+    monkeypatch.setattr(mutation, "PASS", "conditions")
+    r = mutation.run(module, 1, conf)
+    dest = tmp_path / "BUILD" / "conditions" / "gsgd_core.chain.py"
+    script = str(mutation.ROOT / "tests" / "mutation_conditions.py")
+    assert commands[0] == ([sys.executable, script, "run", "--max-children", "1"], dest)
+    assert commands[1] == ([sys.executable, script, "show", "b"], dest)
+    assert (tmp_path / "RESULTS" / "conditions" / "gsgd_core.chain.py.json").is_file()
+    assert not (tmp_path / "RESULTS" / "gsgd_core.chain.py.json").exists()
+    assert r["survivors"] == {"b": "-x\n+y"}
+    assert mutation.equivalent({"equivalent": {"m": "1"}, "conditions": {
+        "equivalent": {"c": "2"}}}) == {"c": "2"}
+    monkeypatch.setattr(mutation, "PASS", "mutmut")
+    commands.clear()
+    mutation.run(module, 1, conf)
+    assert commands[0][0][0] == str(mutation.MUTMUT)
+    assert commands[0][1] == tmp_path / "BUILD" / "gsgd_core.chain.py"
+
+
+def test_the_page_gives_each_pass_a_column_and_its_survivors(tmp_path, monkeypatch):
+    monkeypatch.setattr(mutation, "RESULTS", tmp_path)
+    _result(tmp_path, "backends/plan.py", {"m1": "killed", "m2": "survived"}, {"m2": "-y\n+z"})
+    (tmp_path / "conditions").mkdir()
+    _result(tmp_path / "conditions", "backends/plan.py",
+            {"m1": "killed", "m2": "killed", "m3": "survived", "m4": "survived",
+             "m5": "timeout"}, {"m3": "-if x:\n+if True:", "m4": "-a and b\n+a"})
+    _result(tmp_path / "conditions", "adapters/cupy.py", {"m1": "killed"}, {})
+    conf = {"tests": {"backends/plan.py": [], "adapters/cupy.py": [], "gsgd_core/chain.py": []},
+            "gpu_only": [], "equivalent": {"m2": "no dtype lies between."},
+            "conditions": {"equivalent": {"m3": "x is never falsy here."}}}
+    page = mutation.report(conf)
+    assert ("| 1.5 min, 2 jobs, 2026-11-25 | 5 mutants, 3 killed, 1 equivalent: 75.0% of "
+            "the others, 1 open; 1.5 min, 2 jobs, 2026-11-25 |") in page
+    assert "| `adapters/cupy.py` | | | | | | | | not run | 1 mutants, 1 killed" in page
+    assert "Not run yet: `adapters/cupy.py`, `gsgd_core/chain.py`." in page
+    assert "Condition-level pass, not run yet: `gsgd_core/chain.py`." in page
+    conditions = page.split("## Condition-level survivors in `backends/plan.py`")[1]
+    assert "**`m3`**: x is never falsy here." in conditions
+    assert "**`m4`**: open" in conditions and "**`m2`**" not in conditions
+    assert "**`m2`**: no dtype lies between." in page.split("## Condition-level")[0]

@@ -414,6 +414,9 @@ def test_path_update_refuses_what_is_not_a_rule_or_its_state():
     with pytest.raises(ValueError, match=r"layer 2: the layer has a bias but "
                                          r"bias_delta\[1\] is None"):
         gc.allocate(chain, pb.W, pb.b, G, [Gb[0], None])
+    with pytest.raises(ValueError, match=r"^layer 1: the layer has a bias but "
+                                         r"bias_delta\[0\] is None$"):
+        gc.allocate(chain, pb.W, pb.b, G, [None, Gb[1]])
     with pytest.raises(ValueError, match=r"^layer 1: delta\[0\] is None; every layer needs one$"):
         gc.allocate(chain, pb.W, pb.b, [None, G[1]], Gb)
 
