@@ -98,7 +98,7 @@ class GAdam(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
                          strict=strict, backward_sums=backward_sums)
-        self._check_chains(params, model, example_input, skeleton)
+        self._check_chains(params, model, example_input)
 
     def _validate(self, group: dict, where: str) -> None:
         try:
