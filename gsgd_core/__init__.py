@@ -18,7 +18,7 @@ Public names::
 """
 
 from .chain import Chain
-from .group import (SKELETON_STATES, canonicalize, random_rescaling, rescale, skeleton_init,
+from .group import (canonicalize, random_rescaling, rescale, skeleton_init,
                     skeleton_state, weights_from_path_values)
 from .gsgd import GSGDState, gsgd_init, gsgd_step, gsgd_update, icr, path_values
 from .path_rules import (AdamRule, ElementwiseRule, PathRule, RuleState, SGDRule, adam_rule,
@@ -31,7 +31,7 @@ __version__ = "0.1.0"
 """The version of the installed ``gsgd`` distribution."""
 
 __all__ = [
-    "SKELETON_STATES", "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState",
+    "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState",
     "PathRule", "RuleState", "SGDRule", "__version__", "adam_rule", "adamw_rule", "allocate",
     "canonicalize", "gsgd_init", "gsgd_step", "gsgd_update", "icr", "path_init",
     "path_sgd_gamma", "path_sgd_step", "path_update", "path_values", "psi_init", "psi_update",

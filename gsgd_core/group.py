@@ -137,7 +137,7 @@ SKELETON_STATES = ("initialised", "trained", "default", "unknown")
 def skeleton_state(chain: Chain, weights: Sequence[Any], *, rows=None,
                    default_bound: float = 1.0) -> str:
     """Whether the chain's skeleton was initialised (:func:`skeleton_init`), as its weights
-    show it; one of :data:`SKELETON_STATES`.
+    show it; one of ``SKELETON_STATES``.
 
     G-SGD and G-Adam never change the ``H`` free edges (the basis paths are the other
     edges), so they keep :attr:`Chain.skeleton_scale` through training, while training moves

@@ -5,6 +5,8 @@ re-initialise a trained network; torch (GSGD, GAdam, GAdamW, Path-SGD, DDP, FSDP
 
 import copy
 import io
+import os
+import pathlib
 import subprocess
 import sys
 import warnings
@@ -14,6 +16,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+import gsgd_adapters
+import gsgd_backends
 import gsgd_core as gc
 from _helpers import process_group
 from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PathSGD, SkeletonWarning, random_rescale_,
@@ -167,8 +171,13 @@ def test_a_fresh_process_resumes_without_a_warning(tmp_path):
         "opt.load_state_dict(ck['opt'])\n"
         "opt.step()\n"
         "print(opt.describe())\n")
+    stage = tmp_path / "stage"  # the packages this process imported, under their names
+    stage.mkdir()
+    for module in (gc, gsgd_backends, gsgd_adapters):
+        (stage / module.__name__).symlink_to(pathlib.Path(module.__file__).parent)
     proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code,
-                           str(tmp_path / "ck.pt")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "ck.pt")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(stage)})
     assert proc.returncode == 0, proc.stderr
     assert TRAINED in proc.stdout
 

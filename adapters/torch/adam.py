@@ -22,7 +22,6 @@ from gsgd_core import AdamRule, RuleState
 
 from .fsdp import is_sharded, sharded_step
 from .groups import hyper_value
-from .backward_sums import step_arguments
 from .optim import ScaleInvariantOptimizer
 
 __all__ = ["GAdam", "GAdamW"]
@@ -129,7 +128,7 @@ class GAdam(ScaleInvariantOptimizer):
         st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
         if not is_sharded(W[0]):
             return path_update_(chain, rule, st, W, b, G, Gb, plan=stepper,
-                                **step_arguments(sums))
+                                **sums)
 
         def fast(a):
             done = sharded_path_update_(KERNELS, stepper, rule, *a)

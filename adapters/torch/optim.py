@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -22,9 +21,10 @@ import gsgd_backends.torch as gsgd_torch_kernels
 from gsgd_backends import StepPlan, gsgd_update_, path_sgd_step_, psi_update_, step_plan
 from gsgd_backends.psi import PSIPlan
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
-from gsgd_core import SKELETON_STATES, GSGDState, PSIState
+from gsgd_core import GSGDState, PSIState
+from gsgd_core.group import SKELETON_STATES
 
-from .backward_sums import BackwardSums, step_arguments
+from .backward_sums import ChainSums
 from .discovery import ChainLayers, unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
@@ -146,15 +146,10 @@ class ScaleInvariantOptimizer(Optimizer):
         self._hook_chains()
 
     def _hook_chains(self) -> None:
-        """The chains' :class:`.backward_sums.BackwardSums` (hooks on their layers), if the
+        """The chains' :class:`.backward_sums.ChainSums` (hooks on their layers), if the
         optimizer takes its column sums from the backward pass."""
-        self._sums = {}
-        if self.__dict__.get("_backward_sums"):
-            # FSDP2's chains step their local rows, whose column sums are reduced across
-            # processes (.fsdp); bn="paper" scales gradients by row norms before the step
-            self._sums = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in self._parts
-                          if p.kind == "chain" and not any(p.normalised)
-                          and not is_sharded(p.weights[0])}
+        self._sums = ChainSums([p for p in self._parts if p.kind == "chain"],
+                               on=bool(self.__dict__.get("_backward_sums")))
 
     # ------------------------------------------------------------------ torch.optim API
     #: ``torch.amp.GradScaler.step`` hands the step its scale and ``found_inf`` instead of
@@ -187,10 +182,8 @@ class ScaleInvariantOptimizer(Optimizer):
             return True
         if found is not None and bool(found):
             return False
-        sums = self._sums.values()
         if scale is None:
-            for s in sums:
-                s.refuse("GradScaler.unscale_ changed the gradients in place")
+            self._sums.refuse("GradScaler.unscale_ changed the gradients in place")
             return True
         inv = scale.double().reciprocal().float()
         grads: dict = {}
@@ -201,15 +194,13 @@ class ScaleInvariantOptimizer(Optimizer):
         for (device, _), gs in grads.items():
             torch._amp_foreach_non_finite_check_and_unscale_(
                 gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
-        for s in sums:
-            s.rescale(float(inv))
+        self._sums.rescale(float(inv))
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; the chains' column sums restart with the gradients."""
         super().zero_grad(set_to_none)
-        for sums in self._sums.values():
-            sums.clear()
+        self._sums.clear()
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; parameters added after construction take the SGD rule
@@ -281,7 +272,7 @@ class ScaleInvariantOptimizer(Optimizer):
                 infos.append(PartInfo("psi", p.names, hyper))
             else:
                 infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
-        counts = sum((s.counts for s in self._sums.values()), Counter())
+        counts = self._sums.counts
         return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
                            self._skeleton, self.rest_rule, dict(counts))
 
@@ -472,24 +463,10 @@ class ScaleInvariantOptimizer(Optimizer):
              for g, w, i in zip(G, W, layers)]
         applied = self._apply(chain, W, b, G, Gb, group=group, state=state, fixed=fixed,
                               stepper=self._stepper(chain, W, names),
-                              sums=self._column_sums(part, len(layers), group))
+                              sums=self._sums.take(part, len(layers) == len(part.weights),
+                                                   bool(group.get("maximize"))))
         if not applied:
             self._count_skip(f"the chain {' -> '.join(names)}")
-
-    def _column_sums(self, part: ChainPart, n_layers: int, group: dict):
-        """The chain's column sums and gradient sum from the backward pass
-        (:meth:`.backward_sums.BackwardSums.take`) when they stand for ``W * grad`` of this
-        step, else ``None``: the step then reads ``W * grad``. Every step is counted by where
-        its sums came from (``describe()``)."""
-        sums = self._sums.get(id(part))
-        if sums is None:
-            return None
-        # no sums for a chain FSDP2 shards: _hook_chains skips sharded weights, and
-        # fully_shard after construction makes new parameters, not these
-        taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else "")
-        if taken is not None and group.get("maximize"):
-            taken = ([-s for s in taken[0]], taken[1])
-        return taken
 
     def _count_skip(self, what: str) -> None:
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
@@ -640,7 +617,7 @@ class GSGD(ScaleInvariantOptimizer):
                      weight_decay=hyper_value(group["weight_decay"], "weight_decay"))
         if not is_sharded(W[0]):
             return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper,
-                                **step_arguments(sums))
+                                **sums)
 
         def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
             done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, stepper, *a, **hyper)
