@@ -186,6 +186,7 @@ def train(run: Run, data: Data) -> dict:
         if run.spread > 0:  # a rescaled skeleton start is the experiment, not an oversight
             warnings.simplefilter("ignore", SkeletonWarning)
         opt = OPTIMIZERS[run.opt](model, run.lr)
+        opt.step()  # its first step checks the skeleton: no gradient yet, nothing moves
     gen = torch.Generator().manual_seed(run.seed)
     n = len(data.y_train)
     loss0, losses, cpu = _loss(model, data), [], 0.0

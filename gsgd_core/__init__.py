@@ -20,7 +20,8 @@ Public names:
 """
 
 from .chain import Chain
-from .group import canonicalize, random_rescaling, rescale, skeleton_init, weights_from_path_values
+from .group import (canonicalize, random_rescaling, rescale, skeleton_init,
+                    skeleton_state, weights_from_path_values)
 from .gsgd import GSGDState, gsgd_init, gsgd_step, gsgd_update, icr, path_values
 from .path_rules import (AdamRule, ElementwiseRule, PathRule, RuleState, SGDRule, adam_rule,
                          adamw_rule, sgd_rule)
@@ -32,9 +33,10 @@ __version__ = "0.1.0"
 """The version of the installed ``gsgd`` distribution."""
 
 __all__ = [
-    "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState", "PathRule", "RuleState",
-    "SGDRule", "__version__", "adam_rule", "adamw_rule", "allocate", "canonicalize",
-    "gsgd_init", "gsgd_step", "gsgd_update", "icr", "path_init", "path_sgd_gamma",
-    "path_sgd_step", "path_update", "path_values", "psi_init", "psi_update",
-    "random_rescaling", "rescale", "sgd_rule", "skeleton_init", "weights_from_path_values",
+    "AdamRule", "Chain", "ElementwiseRule", "GSGDState", "PSIState",
+    "PathRule", "RuleState", "SGDRule", "__version__", "adam_rule", "adamw_rule", "allocate",
+    "canonicalize", "gsgd_init", "gsgd_step", "gsgd_update", "icr", "path_init",
+    "path_sgd_gamma", "path_sgd_step", "path_update", "path_values", "psi_init", "psi_update",
+    "random_rescaling", "rescale", "sgd_rule", "skeleton_init", "skeleton_state",
+    "weights_from_path_values",
 ]

@@ -7,8 +7,10 @@ skeleton's point of view.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
+import array_api_compat
 import numpy as np
 
 from .arrays import check_hyper, is_array, outer3, prepare, restore, unvecs, vecs, view3
@@ -127,6 +129,56 @@ def skeleton_init(chain: Chain, weights: Sequence[Any], biases=None, *,
         rest = w if rest_scale == 1.0 else w * rest_scale
         W_new.append(xp.where(m.free_mask | m.tau_mask, value, rest))
     return restore(p, W_new), (None if biases is None else list(biases))
+
+
+#: How :func:`skeleton_state` finds a chain's skeleton.
+SKELETON_STATES = ("initialised", "trained", "default", "unknown")
+
+
+def skeleton_state(chain: Chain, weights: Sequence[Any], *, rows=None,
+                   default_bound: float = 1.0) -> str:
+    """Whether the chain's skeleton was initialised (:func:`skeleton_init`), as its weights
+    show it; one of ``SKELETON_STATES``.
+
+    G-SGD and G-Adam never change the ``H`` free edges (the basis paths are the other
+    edges), so they keep :attr:`Chain.skeleton_scale` through training, while training moves
+    the tau edges of the first layer:
+
+    - ``"initialised"``: every skeleton edge (tau and free) has its layer's scale ``r_l``
+      (``+r_l`` for the paper's recipe, ``|w| = r_l`` for the He recipe);
+    - ``"trained"``: the free edges have it and some tau edge does not: initialised, then
+      trained in path space;
+    - ``"default"``: the free edges do not have it, nor all lie within a factor 2 of it, and
+      every weight lies within a framework's default initialisation, ``|w| <= default_bound
+      / sqrt(fan_in)`` (torch's Linear and Conv: ``1``): never skeleton-initialised;
+    - ``"unknown"``: neither: a trained model whose free edges another optimizer moved, a
+      rescaled one, or one initialised some other way.
+
+    ``rows`` gives, per layer, the ``(start, stop)`` output rows that ``weights[l - 1]``
+    holds (a shard's local rows; default: all of them). One host synchronisation per layer.
+    """
+    xp = array_api_compat.array_namespace(*weights)
+    paper = all(r == 1.0 for r in chain.skeleton_scale)
+    free_ok = tau_ok = near = default = True
+    for l, w in enumerate(weights, start=1):
+        r0, r1 = rows[l - 1] if rows is not None else (0, chain.sizes[l])
+        shape, r = chain.layer_shape(l), chain.skeleton_scale[l - 1]
+        W = xp.reshape(w, (r1 - r0,) + shape[1:])
+        size = W if paper else xp.abs(W)
+        device = array_api_compat.device(W)
+
+        def every(mask, ok) -> bool:  # ok at every edge of the mask (in these rows)
+            return bool(xp.all(xp.where(xp.asarray(mask[r0:r1], device=device), ok, True)))
+
+        free_ok = free_ok and every(chain.free_mask(l), size == r)
+        tau_ok = tau_ok and every(chain.tau_mask(l), size == r)
+        near = near and every(chain.free_mask(l), (size >= r / 2) & (size <= 2 * r))
+        bound = default_bound / math.sqrt(shape[1] * shape[2]) * (1 + 1e-6)
+        default = default and bool(xp.all(xp.abs(W) <= bound))
+    if free_ok:
+        return "initialised" if tau_ok else "trained"
+    # free edges all near their scale: a skeleton moved by another rule, not a random init
+    return "default" if default and not near else "unknown"
 
 
 def weights_from_path_values(chain: Chain, V: Sequence[Any], Vb, weights: Sequence[Any]):

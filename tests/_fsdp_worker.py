@@ -160,6 +160,7 @@ def sharded_runs(rank: int, world: int, mesh, ckpt_dir: str = "") -> dict:
     results["nan"] = _nan_run(rank, world, mesh)
     results["errors"] = _errors(mesh)
     results["check_finite"] = _check_finite_run(rank, world, mesh)
+    results["skeleton"] = _skeleton_run(rank, world, mesh)
     torch.manual_seed(0)
     late = shard(conv(), mesh)
     skeleton_init_(late)  # on the sharded model: the gathered layers, rows written back
@@ -196,6 +197,30 @@ def _nan_run(rank, world, mesh) -> dict:
     dist.all_gather(counts, skipped)
     return dict(before=before, after=after, skipped=[int(c) for c in counts],
                 warned=any("skipped" in str(w.message) for w in caught))
+
+
+def _skeleton_run(rank, world, mesh) -> dict:
+    """What the optimizers of a sharded chain say of its skeleton: the SkeletonWarnings of a
+    default init's first step, and, after skeleton_init_ and training, those of the training
+    and of a second optimizer, with each optimizer's chain states."""
+    import warnings
+    from gsgd_adapters.torch import SkeletonWarning
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        GAdam(shard(mlp(), mesh), lr=0.01).step()
+        out["default"] = [str(w.message) for w in caught if w.category is SkeletonWarning]
+        del caught[:]
+        model = shard(build("gsgd_mlp"), mesh)
+        x, y = (_local_batch(t, rank, world) for t in data(model))
+        opts = [GAdam(model, lr=0.01), GSGD(model, lr=0.05)]
+        for opt in opts:
+            train(model, opt, x, y, 2)
+        out["trained"] = [str(w.message) for w in caught if w.category is SkeletonWarning]
+    out["states"] = [p.skeleton_state for opt in opts for p in opt.describe().parts
+                     if p.kind == "chain"]
+    return out
 
 
 def _checkpoint_run(rank, world, mesh, ckpt_dir) -> dict:

@@ -157,6 +157,14 @@ def test_check_finite_raises_on_every_process(run, world):
     assert run["check_finite"] == ["non-finite gradient in 2.weight"] * world
 
 
+def test_a_sharded_chains_skeleton_is_checked_at_the_first_step(run, world):
+    """A default init is warned at its first step; a skeleton-initialised chain trained by
+    G-Adam is "initialised, then trained", and no optimizer on it is warned."""
+    got = run["skeleton"]
+    assert len(got["default"]) == 1 and "skeleton_init_" in got["default"][0]
+    assert got["trained"] == [] and got["states"] == ["trained", "trained"]
+
+
 def test_checkpoint_two_to_two_bit_for_bit(runs):
     """DCP save on 2 processes, load on 2 into a differently seeded model: the loaded
     state equals the saved one and 5 more steps equal the uninterrupted run, bit for bit."""

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import gsgd_core as gc
 from gsgd_core.chain import HE_SKELETON_SHARE
@@ -16,7 +17,8 @@ from .leaves import ChainLeaves, key_paths, positions
 from .nnx import is_module, update_params
 from .placement import check_placement
 
-__all__ = ["check_invariance", "random_rescale", "skeleton_init"]
+__all__ = ["DEFAULT_BOUND", "check_invariance", "random_rescale", "skeleton_init",
+           "skeleton_state"]
 
 
 def _map_chains(params, chains: Sequence[ChainLeaves], fn):
@@ -63,6 +65,29 @@ def skeleton_init(params, chains: Sequence[ChainLeaves], *, skeleton: str = "he"
         return W, b
 
     return _map_chains(params, _chains(chains), init)
+
+
+#: JAX libraries' default initialisations of a layer's weights lie within
+#: ``DEFAULT_BOUND / sqrt(fan_in)``: Flax's ``lecun_normal`` (a normal truncated at two
+#: standard deviations, scaled by ``1 / 0.8796``), Haiku's truncated normal (``2``) and
+#: Equinox's uniform (``1``).
+DEFAULT_BOUND = 2.0 / 0.87962566103423978
+
+
+def skeleton_state(params, chains: Sequence[ChainLeaves]) -> list[str]:
+    """Each chain's skeleton as its weights show it (:func:`gsgd_core.skeleton_state`):
+    ``"initialised"`` (as :func:`skeleton_init` left it), ``"trained"`` (initialised, then
+    trained by :func:`gsgd_adapters.optax.gsgd` or ``gadam``, which never move the free
+    edges), ``"default"`` (a library's default initialisation, :data:`DEFAULT_BOUND`: call
+    :func:`skeleton_init` before training) or ``"unknown"`` (the weights cannot tell: a model
+    initialised otherwise, or skeleton-initialised and then trained by another rule).
+    Nothing in the optax transformations reads it; check it before training, or after
+    loading a checkpoint, without re-initialising a trained model."""
+    paths, leaves, _ = key_paths(params)
+    index = {p: i for i, p in enumerate(paths)}
+    # read on the host: a handful of comparisons, which JAX would compile one by one
+    return [gc.skeleton_state(c.chain, [np.asarray(w) for w in c.arrays(index, leaves)[0]],
+                              default_bound=DEFAULT_BOUND) for c in _chains(chains)]
 
 
 def random_rescale(params, chains: Sequence[ChainLeaves], key, spread: float = 1.0):

@@ -22,7 +22,6 @@ from gsgd_core import AdamRule, RuleState
 
 from .fsdp import is_sharded, sharded_step
 from .groups import hyper_value
-from .backward_sums import step_arguments
 from .optim import ScaleInvariantOptimizer
 
 __all__ = ["GAdam", "GAdamW"]
@@ -127,7 +126,7 @@ class GAdam(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
                          strict=strict, backward_sums=backward_sums)
-        self._check_chains(params, model, example_input, skeleton)
+        self._check_chains(params, model, example_input)
 
     def _validate(self, group: dict, where: str) -> None:
         try:
@@ -158,7 +157,7 @@ class GAdam(ScaleInvariantOptimizer):
         st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
         if not is_sharded(W[0]):
             return path_update_(chain, rule, st, W, b, G, Gb, plan=stepper,
-                                **step_arguments(sums))
+                                **sums)
 
         def fast(a):
             done = sharded_path_update_(KERNELS, stepper, rule, *a)

@@ -52,7 +52,9 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-__all__ = ["BackwardSums", "step_arguments"]
+from .fsdp import is_sharded
+
+__all__ = ["BackwardSums", "ChainSums", "step_arguments"]
 
 
 def _graph_task() -> int:
@@ -285,6 +287,56 @@ class BackwardSums:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class ChainSums:
+    """The backward sums of an optimizer's chains: their one owner, through their lifecycle.
+
+    Created on the layers of each chain that can take them (not one FSDP2 shards: its steps
+    reduce their local rows' sums across processes; not one ``bn="paper"`` scales: its
+    gradients are scaled by row norms before the step), or on none (``on=False``). The
+    optimizer clears them with the gradients (:meth:`clear`), unscales or refuses them with
+    ``GradScaler`` (:meth:`rescale`, :meth:`refuse`), and each chain step takes them
+    (:meth:`take`, negated to maximise); :attr:`counts` says where the steps got them.
+    """
+
+    def __init__(self, parts, on: bool) -> None:
+        self._of = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in parts
+                    if on and not any(p.normalised) and not is_sharded(p.weights[0])}
+
+    def take(self, part, whole: bool, maximize: bool):
+        """The chain's column sums and gradient check from the backward pass when they stand
+        for ``W * grad`` of this step (:meth:`BackwardSums.take`), as the step's keyword
+        arguments (:func:`step_arguments`); none when the chain has none or is stepped in
+        runs (not ``whole``: a layer had no gradient). Counted either way."""
+        sums = self._of.get(id(part))
+        if sums is None:
+            return {}
+        taken = sums.take("" if whole else "a layer had no gradient")
+        if taken is not None and maximize:
+            taken = ([-s for s in taken[0]], taken[1])
+        return step_arguments(taken)
+
+    def clear(self) -> None:
+        for sums in self._of.values():
+            sums.clear()
+
+    def refuse(self, why: str) -> None:
+        for sums in self._of.values():
+            sums.refuse(why)
+
+    def rescale(self, factor: float) -> None:
+        for sums in self._of.values():
+            sums.rescale(factor)
+
+    def __getitem__(self, part_id: int) -> BackwardSums:
+        """The sums of the chain whose part has this ``id``."""
+        return self._of[part_id]
+
+    @property
+    def counts(self) -> Counter:
+        """How every chain's steps got their column sums (``describe()``)."""
+        return sum((s.counts for s in self._of.values()), Counter())
 
 
 class _Hook:

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from gsgd_core import Chain
+from gsgd_core import skeleton_state as core_skeleton_state
 
 from .discovery import ChainLayers, Discovery, discover, unwrap
 from .fsdp import is_sharded, local, row_range
@@ -237,7 +238,34 @@ class PartInfo:
     names: list[str]               # layer names (chain, psi) or parameter names (sgd)
     hyper: dict                    # lr, momentum, weight_decay of its group
     chain: Chain | None = None
-    skeleton_initialised: bool | None = None
+    skeleton_initialised: bool | None = None   # None: the weights cannot tell
+    skeleton_state: str | None = None          # skeleton_text's key; None: from the above
+
+
+#: A chain's skeleton as describe() says it: the states of :func:`gsgd_core.skeleton_state`,
+#: and "began default" (a default init when training began: trained since).
+SKELETON_TEXT = {
+    "initialised": "skeleton initialised ({s})",
+    "trained": "skeleton initialised ({s}), then trained",
+    "default": "skeleton NOT initialised for skeleton={r} (call skeleton_init_(model))",
+    "began default": "skeleton NOT initialised for skeleton={r} when training began (a "
+                     "default init), trained since",
+    "unknown": "skeleton not recognised for skeleton={r} (its free edges are off the "
+               "recipe's scale): if this model was skeleton-initialised and trained, ignore "
+               "this; otherwise call skeleton_init_(model) before training",
+    "unused": "skeleton not read by this algorithm's step",
+}
+
+
+def skeleton_text(state: str, skeleton: str) -> str:
+    """What describe() says of a chain whose skeleton is in ``state``."""
+    return SKELETON_TEXT[state].format(s=skeleton, r=repr(skeleton))
+
+
+def initialised(state: str) -> bool | None:
+    """A state as :attr:`PartInfo.skeleton_initialised`: ``None`` where it cannot tell."""
+    return {"initialised": True, "trained": True, "default": False,
+            "began default": False}.get(state)
 
 
 @dataclass
@@ -288,9 +316,9 @@ class Description:
         for p in self.parts:
             hyper = ", ".join(f"{k}={v:g}" for k, v in p.hyper.items())
             if p.kind == "chain":
-                init = (f"skeleton initialised ({self.skeleton})" if p.skeleton_initialised
-                        else f"skeleton NOT initialised for skeleton={self.skeleton!r} "
-                             "(call skeleton_init_(model))")
+                state = p.skeleton_state or ("initialised" if p.skeleton_initialised
+                                             else "default")
+                init = skeleton_text(state, self.skeleton)
                 lines.append(f"  chain {' -> '.join(p.names)}: {p.chain}; {init}; {hyper}")
             elif p.kind == "psi":
                 weights = ", ".join(f"{n}.weight" for n in p.names)
@@ -313,24 +341,17 @@ class Description:
         return "\n".join(lines)
 
 
-def skeleton_is_initialised(part: ChainPart) -> bool:
-    """Whether every skeleton edge of the part's layers has the magnitude of its layer's
-    skeleton scale (``+1`` everywhere for the paper's recipe)."""
-    chain = part.chain
-    paper = all(r == 1.0 for r in chain.skeleton_scale)
+def skeleton_state(part: ChainPart) -> str:
+    """How the part's weights show its skeleton (:func:`gsgd_core.skeleton_state`; torch's
+    default initialisation of Linear and Conv layers is ``U(-1/sqrt(fan_in),
+    1/sqrt(fan_in))``)."""
     with torch.no_grad():
-        for l, w in enumerate(part.weights, start=1):
-            # A sharded layer is judged by this process's rows: describe() may then run
-            # on one process alone (no collective), as users print it.
-            r0, r1 = row_range(w, part.names[l - 1]) if is_sharded(w) else (0, w.shape[0])
-            W = local(w).detach().reshape((r1 - r0,) + chain.layer_shape(l)[1:])
-            mask = torch.as_tensor((chain.free_mask(l) | chain.tau_mask(l))[r0:r1],
-                                   device=W.device)
-            edges = W[mask]
-            r = torch.tensor(chain.skeleton_scale[l - 1], dtype=W.dtype)
-            if not bool(torch.all((edges if paper else edges.abs()) == r.to(W.device))):
-                return False
-    return True
+        # A sharded layer is judged by this process's rows: describe() may then run
+        # on one process alone (no collective), as users print it.
+        rows = [row_range(w, n) if is_sharded(w) else (0, w.shape[0])
+                for w, n in zip(part.weights, part.names)]
+        return core_skeleton_state(part.chain, [local(w).detach() for w in part.weights],
+                                   rows=rows, default_bound=1.0)
 
 
 def sub_chain(chain: Chain, start: int, stop: int) -> Chain:
@@ -368,4 +389,4 @@ class Runs:
 
 __all__ = ["ChainPart", "Description", "PSIPart", "PartInfo", "Partition", "Runs", "SGDPart",
            "chain_spec", "explicit_chains", "fingerprint", "partition", "scaled",
-           "skeleton_is_initialised", "sub_chain", "unwrap"]
+           "skeleton_state", "skeleton_text", "sub_chain", "unwrap"]

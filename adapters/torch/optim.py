@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -23,13 +22,14 @@ from gsgd_backends import StepPlan, gsgd_update_, path_sgd_step_, psi_update_, s
 from gsgd_backends.psi import PSIPlan
 from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
 from gsgd_core import GSGDState, PSIState
+from gsgd_core.group import SKELETON_STATES
 
-from .backward_sums import BackwardSums, step_arguments
+from .backward_sums import ChainSums
 from .discovery import ChainLayers, unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
 from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, explicit_chains,
-                     hyper_value, partition, skeleton_is_initialised, warn_user)
+                     hyper_value, initialised, partition, skeleton_state, warn_user)
 from .model_ops import check_invariance
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
@@ -37,11 +37,12 @@ __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarn
 
 # Attributes of the optimizer beyond torch's own, carried by copy.deepcopy and pickle.
 _OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile",
-              "_backward_sums")
+              "_backward_sums", "_began", "_unchecked")
 
 
 class SkeletonWarning(UserWarning):
-    """G-SGD was built on chains whose skeleton is not initialised (see ``skeleton_init_``)."""
+    """G-SGD was built on chains whose skeleton is not initialised (see ``skeleton_init_``),
+    or that the weights cannot tell from trained ones."""
 
 
 class SkippedStepWarning(UserWarning):
@@ -108,6 +109,8 @@ class ScaleInvariantOptimizer(Optimizer):
 
     #: Whether chain steps can take their column sums from the backward pass.
     takes_column_sums = False
+    #: Whether chain steps read the skeleton (its units are those of the path values).
+    reads_skeleton = True
 
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
                  find_normalised: bool, through_bn: bool = False,
@@ -135,19 +138,18 @@ class ScaleInvariantOptimizer(Optimizer):
                 check_chain(params, [self._name(p) for p in params])
         self._skeleton = skeleton
         self._skipped = 0
+        # chain -> its skeleton's state when training began (the first step, after any
+        # load_state_dict; saved in the state dict): once stepped, weights may not tell
+        self._began: dict[int, str] = {}
+        self._unchecked = self.reads_skeleton
         self._backward_sums = bool(backward_sums and self.takes_column_sums and not replicated)
         self._hook_chains()
 
     def _hook_chains(self) -> None:
-        """The chains' :class:`.backward_sums.BackwardSums` (hooks on their layers), if the
+        """The chains' :class:`.backward_sums.ChainSums` (hooks on their layers), if the
         optimizer takes its column sums from the backward pass."""
-        self._sums = {}
-        if self.__dict__.get("_backward_sums"):
-            # FSDP2's chains step their local rows, whose column sums are reduced across
-            # processes (.fsdp); bn="paper" scales gradients by row norms before the step
-            self._sums = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in self._parts
-                          if p.kind == "chain" and not any(p.normalised)
-                          and not is_sharded(p.weights[0])}
+        self._sums = ChainSums([p for p in self._parts if p.kind == "chain"],
+                               on=bool(self.__dict__.get("_backward_sums")))
 
     # ------------------------------------------------------------------ torch.optim API
     #: ``torch.amp.GradScaler.step`` hands the step its scale and ``found_inf`` instead of
@@ -163,6 +165,8 @@ class ScaleInvariantOptimizer(Optimizer):
                 loss = closure()
         with torch.no_grad():
             if self._unscale_amp():
+                if self._unchecked:
+                    self._check_skeleton()
                 for part in self._parts:
                     getattr(self, f"_step_{part.kind}")(part, self.param_groups[part.group])
         return loss
@@ -178,10 +182,8 @@ class ScaleInvariantOptimizer(Optimizer):
             return True
         if found is not None and bool(found):
             return False
-        sums = self._sums.values()
         if scale is None:
-            for s in sums:
-                s.refuse("GradScaler.unscale_ changed the gradients in place")
+            self._sums.refuse("GradScaler.unscale_ changed the gradients in place")
             return True
         inv = scale.double().reciprocal().float()
         grads: dict = {}
@@ -192,15 +194,13 @@ class ScaleInvariantOptimizer(Optimizer):
         for (device, _), gs in grads.items():
             torch._amp_foreach_non_finite_check_and_unscale_(
                 gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
-        for s in sums:
-            s.rescale(float(inv))
+        self._sums.rescale(float(inv))
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; the chains' column sums restart with the gradients."""
         super().zero_grad(set_to_none)
-        for sums in self._sums.values():
-            sums.clear()
+        self._sums.clear()
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; parameters added after construction take the SGD rule
@@ -219,6 +219,8 @@ class ScaleInvariantOptimizer(Optimizer):
         # original's hooks disarmed)
         super().__setstate__(state)
         if "_parts" in self.__dict__:
+            self.__dict__.setdefault("_began", {})  # pickled before the states were kept
+            self.__dict__.setdefault("_unchecked", False)
             self._hook_chains()
 
     def __getstate__(self) -> dict:
@@ -231,15 +233,25 @@ class ScaleInvariantOptimizer(Optimizer):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["gsgd_parts"] = self._layout()
+        sd["gsgd_skeleton"] = [self._began.get(i) for i in range(len(self._parts))]
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``; the chains' skeleton states when training began come
+        with it (state dicts saved without them load as before)."""
         state_dict = dict(state_dict)
         saved = state_dict.pop("gsgd_parts", None)
         if saved is not None and saved != self._layout():
             raise ValueError(f"the state dict was saved for a different structure: its parts "
                              f"are {saved}, this optimizer's {self._layout()}")
+        began = state_dict.pop("gsgd_skeleton", None)
+        if began is not None and (len(began) != len(self._parts) or not set(began) <= {
+                None, *SKELETON_STATES}):
+            raise ValueError(f"the state dict's gsgd_skeleton must hold one skeleton state or "
+                             f"None per part ({len(self._parts)}), got {began!r}")
         super().load_state_dict(state_dict)
+        if began is not None:
+            self._began = {i: v for i, v in enumerate(began) if v is not None}
 
     def _layout(self) -> list:
         return [[p.kind, p.group] + ([p.names, p.fingerprint] if p.kind == "chain" else [])
@@ -249,39 +261,74 @@ class ScaleInvariantOptimizer(Optimizer):
         """The parts (chains with m, H, G-space dimension; PSI and SGD parameters), the
         hyperparameters each uses, why parameters are not in a chain, and skipped steps."""
         infos = []
-        for p in self._parts:
+        for i, p in enumerate(self._parts):
             g = self.param_groups[p.group]
             hyper = {k: hyper_value(g[k], k) for k in self.described}
             if p.kind == "chain":
-                infos.append(PartInfo("chain", p.names, hyper, p.chain,
-                                      skeleton_is_initialised(p)))
+                state = self._skeleton_state(i, p)
+                infos.append(PartInfo("chain", p.names, hyper, p.chain, initialised(state),
+                                      state))
             elif p.kind == "psi":
                 infos.append(PartInfo("psi", p.names, hyper))
             else:
                 infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
-        counts = sum((s.counts for s in self._sums.values()), Counter())
+        counts = self._sums.counts
         return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
                            self._skeleton, self.rest_rule, dict(counts))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(\n{self.describe()}\n)"
 
-    def _check_chains(self, params, model, example_input, skeleton: str) -> None:
-        """After construction: the invariance check on ``example_input`` (if given) and the
-        warning for chains whose skeleton is not initialised (stacklevel: the user's call)."""
+    def _skeleton_state(self, i: int, part: ChainPart) -> str:
+        """Chain ``i``'s skeleton as describe() says it (:data:`.groups.SKELETON_TEXT`): as
+        its weights show it, unless it has been stepped from a skeleton that was (or was not)
+        initialised; training moves weights, but never out of "initialised, then trained"."""
+        if not self.reads_skeleton:
+            return "unused"
+        now, began = skeleton_state(part), self._began.get(i)
+        if now == "trained" or began in ("initialised", "trained"):
+            return "trained"
+        return {"default": "began default", "unknown": "unknown"}.get(began, now)
+
+    def _check_chains(self, params, model, example_input) -> None:
+        """After construction: the invariance check on ``example_input``, if given."""
         if example_input is not None:
             check_invariance(params if model is None else model, example_input,
                              chains=[p.modules for p in self._parts if p.kind == "chain"])
-        cold = [" -> ".join(p.names) for p in self._parts
-                if p.kind == "chain" and not skeleton_is_initialised(p)]
-        if cold:
+
+    def _check_skeleton(self) -> None:
+        """At the first step (after any ``load_state_dict``, whose chains' states stand):
+        each chain's skeleton state as its weights show it, kept, and a warning for those
+        not initialised or that the weights cannot tell (stacklevel: the user's call). A
+        chain trained by this algorithm keeps its free edges, so a resumed or second
+        optimizer on it is not warned."""
+        if all(hyper_value(g["lr"], "lr") == 0 for g in self.param_groups):
+            return  # trains nothing: DCP's get_state_dict steps at lr 0 before it loads
+        self._unchecked = False
+        now = {i: skeleton_state(p) for i, p in enumerate(self._parts)
+               if p.kind == "chain" and i not in self._began}
+        self._began.update(now)
+        named = {state: "; ".join(" -> ".join(self._parts[i].names)
+                                  for i, s in now.items() if s == state)
+                 for state in ("default", "unknown")}
+        skeleton, name = self._skeleton, self.algorithm
+        silence = (" Silence with warnings.filterwarnings('ignore', category="
+                   "gsgd_adapters.torch.SkeletonWarning)")
+        if named["default"]:
             warn_user(
-                f"{self.algorithm}: the skeleton of chain(s) {'; '.join(cold)} is not "
-                f"initialised for skeleton={skeleton!r}: call gsgd_adapters.torch."
-                "skeleton_init_(model) before building the optimizer (from a default init, "
-                f"path values are tiny and {self.algorithm} diverges at the usual learning "
-                "rates). Silence with warnings.filterwarnings('ignore', category="
-                "gsgd_adapters.torch.SkeletonWarning)", SkeletonWarning)
+                f"{name}: the skeleton of chain(s) {named['default']} is not initialised for "
+                f"skeleton={skeleton!r}: call gsgd_adapters.torch.skeleton_init_(model) "
+                "before building the optimizer (from a default init, path values are tiny "
+                f"and {name} diverges at the usual learning rates)." + silence,
+                SkeletonWarning)
+        if named["unknown"]:
+            warn_user(
+                f"{name}: the skeleton of chain(s) {named['unknown']} is not initialised for "
+                f"skeleton={skeleton!r}, or was and has been trained by another rule (its "
+                f"free edges, which {name} never changes, are off the recipe's scale): if "
+                "this model was skeleton-initialised and trained, ignore this; otherwise "
+                "call gsgd_adapters.torch.skeleton_init_(model) before training." + silence,
+                SkeletonWarning)
 
     # ------------------------------------------------------------------ helpers
     #: The kernels of this algorithm's chain steps (``None``: it keeps no step plan).
@@ -416,24 +463,10 @@ class ScaleInvariantOptimizer(Optimizer):
              for g, w, i in zip(G, W, layers)]
         applied = self._apply(chain, W, b, G, Gb, group=group, state=state, fixed=fixed,
                               stepper=self._stepper(chain, W, names),
-                              sums=self._column_sums(part, len(layers), group))
+                              sums=self._sums.take(part, len(layers) == len(part.weights),
+                                                   bool(group.get("maximize"))))
         if not applied:
             self._count_skip(f"the chain {' -> '.join(names)}")
-
-    def _column_sums(self, part: ChainPart, n_layers: int, group: dict):
-        """The chain's column sums and gradient sum from the backward pass
-        (:meth:`.backward_sums.BackwardSums.take`) when they stand for ``W * grad`` of this
-        step, else ``None``: the step then reads ``W * grad``. Every step is counted by where
-        its sums came from (``describe()``)."""
-        sums = self._sums.get(id(part))
-        if sums is None:
-            return None
-        # no sums for a chain FSDP2 shards: _hook_chains skips sharded weights, and
-        # fully_shard after construction makes new parameters, not these
-        taken = sums.take("a layer had no gradient" if n_layers != len(part.weights) else "")
-        if taken is not None and group.get("maximize"):
-            taken = ([-s for s in taken[0]], taken[1])
-        return taken
 
     def _count_skip(self, what: str) -> None:
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
@@ -499,8 +532,10 @@ class GSGD(ScaleInvariantOptimizer):
         skeleton edges of He init's standard deviation; ``lr`` then means SGD's learning rate
         on plain deep CNNs too (skeleton guide). ``"paper"``: skeleton edges of 1 (paper §11.2),
         better on small, narrow MLPs and ruinous on wide plain CNNs (the measurement:
-        ``docs/skeleton_recipe.md``). A warning says when the model's skeleton is not
-        initialised for the chosen recipe.
+        ``docs/skeleton_recipe.md``). The first step (after any ``load_state_dict``) warns
+        when the model's skeleton is not initialised for the chosen recipe, or the weights
+        cannot tell (:func:`gsgd_core.skeleton_state`); a chain trained by G-SGD keeps its
+        free edges, and the state dict keeps each chain's state, so a resume is not warned.
     strict : bool
         Raise ``ValueError`` when a Linear/Conv layer lands in no chain and no PSI part
         (the message says why, per layer), or when the model cannot be traced. By default
@@ -578,7 +613,7 @@ class GSGD(ScaleInvariantOptimizer):
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=(bn == "psi"), through_bn=(bn == "paper"),
                          skeleton=skeleton, strict=strict, backward_sums=backward_sums)
-        self._check_chains(params, model, example_input, skeleton)
+        self._check_chains(params, model, example_input)
 
     @property
     def kernels(self):
@@ -602,7 +637,7 @@ class GSGD(ScaleInvariantOptimizer):
                      weight_decay=hyper_value(group["weight_decay"], "weight_decay"))
         if not is_sharded(W[0]):
             return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper,
-                                **step_arguments(sums))
+                                **sums)
 
         def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
             done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, stepper, *a, **hyper)
@@ -642,6 +677,7 @@ class PathSGD(ScaleInvariantOptimizer):
     ``w_e <- w_e - lr * grad_e / gamma_e``; other parameters take plain SGD."""
 
     algorithm = "Path-SGD"
+    reads_skeleton = False  # gamma_e sums over every path: no unit is chosen
 
     def __init__(self, params, lr: float = 1e-3, *, model: nn.Module | None = None,
                  chains=None, maximize: bool = False, foreach: bool | None = None) -> None:
