@@ -163,9 +163,11 @@ class GSGD(_PathSpaceOptimizer):
         (:func:`~gsgd_adapters.keras.find_chains`, ``print(opt.describe())`` says what and why).
     learning_rate : float or schedule
         As ``keras.optimizers.SGD``.
-    momentum, nesterov : float, bool
-        In chains, momentum and Nesterov act in path space (``torch.optim.SGD``'s buffer
-        convention, :func:`gsgd_core.gsgd_update`); elsewhere as Keras's SGD.
+    momentum : float
+        Momentum factor. In chains the buffer holds path gradients (``torch.optim.SGD``'s
+        buffer convention, :func:`gsgd_core.gsgd_update`); elsewhere as Keras's SGD.
+    nesterov : bool
+        Nesterov momentum, in path space in chains; elsewhere as Keras's SGD.
     weight_decay : float, optional
         In chains, L2 on basis-path values (``D += weight_decay * V``); on variables outside
         chains and PSI, Keras's decoupled decay.
