@@ -39,7 +39,8 @@ from gsgd_core.gsgd import check_update_hypers
 from . import fused_kernels as fk
 from .plan import StepPlan, check_column_sums
 
-__all__ = ["Blocks", "DeviceValues", "FusedPlan", "fused_step_", "interpreted"]
+__all__ = ["Blocks", "Buffers", "DeviceValues", "FusedPlan", "checked_tensors", "fused_step_",
+           "interpreted", "launch_step"]
 
 #: The Triton element type of each torch dtype the fused steps take.
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
@@ -166,6 +167,8 @@ class FusedPlan(DeviceValues):
         self.scale = torch.as_tensor(t.scale, dtype=self.compute, device=dev)
         self.ws = torch.zeros(ws, dtype=self.compute, device=dev)
         self.part = torch.zeros(max(t.part, 1), dtype=self.compute, device=dev)
+        self.coefs = torch.zeros(len(chains) * fk.KFIELDS.value, dtype=self.compute,
+                                 device=dev)
         self.flag = torch.zeros(len(chains), dtype=torch.int32, device=dev)
         self.ok = torch.zeros(len(chains), dtype=torch.int32, device=dev)
         self.read_tiles, self.bias_tiles, self.write_tiles = (
@@ -227,7 +230,8 @@ class FusedPlan(DeviceValues):
                                                                device=self.device))
 
     def hyperparameters(self, values: tuple) -> torch.Tensor:
-        """``(momentum, dampening, weight_decay)`` as a device tensor, made when they change."""
+        """The rule's hyperparameters (:mod:`.fused_kernels`' ``_direction``, ``_adam``) as
+        a device tensor, made when they change."""
         return self.cached("_hyper", values, lambda: torch.tensor(
             values, dtype=self.compute, device=self.device))
 
@@ -237,57 +241,142 @@ def _has_bias(chain, l: int) -> bool:
     return bool(bias if isinstance(bias, bool) else bias[l - 1])
 
 
-def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, states, sums):
-    """Validate one step's tensors (the core's errors, :meth:`StepPlan.prepared`) and list
-    them in the pointer table's order (``None`` where a layer has none)."""
+class Buffers(NamedTuple):
+    """One buffer of a chain's rule (momentum; Adam's moments): per layer the weight's
+    (``weights``) and the bias's (``biases``, ``None`` where the layer has none)."""
+
+    name: str
+    weights: Sequence
+    biases: Sequence
+
+
+def _check_buffers(c: int, weights, biases, buffers: Sequence[Buffers], dtype) -> None:
+    """``ValueError`` naming the chain, layer and shapes unless each buffer has its
+    parameter's shape and ``dtype``."""
+    for buf in buffers:
+        for what, arrays, params in (("", buf.weights, weights), ("bias ", buf.biases, biases)):
+            if len(arrays) != len(params):
+                raise ValueError(f"chain {c}: {what}{buf.name} has {len(arrays)} arrays for "
+                                 f"{len(params)} layers")
+            for l, (a, x) in enumerate(zip(arrays, params), start=1):
+                if (a is None) != (x is None) or a is not None and (
+                        a.shape != x.shape or a.dtype != dtype):
+                    raise ValueError(
+                        f"chain {c}, layer {l}: the {what}{buf.name} buffer has shape "
+                        f"{None if a is None else tuple(a.shape)} and dtype "
+                        f"{None if a is None else a.dtype}; expected "
+                        f"{None if x is None else tuple(x.shape)} and {dtype}")
+
+
+def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, buffers, sums,
+                buffer_dtype):
+    """Validate one step's tensors (the core's errors, :meth:`StepPlan.prepared`; the
+    rule's ``buffers``, one list of :class:`Buffers` per chain, of ``buffer_dtype``) and
+    list them in the pointer table's order (``None`` where a layer has none)."""
     out = []
+    slots = fk.P_MB.value - fk.P_M.value
     for c, p in enumerate(plan.plans):
         L = p.chain.L
         b = biases[c] if biases[c] is not None else [None] * L
         gb = bias_grads[c] if bias_grads[c] is not None else [None] * L
-        st = None if states is None else states[c]
-        extra = () if st is None else (("momentum", st.momentum),
-                                       ("bias_momentum", st.bias_momentum))
-        p.prepared(weights[c], biases[c], grads[c], bias_grads[c], extra)
+        p.prepared(weights[c], biases[c], grads[c], bias_grads[c])
         if not p.fits(p.chain, weights[c][0]):
             raise ValueError(f"chain {c}: {p} does not fit weights of dtype "
                              f"{weights[c][0].dtype} on {weights[c][0].device}")
-        m = [None] * L if st is None else list(st.momentum)
-        mb = [None] * L if st is None else list(st.bias_momentum)
+        _check_buffers(c, weights[c], b, buffers[c], buffer_dtype)
+        pad = [None] * (slots - len(buffers[c]))
         for l in range(L):
-            row = [weights[c][l], grads[c][l], m[l], b[l], gb[l], mb[l],
-                   None if sums is None or l == 0 else sums[c][l - 1]]
-            for what, a in zip(("weight", "gradient", "momentum", "bias", "bias gradient",
-                                "bias momentum", "column sum"), row):
+            row = ([weights[c][l], grads[c][l], b[l], gb[l],
+                    None if sums is None or l == 0 else sums[c][l - 1]]
+                   + [x.weights[l] for x in buffers[c]] + pad
+                   + [x.biases[l] for x in buffers[c]] + pad)
+            what = ["weight", "gradient", "bias", "bias gradient", "column sum"] + [
+                f"{x.name} buffer" for x in buffers[c]] + pad + [
+                f"bias {x.name} buffer" for x in buffers[c]] + pad
+            for name, a in zip(what, row):
                 if a is not None and a.device != plan.device:
-                    raise ValueError(f"chain {c}, layer {l + 1}: the {what} is on {a.device}, "
+                    raise ValueError(f"chain {c}, layer {l + 1}: the {name} is on {a.device}, "
                                      f"the plan's tensors on {plan.device}")
                 if a is not None and not a.is_contiguous():
                     raise ValueError(f"chain {c}, layer {l + 1}: the fused step writes in "
-                                     f"place and takes contiguous tensors; the {what} of "
+                                     f"place and takes contiguous tensors; the {name} of "
                                      f"shape {tuple(a.shape)} is not contiguous")
             out += row
     return out
 
 
-def _check_device(plan: FusedPlan, lr, states, found_inf, checks) -> None:
+def _check_device(plan: FusedPlan, lr, counters, found_inf, checks) -> None:
     """``ValueError`` for a CPU step outside the interpreter and for device tensors that
-    are not where the parameters are or not of the kernels' kinds."""
+    are not where the parameters are or not of the kernels' kinds (``counters``: the
+    states' step counters, ``(name, tensor)``)."""
     if plan.device.type == "cpu" and not interpreted():
         raise ValueError("the fused step runs on CPU tensors only under Triton's interpreter "
                          "(TRITON_INTERPRET=1 set before gsgd_backends.fused is imported, "
                          "for tests); step CPU parameters with fused=False")
-    named = [("lr", lr), ("found_inf", found_inf)] + [
-        (f"states[{c}].step", s.step) for c, s in enumerate(states or [])] + [
+    named = [("lr", lr), ("found_inf", found_inf)] + list(counters or []) + [
         (f"gradient_check[{c}]", t) for c, t in enumerate(checks or [])]
     for name, t in named:
         if isinstance(t, torch.Tensor) and (t.device != plan.device or t.numel() != 1):
             raise ValueError(f"{name} must be a one-element tensor on {plan.device}, got "
                              f"shape {tuple(t.shape)} on {t.device}")
-    for c, s in enumerate(states or []):
-        if s.step.dtype != torch.int32:
-            raise ValueError(f"states[{c}].step must be an int32 tensor (gsgd_init's), got "
-                             f"{s.step.dtype}")
+    for name, t in counters or []:
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be an int32 tensor (as the core's init makes it), "
+                             f"got {t.dtype}")
+
+
+def checked_tensors(plan: FusedPlan, weights, biases, grads, bias_grads, lr, *, counters,
+                    buffers, buffer_dtype, found_inf, sums, checks) -> list:
+    """Check a step's arguments (``ValueError`` before anything runs) and list its tensors
+    in the pointer table's order: per chain the lists :func:`fused_step_` takes, the
+    rule's :class:`Buffers` (``buffers[c]``, of ``buffer_dtype``) and step counter
+    (``counters[c]``: ``(name, tensor)``; ``counters`` ``None`` where the rule keeps none)."""
+    n = len(plan.plans)
+    for name, v in (("weights", weights), ("biases", biases), ("grads", grads),
+                    ("bias_grads", bias_grads), ("states", counters), ("column_sums", sums),
+                    ("gradient_check", checks)):
+        if v is not None and len(v) != n:
+            raise ValueError(f"{name}: the plan steps {n} chains, got {len(v)} lists")
+    if (sums is None) != (checks is None):
+        raise ValueError("gradient_check is the check of column_sums: pass both")
+    for c, p in enumerate(plan.plans if sums is not None else ()):
+        check_column_sums(p.chain, sums[c], plan.dtype, checks[c])
+    tensors = _flat_lists(plan, weights, biases if biases is not None else [None] * n, grads,
+                          bias_grads if bias_grads is not None else [None] * n, buffers, sums,
+                          buffer_dtype)
+    _check_device(plan, lr, counters, found_inf, checks)
+    return tensors
+
+
+def launch_step(plan: FusedPlan, tensors: list, lr, *, counters, checks, found_inf,
+                rule: int, hyper: tuple, maximize: bool, buffer_dtype) -> None:
+    """The three launches of a checked step (:func:`checked_tensors`): ``rule``, the
+    kernels' ``RULE`` flags, and ``hyper``, their hyperparameter vector."""
+    n = len(plan.plans)
+    given = checks is not None
+    ptrs = plan.pointers(tensors)
+    table = plan.flag  # read only where a counter or a check is given
+    if counters is not None or given:
+        table = plan.step_pointers([None] * n if counters is None else [t for _, t in counters],
+                                   checks if given else [None] * n)
+    lr_t = plan.learning_rate(lr)
+    hyper_t = plan.hyperparameters(tuple(float(h) for h in hyper))
+    bl = plan.blocks
+    flags = dict(ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
+                 MAXIMIZE=bool(maximize))
+    rule_flags = dict(BT=TRITON_DTYPES[buffer_dtype], RULE=int(rule), **flags)
+    tiles = plan.bias_tiles if given else plan.read_tiles
+    if tiles.shape[0]:
+        launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
+               plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
+    launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, table, plan.idx, plan.scale,
+           plan.part, plan.ws, plan.flag, plan.ok,
+           plan.flag if found_inf is None else found_inf, lr_t, hyper_t, plan.coefs,
+           float(torch.finfo(plan.compute).eps), HAS_STEP=counters is not None,
+           HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **rule_flags)
+    launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
+           plan.layers, ptrs, plan.coefs, plan.idx, plan.ws, plan.ok, lr_t, hyper_t,
+           BR=bl.rows, BC=bl.cols, **rule_flags)
 
 
 def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=None, *,
@@ -312,57 +401,21 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
     finite only if every weight gradient is (:meth:`StepPlan.column_sums`); the read pass
     then reads only the bias gradients (their check), and no weight before the write pass.
     """
-    n = len(plan.plans)
-    tensors = _validated(plan, weights, biases, grads, bias_grads, lr, states,
-                         dict(momentum=momentum, dampening=dampening, nesterov=nesterov,
-                              weight_decay=weight_decay), found_inf, column_sums,
-                         gradient_check)
-    given = column_sums is not None
-    ptrs = plan.pointers(tensors)
-    counters = plan.flag  # read only where a state or a check is given
-    if states is not None or given:
-        counters = plan.step_pointers([None] * n if states is None else [s.step for s in states],
-                                      gradient_check if given else [None] * n)
-    lr_t = plan.learning_rate(lr)
-    hyper = plan.hyperparameters((float(momentum), float(dampening), float(weight_decay)))
-    bl = plan.blocks
-    flags = dict(ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
-                 MAXIMIZE=bool(maximize))
-    rule = dict(HAS_WD=bool(weight_decay), HAS_M=bool(momentum), NESTEROV=bool(nesterov))
-    tiles = plan.bias_tiles if given else plan.read_tiles
-    if tiles.shape[0]:
-        launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
-               plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
-    launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, counters, plan.idx, plan.scale,
-           plan.part, plan.ws, plan.flag, plan.ok,
-           plan.flag if found_inf is None else found_inf, lr_t, hyper,
-           float(torch.finfo(plan.compute).eps), HAS_STEP=states is not None,
-           HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **flags, **rule)
-    launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
-           plan.layers, ptrs, counters, plan.idx, plan.ws, plan.ok, lr_t, hyper, BR=bl.rows,
-           BC=bl.cols, **flags, **rule)
-
-
-def _validated(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states, hyper: dict,
-               found_inf, sums, checks) -> list:
-    """Check a step's arguments (``ValueError`` before anything runs) and list its tensors
-    in the pointer table's order."""
-    check_update_hypers(lr if not isinstance(lr, torch.Tensor) else 1.0, **hyper)
-    n = len(plan.plans)
-    for name, v in (("weights", weights), ("biases", biases), ("grads", grads),
-                    ("bias_grads", bias_grads), ("states", states), ("column_sums", sums),
-                    ("gradient_check", checks)):
-        if v is not None and len(v) != n:
-            raise ValueError(f"{name}: the plan steps {n} chains, got {len(v)} lists")
-    if (hyper["momentum"] or hyper["weight_decay"]) and states is None:
+    check_update_hypers(lr if not isinstance(lr, torch.Tensor) else 1.0, momentum=momentum,
+                        dampening=dampening, nesterov=nesterov, weight_decay=weight_decay)
+    if (momentum or weight_decay) and states is None:
         raise ValueError("momentum and weight decay need states: one gsgd_init(chain, "
                          "weights, biases) per chain")
-    if (sums is None) != (checks is None):
-        raise ValueError("gradient_check is the check of column_sums: pass both")
-    for c, p in enumerate(plan.plans if sums is not None else ()):
-        check_column_sums(p.chain, sums[c], plan.dtype, checks[c])
-    tensors = _flat_lists(plan, weights, biases if biases is not None else [None] * n, grads,
-                          bias_grads if bias_grads is not None else [None] * n,
-                          states if hyper["momentum"] else None, sums)
-    _check_device(plan, lr, states, found_inf, checks)
-    return tensors
+    n = len(plan.plans)
+    buffers = [[Buffers("momentum", s.momentum, s.bias_momentum)] if momentum else []
+               for s in states] if states is not None else [[]] * n
+    counters = None if states is None else [(f"states[{c}].step", s.step)
+                                            for c, s in enumerate(states)]
+    tensors = checked_tensors(plan, weights, biases, grads, bias_grads, lr, counters=counters,
+                              buffers=buffers, buffer_dtype=plan.dtype, found_inf=found_inf,
+                              sums=column_sums, checks=gradient_check)
+    rule = ((fk.R_WD.value if weight_decay else 0) | (fk.R_M.value if momentum else 0)
+            | (fk.R_NESTEROV.value if nesterov else 0))
+    launch_step(plan, tensors, lr, counters=counters, checks=gradient_check,
+                found_inf=found_inf, rule=rule, hyper=(momentum, dampening, weight_decay),
+                maximize=maximize, buffer_dtype=plan.dtype)

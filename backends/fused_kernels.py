@@ -1,4 +1,5 @@
-"""Triton kernels of the fused G-SGD step (:mod:`.fused`): three launches for every chain.
+"""Triton kernels of the fused path-space steps (:mod:`.fused`: G-SGD(M); :mod:`.fused_adam`:
+G-Adam, G-AdamW, AMSGrad): three launches for every chain.
 
 - :func:`read_pass`: per tile of a layer's rows and columns, partial column sums of
   ``W * grad`` (layers ``l >= 2``) and the chain's finiteness flag (every weight and bias
@@ -9,8 +10,12 @@
 - :func:`write_pass`: per tile of every layer of every chain, the bulk update by the core's
   per-entry rules (:func:`gsgd_backends.fast.rows_by_rules`), the special edges masked off.
 
-Every per-entry rule is :mod:`gsgd_core.rules`' written once more in Triton (the helpers
-below, each named after its rule). Tensors are reached through tables of ``data_ptr()``s
+The step rule is a constexpr bit set ``RULE`` of the ``R_*`` flags: SGD's direction
+(weight decay, momentum, Nesterov) or Adam's (:class:`gsgd_core.AdamRule`: L2 or decoupled
+weight decay, AMSGrad), with the rule's buffers (momentum; ``exp_avg``, ``exp_avg_sq``,
+``max_exp_avg_sq``) in pointer slots ``P_M`` (weights) and ``P_MB`` (biases), of the buffer
+dtype ``BT``. Every per-entry rule is :mod:`gsgd_core.rules`' written once more in Triton
+(the helpers below, each named after its rule). Tensors are reached through tables of ``data_ptr()``s
 (the layer table of :mod:`.fused` lists the fields); node vectors live in a workspace of the
 compute dtype. A step whose chain has a non-finite gradient, or whose ``found_inf`` is set,
 writes nothing: the vector stage reads the flag and hands it to the write pass.
@@ -27,13 +32,20 @@ from triton import knobs
 (CHAIN, POS, DEPTH, ROWS, UNITS, SLOTS, IN_NODE, OUT_NODE, TAU_IDX, TAU_SRC, TAU_FREE, FREE_IDX,
  SIGMA, CARRY_PTR, CARRY_IDX, CARRY_MAX, PART, CHUNKS, HAS_BIAS, FIELDS) = map(tl.constexpr,
                                                                                 range(20))
-# Pointers of a layer (pointer table row): weight, gradient, momentum, bias, its gradient,
-# its momentum, and the column sums given for it (0 where none).
-P_W, P_G, P_M, P_B, P_GB, P_MB, P_S, PTRS = map(tl.constexpr, range(8))
+# Pointers of a layer (pointer table row): weight, gradient, bias, its gradient, the column
+# sums given for it, then three slots of the rule's weight buffers from P_M and three of its
+# bias buffers from P_MB (0 where none).
+P_W, P_G, P_B, P_GB, P_S, P_M, P_MB, PTRS = map(tl.constexpr, (0, 1, 2, 3, 4, 5, 8, 11))
 # A chain's row of the table of its counters: the step counter and the gradients' check.
 S_STEP, S_CHECK, SFIELDS = map(tl.constexpr, range(3))
 # A chain's row of the chain table: its first layer, depth, workspace offset, node count.
 C_FIRST, C_DEPTH, C_WS, C_NODES, CFIELDS = map(tl.constexpr, range(5))
+# A chain's row of the step coefficients the vector stage hands the write pass: whether the
+# step is the first (SGD's momentum), Adam's lr / (1 - beta1**t) and sqrt(1 - beta2**t).
+K_FIRST, K_STEP, K_BC2, KFIELDS = map(tl.constexpr, range(4))
+# Flags of RULE (test them as ``R_X & RULE``: the interpreter passes RULE as an int).
+# R_WD: weight decay added to D (SGD's, Adam's L2); R_DECOUPLED: AdamW's.
+R_WD, R_M, R_NESTEROV, R_ADAM, R_AMSGRAD, R_DECOUPLED = map(tl.constexpr, (1, 2, 4, 8, 16, 32))
 
 
 def device_function(fn):
@@ -88,21 +100,113 @@ def _path_gradient(num, den, g):
 
 
 @device_function
-def _direction(D, M, V, first, mu, damp, wd, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
-               NESTEROV: tl.constexpr):
-    """rules.direction: weight decay, then momentum (torch.optim.SGD's conventions).
-    Returns the direction and the new buffer (``D`` itself without momentum)."""
-    if HAS_WD:
-        D = D + wd * V
+def _direction(D, M, V, first, hyper, RULE: tl.constexpr):
+    """rules.direction: weight decay, then momentum (torch.optim.SGD's conventions),
+    ``hyper = (momentum, dampening, weight_decay)``. Returns the direction and the new
+    buffer (``D`` itself without momentum)."""
+    if R_WD & RULE:
+        D = D + tl.load(hyper + 2) * V
     Mn = D
     out = D
-    if HAS_M:
-        Mn = tl.where(first, D, mu * M + (1.0 - damp) * D)
-        if NESTEROV:
+    if R_M & RULE:
+        mu = tl.load(hyper)
+        Mn = tl.where(first, D, mu * M + (1.0 - tl.load(hyper + 1)) * D)
+        if R_NESTEROV & RULE:
             out = D + mu * Mn
         else:
             out = Mn
     return out, Mn
+
+
+@device_function
+def _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr):
+    """AdamRule.apply, ``hyper = (beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay)``,
+    ``step_size = lr / (1 - beta1**t)``, ``sqrt_bc2 = sqrt(1 - beta2**t)``::
+
+        D <- D + weight_decay * V                (R_WD)
+        m = beta1 M + (1 - beta1) D,  s = beta2 S + (1 - beta2) D**2,  X' = max(X, s)
+        Delta = step_size m / (sqrt(s or X') / sqrt_bc2 + eps)
+        Delta <- Delta + lr weight_decay V      (R_DECOUPLED)
+
+    and a ``Delta`` that is not finite is 0 (rules.finite_or_zero). Returns ``(Delta, m,
+    s, X')``."""
+    wd = tl.load(hyper + 5)
+    if R_WD & RULE:
+        D = D + wd * V
+    m = tl.load(hyper) * M + tl.load(hyper + 1) * D
+    s = tl.load(hyper + 2) * S + tl.load(hyper + 3) * (D * D)
+    Xn = X
+    den = s
+    if R_AMSGRAD & RULE:
+        Xn = tl.maximum(X, s)
+        den = Xn
+    delta = step_size * m / (tl.sqrt_rn(den) / sqrt_bc2 + tl.load(hyper + 4))
+    if R_DECOUPLED & RULE:
+        delta = delta + (lr * wd) * V
+    return tl.where(finite(delta), delta, 0.0), m, s, Xn
+
+
+@device_function
+def _rule(D, V, M, S, X, first, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr):
+    """The rule's step at paths ``(D, V)`` with buffers ``M, S, X`` (those the rule has):
+    ``(step, M', S', X')``; the path moves by ``_over(step, V, lr, RULE)``."""
+    if R_ADAM & RULE:
+        step, Mn, Sn, Xn = _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE)
+    else:
+        step, Mn = _direction(D, M, V, first, hyper, RULE)
+        Sn = S
+        Xn = X
+    return step, Mn, Sn, Xn
+
+
+@device_function
+def _over(step, den, lr, RULE: tl.constexpr):
+    """A step over ``den``: Adam's holds ``lr`` (rules.safe_div), SGD's direction is
+    scaled by it (rules.scaled_div)."""
+    if R_ADAM & RULE:
+        out = _safe_div(step, den)
+    else:
+        out = _scaled_div(lr, step, den)
+    return out
+
+
+@device_function
+def _power(b, t):
+    """``b**t`` for an integer ``t`` of 1 to 2**31 - 1, by squaring (``t``'s bits)."""
+    out = b * 0.0 + 1.0
+    for i in range(0, 31):
+        out = tl.where(((t >> i) & 1) != 0, out * b, out)
+        b = b * b
+    return out
+
+
+@device_function
+def _buffers(ptrs, li, offs, mask, zero, FIRST: tl.constexpr, RULE: tl.constexpr,
+             BT: tl.constexpr, DT: tl.constexpr):
+    """The rule's buffers at ``offs`` of layer ``li``'s slots from ``FIRST`` (``P_M``:
+    the weight's, ``P_MB``: the bias's), ``zero`` for those the rule has not."""
+    M = zero
+    S = zero
+    X = zero
+    if (R_M | R_ADAM) & RULE:
+        M = tl.load(_ptr(ptrs, li, FIRST, BT) + offs, mask=mask, other=0.0).to(DT)
+    if R_ADAM & RULE:
+        S = tl.load(_ptr(ptrs, li, FIRST + 1, BT) + offs, mask=mask, other=0.0).to(DT)
+    if R_AMSGRAD & RULE:
+        X = tl.load(_ptr(ptrs, li, FIRST + 2, BT) + offs, mask=mask, other=0.0).to(DT)
+    return M, S, X
+
+
+@device_function
+def _store_buffers(ptrs, li, offs, mask, Mn, Sn, Xn, M, S, X, FIRST: tl.constexpr,
+                   RULE: tl.constexpr, BT: tl.constexpr):
+    """:func:`_buffers`' new values where ``mask``, each kept where not finite (rules.kept)."""
+    if (R_M | R_ADAM) & RULE:
+        tl.store(_ptr(ptrs, li, FIRST, BT) + offs, _kept(Mn, M).to(BT), mask=mask)
+    if R_ADAM & RULE:
+        tl.store(_ptr(ptrs, li, FIRST + 1, BT) + offs, _kept(Sn, S).to(BT), mask=mask)
+    if R_AMSGRAD & RULE:
+        tl.store(_ptr(ptrs, li, FIRST + 2, BT) + offs, _kept(Xn, X).to(BT), mask=mask)
 
 
 @device_function
@@ -261,14 +365,14 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
 
 
 @device_function
-def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
-               ST: tl.constexpr, DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, hyper, step_size,
+               sqrt_bc2, eps, ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
+               RULE: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     """Weight allocation's forward sweep on the tau edges (sweeps.allocate3): ``D = (w g -
-    T) / V``, its direction, ``R = 1 - lr dir / V`` (0 -> eps), the tau edge ``w R /
+    T) / V``, the rule's step, ``R = 1 - step / V`` (0 -> eps), the tau edge ``w R /
     rho_src`` (rules.written_ratio: kept where not finite, ``rho`` then the source's), and
-    ``rho`` (a free tau edge passes its source's on). Tau edges that are not free are
-    written when ``ok``."""
+    ``rho`` (a free tau edge passes its source's on). Tau edges that are not free, and
+    their buffers, are written when ``ok``."""
     for l in range(1, L):
         li = li0 + l - 1
         n = _field(layers, li, ROWS, FIELDS)
@@ -287,12 +391,10 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, dam
             V = (tl.load(Fw + out_node + j, mask=m, other=0.0)
                  * tl.load(Bw + in_node + src, mask=m, other=0.0)) * w
             D = _path_gradient(w * g - tl.load(Tw + out_node + j, mask=m, other=0.0), V, g)
-            M = tl.zeros((BLOCK,), DT)
-            if HAS_M:
-                m_ptr = _ptr(ptrs, li, P_M, ST)
-                M = tl.load(m_ptr + ti, mask=m, other=0.0).to(DT)
-            step, Mn = _direction(D, M, V, first, mu, damp, wd, HAS_WD, HAS_M, NESTEROV)
-            R = 1.0 - _scaled_div(lr, step, V)
+            M, S, X = _buffers(ptrs, li, ti, m, tl.zeros((BLOCK,), DT), P_M, RULE, BT, DT)
+            step, Mn, Sn, Xn = _rule(D, V, M, S, X, first, lr, hyper, step_size, sqrt_bc2,
+                                     RULE)
+            R = 1.0 - _over(step, V, lr, RULE)
             R = tl.where(R == 0, eps, R)
             rho_src = tl.load(Rw + in_node + src, mask=m, other=1.0)
             new = w * (R / rho_src)
@@ -300,36 +402,35 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, dam
             tl.store(Rw + out_node + j, tl.where(free | ~written, rho_src, R), mask=m)
             moved = _and(m & ~free, ok)
             tl.store(w_ptr + ti, tl.where(written, new, w).to(ST), mask=moved)
-            if HAS_M:
-                tl.store(m_ptr + ti, _kept(Mn, M).to(ST), mask=moved)
+            _store_buffers(ptrs, li, ti, moved, Mn, Sn, Xn, M, S, X, P_M, RULE, BT)
         tl.debug_barrier()
 
 
 @device_function
-def _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST: tl.constexpr,
-                   DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
-                   NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
-    """The momentum buffers at free edges: no path, ``D = V = 0`` (the core's icr3)."""
+def _free_buffers(layers, ptrs, idx, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
+                  DT: tl.constexpr, BT: tl.constexpr, RULE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """The rule's buffers at free edges: no path, ``D = V = 0`` (the core's icr3)."""
     for l in range(2, L + 1):
         li = li0 + l - 1
         p = _field(layers, li, UNITS, FIELDS)
-        m_ptr = _ptr(ptrs, li, P_M, ST)
         for a0 in range(0, p, BLOCK):
             a = a0 + tl.arange(0, BLOCK)
             m = a < p
             fi = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=m, other=0)
-            M = tl.load(m_ptr + fi, mask=m, other=0.0).to(DT)
             zero = tl.zeros((BLOCK,), DT)
-            _, Mn = _direction(zero, M, zero, first, mu, damp, wd, HAS_WD, HAS_M, NESTEROV)
-            tl.store(m_ptr + fi, _kept(Mn, M).to(ST), mask=_and(m, ok))
+            M, S, X = _buffers(ptrs, li, fi, m, zero, P_M, RULE, BT, DT)
+            _, Mn, Sn, Xn = _rule(zero, zero, M, S, X, first, lr, hyper, step_size, sqrt_bc2,
+                                  RULE)
+            _store_buffers(ptrs, li, fi, _and(m, ok), Mn, Sn, Xn, M, S, X, P_M, RULE, BT)
 
 
 @device_function
-def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST: tl.constexpr,
-            DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
-            NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """The core's bias rule: ``Db = grad_b / F`` (frozen on overflow), its direction with
-    ``Vb = b F``, ``b' = b - lr dir / F``, kept where not finite."""
+def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
+            ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, RULE: tl.constexpr,
+            MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """The core's bias rule: ``Db = grad_b / F`` (frozen on overflow), the rule's step with
+    ``Vb = b F``, ``b' = b - step / F``, kept where not finite."""
     for l in range(1, L + 1):
         li = li0 + l - 1
         if _field(layers, li, HAS_BIAS, FIELDS) != 0:
@@ -343,29 +444,26 @@ def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST: tl.conste
                 F = tl.load(Fw + out_node + j, mask=m, other=1.0)
                 b = tl.load(b_ptr + j, mask=m, other=0.0).to(DT)
                 g = _grad(gb_ptr, j, m, DT, MAXIMIZE)
-                M = tl.zeros((BLOCK,), DT)
-                if HAS_M:
-                    mb_ptr = _ptr(ptrs, li, P_MB, ST)
-                    M = tl.load(mb_ptr + j, mask=m, other=0.0).to(DT)
-                step, Mn = _direction(_path_gradient(g, F, g), M, b * F, first, mu, damp, wd,
-                                      HAS_WD, HAS_M, NESTEROV)
-                tl.store(b_ptr + j, _kept(b - _scaled_div(lr, step, F), b).to(ST),
+                M, S, X = _buffers(ptrs, li, j, m, tl.zeros((BLOCK,), DT), P_MB, RULE, BT, DT)
+                step, Mn, Sn, Xn = _rule(_path_gradient(g, F, g), b * F, M, S, X, first, lr,
+                                         hyper, step_size, sqrt_bc2, RULE)
+                tl.store(b_ptr + j, _kept(b - _over(step, F, lr, RULE), b).to(ST),
                          mask=_and(m, ok))
-                if HAS_M:
-                    tl.store(mb_ptr + j, _kept(Mn, M).to(ST), mask=_and(m, ok))
+                _store_buffers(ptrs, li, j, _and(m, ok), Mn, Sn, Xn, M, S, X, P_MB, RULE, BT)
 
 
 @triton.jit
 def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf, found,
-                 lr_ptr, hyper, eps, ST: tl.constexpr, DT: tl.constexpr,
-                 HAS_WD: tl.constexpr, HAS_M: tl.constexpr, NESTEROV: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, HAS_STEP: tl.constexpr, HAS_FOUND: tl.constexpr,
-                 GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+                 lr_ptr, hyper, coefs, eps, ST: tl.constexpr, DT: tl.constexpr,
+                 BT: tl.constexpr, RULE: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 HAS_STEP: tl.constexpr, HAS_FOUND: tl.constexpr, GIVEN: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """One program per chain: the read pass's flag (and ``found_inf``) decide the step,
     handed to the write pass in ``okbuf`` (the flag is cleared for the next step; with
-    ``GIVEN`` column sums, the caller's gradient check must be finite too); then the
-    node-vector work of the step on the chain's workspace, the special edges, biases and
-    step counter written in place where the step is taken."""
+    ``GIVEN`` column sums, the caller's gradient check must be finite too); the step's
+    coefficients from the step counter (a row of ``coefs``, for the write pass); then the
+    node-vector work of the step on the chain's workspace, the special edges, biases, their
+    buffers and the step counter written in place where the step is taken."""
     c = tl.program_id(0)
     li0 = _field(chains, c, C_FIRST, CFIELDS)
     L = _field(chains, c, C_DEPTH, CFIELDS)
@@ -382,36 +480,42 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
     tl.store(okbuf + c, ok.to(tl.int32))
     tl.store(flag + c, 0)
     lr = tl.load(lr_ptr).to(DT)
-    mu = tl.load(hyper)
-    damp = tl.load(hyper + 1)
-    wd = tl.load(hyper + 2)
     first = False
+    step_size = lr
+    sqrt_bc2 = lr
     if HAS_STEP:
         step_ptr = _counter(steps, c, S_STEP, tl.int32)
         count = tl.load(step_ptr)
         first = count == 0
+        if R_ADAM & RULE:  # AdamRule.coefficients at t = count + 1
+            step_size = lr / (1.0 - _power(tl.load(hyper), count + 1))
+            sqrt_bc2 = tl.sqrt_rn(1.0 - _power(tl.load(hyper + 2), count + 1))
+        row = coefs + c * KFIELDS
+        tl.store(row + K_FIRST, first.to(DT))
+        tl.store(row + K_STEP, step_size)
+        tl.store(row + K_BC2, sqrt_bc2)
     _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST, DT, BLOCK)
     _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST, DT, MAXIMIZE, GIVEN, BLOCK)
-    _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, mu, damp, wd, eps,
-               ST, DT, HAS_WD, HAS_M, NESTEROV, MAXIMIZE, BLOCK)
-    if HAS_M:
-        _free_momentum(layers, ptrs, idx, li0, L, ok, first, mu, damp, wd, ST, DT, HAS_WD,
-                       HAS_M, NESTEROV, BLOCK)
-    _biases(layers, ptrs, Fw, li0, L, ok, first, lr, mu, damp, wd, ST, DT, HAS_WD, HAS_M,
-            NESTEROV, MAXIMIZE, BLOCK)
+    _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, hyper, step_size,
+               sqrt_bc2, eps, ST, DT, BT, RULE, MAXIMIZE, BLOCK)
+    if (R_M | R_ADAM) & RULE:
+        _free_buffers(layers, ptrs, idx, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
+                      DT, BT, RULE, BLOCK)
+    _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2, ST, DT, BT,
+            RULE, MAXIMIZE, BLOCK)
     if HAS_STEP:
         tl.store(step_ptr, count + 1, mask=ok)
 
 
 @triton.jit
-def write_pass(tiles, chains, layers, ptrs, steps, idx, ws, okbuf, lr_ptr, hyper,
-               ST: tl.constexpr, DT: tl.constexpr, HAS_WD: tl.constexpr, HAS_M: tl.constexpr,
-               NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, BR: tl.constexpr,
-               BC: tl.constexpr):
+def write_pass(tiles, chains, layers, ptrs, coefs, idx, ws, okbuf, lr_ptr, hyper,
+               ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, RULE: tl.constexpr,
+               MAXIMIZE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """One tile ``(layer, first row, first column)`` of a layer seen as ``(n, p*k)``: the
-    bulk update (fast.rows_by_rules) ``W' = (W - lr dir / (F B)) / rho`` with ``D = grad /
-    (F B)``, weight decay and momentum, every entry by the core's rules; tau and free edges
-    (found by their flat indices) are the vector stage's and are not written."""
+    bulk update (fast.rows_by_rules, rule_step.rule_bulk_) ``W' = (W - step / (F B)) /
+    rho`` with ``D = grad / (F B)``, ``V = F B W`` and the rule's step and buffers, every
+    entry by the core's rules; tau and free edges (found by their flat indices) are the
+    vector stage's and are not written."""
     t = tl.program_id(0)
     li = tl.load(tiles + t * 3)
     r0 = tl.load(tiles + t * 3 + 1)
@@ -444,17 +548,19 @@ def write_pass(tiles, chains, layers, ptrs, steps, idx, ws, okbuf, lr_ptr, hyper
         w_ptr = _ptr(ptrs, li, P_W, ST)
         W = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
         G = _grad(_ptr(ptrs, li, P_G, ST), offs, m, DT, MAXIMIZE)
-        M = tl.zeros((BR, BC), DT)
+        M, S, X = _buffers(ptrs, li, offs, m, tl.zeros((BR, BC), DT), P_M, RULE, BT, DT)
+        lr = tl.load(lr_ptr).to(DT)
         first = False
-        if HAS_M:
-            m_ptr = _ptr(ptrs, li, P_M, ST)
-            M = tl.load(m_ptr + offs, mask=m, other=0.0).to(DT)
-            # the vector stage has counted this step: a first step now reads 1
-            first = tl.load(_counter(steps, c, S_STEP, tl.int32)) == 1
+        step_size = lr
+        sqrt_bc2 = lr
+        if (R_M | R_ADAM) & RULE:
+            row = coefs + c * KFIELDS
+            first = tl.load(row + K_FIRST) != 0
+            step_size = tl.load(row + K_STEP)
+            sqrt_bc2 = tl.load(row + K_BC2)
         fb = F[:, None] * B[None, :]
-        step, Mn = _direction(_path_gradient(G, fb, G), M, fb * W, first, tl.load(hyper),
-                              tl.load(hyper + 1), tl.load(hyper + 2), HAS_WD, HAS_M, NESTEROV)
-        new = (W - _scaled_div(tl.load(lr_ptr).to(DT), step, fb)) / rho[None, :]
+        step, Mn, Sn, Xn = _rule(_path_gradient(G, fb, G), fb * W, M, S, X, first, lr, hyper,
+                                 step_size, sqrt_bc2, RULE)
+        new = (W - _over(step, fb, lr, RULE)) / rho[None, :]
         tl.store(w_ptr + offs, _kept(new, W).to(ST), mask=m)
-        if HAS_M:
-            tl.store(m_ptr + offs, _kept(Mn, M).to(ST), mask=m)
+        _store_buffers(ptrs, li, offs, m, Mn, Sn, Xn, M, S, X, P_M, RULE, BT)
