@@ -119,7 +119,8 @@ def _direction(D, M, V, first, hyper, RULE: tl.constexpr):
 
 
 @device_function
-def _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr):
+def _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr,
+          DT: tl.constexpr):
     """AdamRule.apply, ``hyper = (beta1, 1 - beta1, beta2, 1 - beta2, eps, weight_decay)``,
     ``step_size = lr / (1 - beta1**t)``, ``sqrt_bc2 = sqrt(1 - beta2**t)``::
 
@@ -140,18 +141,19 @@ def _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr):
     if R_AMSGRAD & RULE:
         Xn = tl.maximum(X, s)
         den = Xn
-    delta = step_size * m / (tl.sqrt_rn(den) / sqrt_bc2 + tl.load(hyper + 4))
+    delta = step_size * m / (_sqrt(den, DT) / sqrt_bc2 + tl.load(hyper + 4))
     if R_DECOUPLED & RULE:
         delta = delta + (lr * wd) * V
     return tl.where(finite(delta), delta, 0.0), m, s, Xn
 
 
 @device_function
-def _rule(D, V, M, S, X, first, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr):
+def _rule(D, V, M, S, X, first, lr, hyper, step_size, sqrt_bc2, RULE: tl.constexpr,
+          DT: tl.constexpr):
     """The rule's step at paths ``(D, V)`` with buffers ``M, S, X`` (those the rule has):
     ``(step, M', S', X')``; the path moves by ``_over(step, V, lr, RULE)``."""
     if R_ADAM & RULE:
-        step, Mn, Sn, Xn = _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE)
+        step, Mn, Sn, Xn = _adam(D, V, M, S, X, lr, hyper, step_size, sqrt_bc2, RULE, DT)
     else:
         step, Mn = _direction(D, M, V, first, hyper, RULE)
         Sn = S
@@ -167,6 +169,17 @@ def _over(step, den, lr, RULE: tl.constexpr):
         out = _safe_div(step, den)
     else:
         out = _scaled_div(lr, step, den)
+    return out
+
+
+@device_function
+def _sqrt(x, DT: tl.constexpr):
+    """The correctly rounded square root (``tl.sqrt`` of float32 is approximate on GPUs;
+    ``tl.sqrt_rn`` takes float32 only)."""
+    if DT == tl.float32:
+        out = tl.sqrt_rn(x)
+    else:
+        out = tl.sqrt(x)
     return out
 
 
@@ -393,7 +406,7 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, hyper, 
             D = _path_gradient(w * g - tl.load(Tw + out_node + j, mask=m, other=0.0), V, g)
             M, S, X = _buffers(ptrs, li, ti, m, tl.zeros((BLOCK,), DT), P_M, RULE, BT, DT)
             step, Mn, Sn, Xn = _rule(D, V, M, S, X, first, lr, hyper, step_size, sqrt_bc2,
-                                     RULE)
+                                     RULE, DT)
             R = 1.0 - _over(step, V, lr, RULE)
             R = tl.where(R == 0, eps, R)
             rho_src = tl.load(Rw + in_node + src, mask=m, other=1.0)
@@ -421,7 +434,7 @@ def _free_buffers(layers, ptrs, idx, li0, L, ok, first, lr, hyper, step_size, sq
             zero = tl.zeros((BLOCK,), DT)
             M, S, X = _buffers(ptrs, li, fi, m, zero, P_M, RULE, BT, DT)
             _, Mn, Sn, Xn = _rule(zero, zero, M, S, X, first, lr, hyper, step_size, sqrt_bc2,
-                                  RULE)
+                                  RULE, DT)
             _store_buffers(ptrs, li, fi, _and(m, ok), Mn, Sn, Xn, M, S, X, P_M, RULE, BT)
 
 
@@ -446,7 +459,7 @@ def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
                 g = _grad(gb_ptr, j, m, DT, MAXIMIZE)
                 M, S, X = _buffers(ptrs, li, j, m, tl.zeros((BLOCK,), DT), P_MB, RULE, BT, DT)
                 step, Mn, Sn, Xn = _rule(_path_gradient(g, F, g), b * F, M, S, X, first, lr,
-                                         hyper, step_size, sqrt_bc2, RULE)
+                                         hyper, step_size, sqrt_bc2, RULE, DT)
                 tl.store(b_ptr + j, _kept(b - _over(step, F, lr, RULE), b).to(ST),
                          mask=_and(m, ok))
                 _store_buffers(ptrs, li, j, _and(m, ok), Mn, Sn, Xn, M, S, X, P_MB, RULE, BT)
@@ -489,7 +502,7 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
         first = count == 0
         if R_ADAM & RULE:  # AdamRule.coefficients at t = count + 1
             step_size = lr / (1.0 - _power(tl.load(hyper), count + 1))
-            sqrt_bc2 = tl.sqrt_rn(1.0 - _power(tl.load(hyper + 2), count + 1))
+            sqrt_bc2 = _sqrt(1.0 - _power(tl.load(hyper + 2), count + 1), DT)
         row = coefs + c * KFIELDS
         tl.store(row + K_FIRST, first.to(DT))
         tl.store(row + K_STEP, step_size)
@@ -560,7 +573,7 @@ def write_pass(tiles, chains, layers, ptrs, coefs, idx, ws, okbuf, lr_ptr, hyper
             sqrt_bc2 = tl.load(row + K_BC2)
         fb = F[:, None] * B[None, :]
         step, Mn, Sn, Xn = _rule(_path_gradient(G, fb, G), fb * W, M, S, X, first, lr, hyper,
-                                 step_size, sqrt_bc2, RULE)
+                                 step_size, sqrt_bc2, RULE, DT)
         new = (W - _over(step, fb, lr, RULE)) / rho[None, :]
         tl.store(w_ptr + offs, _kept(new, W).to(ST), mask=m)
         _store_buffers(ptrs, li, offs, m, Mn, Sn, Xn, M, S, X, P_M, RULE, BT)

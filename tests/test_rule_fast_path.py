@@ -63,10 +63,12 @@ def _state(ns, chain, rule, W, b, buffers, count):
     return A, Ab, state
 
 
-def _synced_steps(ns, chain, pb, rule, steps, chunk=None) -> bool:
+def _synced_steps(ns, chain, pb, rule, steps, chunk=None, step=None) -> bool:
     """``steps`` steps along the core's trajectory, each taken by the fast path and by the
     core from the same state and compared with the tolerance the rule's conditioning gives
-    (:mod:`_conditioning`). Whether every fast step ran fast."""
+    (:mod:`_conditioning`). Whether every fast step ran fast. ``step(state, A, Ab, G,
+    Gb)`` takes the step in place instead of the fast path (another in-place
+    implementation, e.g. the fused kernels; it returns whether it ran)."""
     W, b, buffers, ran = ns.tolist(ns.aslist(pb.W)), ns.tolist(ns.aslist(pb.b)), None, []
     for count in range(steps):
         G, Gb = (ns.tolist(ns.aslist(g)) for g in pb.grads(W, b))  # in the step's dtype
@@ -74,9 +76,13 @@ def _synced_steps(ns, chain, pb, rule, steps, chunk=None) -> bool:
         zeros = tuple(tuple(np.zeros_like(v) for v in V) for _ in rule.buffers)
         tol_delta, tol_bufs = step_tolerance(rule, count, D, dD, V, buffers or zeros)
         A, Ab, fs = _state(ns, chain, rule, W, b, buffers, count)
-        kernels = gb.kernels_for(A[0])
-        with _chunk(kernels, chunk):
-            ran.append(rule_step_(kernels, chain, rule, fs, A, Ab, ns.aslist(G), ns.aslist(Gb)))
+        if step is not None:
+            ran.append(step(fs, A, Ab, ns.aslist(G), ns.aslist(Gb)))
+        else:
+            kernels = gb.kernels_for(A[0])
+            with _chunk(kernels, chunk):
+                ran.append(rule_step_(kernels, chain, rule, fs, A, Ab, ns.aslist(G),
+                                      ns.aslist(Gb)))
         E, Eb, es = _state(ns, chain, rule, W, b, buffers, count)
         E, Eb, es = gc.path_update(chain, rule, es, E, Eb, ns.aslist(G), ns.aslist(Gb))
         old, (W, b) = (W, b), (ns.tolist(E), ns.tolist(Eb))
