@@ -102,15 +102,15 @@ def _assert_unchanged(before, after, which):
 
 
 def test_a_chain_with_a_nan_gradient_is_skipped_alone_and_found_inf_skips_all():
-    """Two chains in one plan (AMSGrad, decoupled decay): a NaN gradient in one skips that
+    """Two chains in one plan (AMSGrad, L2 weight decay): a NaN gradient in one skips that
     chain only (weights, biases, moments and count unchanged) while the other takes the
     core's first step; a set ``found_inf`` skips every chain; a clear one does not."""
-    rule = _rule("amsgrad")
+    rule = _rule("amsgrad-l2")
     parts = _setup(MANY, rule)
     plan = _plan(MANY, parts[0][1][0])
     parts[1][3][1][0, 0, 0] = float("nan")
     before = _snapshot(parts)
-    _step_all(plan, parts, "amsgrad")
+    _step_all(plan, parts, "amsgrad-l2")
     _assert_unchanged(before, _snapshot(parts), [1])
     pb, W, b, _, _, state = parts[0]
     want_W, want_b, want = gc.path_update(MANY[0], rule, gc.path_init(MANY[0], rule, pb.W,
@@ -123,9 +123,9 @@ def test_a_chain_with_a_nan_gradient_is_skipped_alone_and_found_inf_skips_all():
         np.testing.assert_allclose(x.numpy(), y, rtol=1e-12, atol=1e-12)
     assert [int(p[5].count) for p in parts] == [1, 0]
     before = _snapshot(parts)
-    _step_all(plan, parts, "amsgrad", found_inf=torch.ones(1))
+    _step_all(plan, parts, "amsgrad-l2", found_inf=torch.ones(1))
     _assert_unchanged(before, _snapshot(parts), range(2))
-    _step_all(plan, parts, "amsgrad", found_inf=torch.zeros(1))
+    _step_all(plan, parts, "amsgrad-l2", found_inf=torch.zeros(1))
     assert [int(p[5].count) for p in parts] == [2, 0]
 
 
