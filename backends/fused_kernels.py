@@ -15,10 +15,11 @@ The step rule is a constexpr bit set ``RULE`` of the ``R_*`` flags: SGD's direct
 weight decay, AMSGrad), with the rule's buffers (momentum; ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``) in pointer slots ``P_M`` (weights) and ``P_MB`` (biases), of the buffer
 dtype ``BT``. Every per-entry rule is :mod:`gsgd_core.rules`' written once more in Triton
-(the helpers below, each named after its rule). Tensors are reached through tables of ``data_ptr()``s
-(the layer table of :mod:`.fused` lists the fields); node vectors live in a workspace of the
-compute dtype. A step whose chain has a non-finite gradient, or whose ``found_inf`` is set,
-writes nothing: the vector stage reads the flag and hands it to the write pass.
+(the helpers below, each named after its rule). Tensors are reached through tables of
+``data_ptr()``s (the layer table of :mod:`.fused` lists the fields); node vectors live in a
+workspace of the compute dtype. A step whose chain has a non-finite gradient, or whose
+``found_inf`` is set, writes nothing: the vector stage reads the flag and hands it to the
+write pass.
 """
 
 from __future__ import annotations

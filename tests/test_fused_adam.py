@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import gsgd_core as gc
 from _helpers import Problem
 from _strategies import chains, examples, seeds
-from test_fused import (BLOCKS, CNN, MANY, _counted_launches, _interpreter,  # noqa: F401
-                        _interpreting, _NoHostReads, _plan, _tensors, gbt)
+from test_fused import (CNN, MANY, _assert_unchanged, _counted_launches,  # noqa: F401
+                        _interpreter, _interpreting, _NoHostReads, _plan, _tensors, gbt)
 from test_rule_fast_path import _synced_steps
 
 torch = pytest.importorskip("torch")
@@ -92,13 +92,6 @@ def _snapshot(parts):
     return [[None if t is None else t.clone()
              for t in [*p[1], *p[2], *(a for bufs in p[5].buffers for a in bufs), p[5].count]]
             for p in parts]
-
-
-def _assert_unchanged(before, after, which):
-    for i in which:
-        for x, y in zip(before[i], after[i]):
-            if x is not None:
-                assert torch.equal(x, y), f"chain {i} changed"
 
 
 def test_a_chain_with_a_nan_gradient_is_skipped_alone_and_found_inf_skips_all():
