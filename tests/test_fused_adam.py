@@ -1,9 +1,9 @@
 """The fused G-Adam step (gsgd_backends.fused_adam): G-Adam, G-AdamW and AMSGrad in the
-fused step's three Triton launches, run by Triton's interpreter on CPU tensors, against the
-core's path_update with AdamRule.
+fused step's three Triton launches against the core's path_update with AdamRule, compiled on
+a CUDA device where there is one, else run by Triton's interpreter on CPU tensors.
 
-The interpreter is set only while the fused modules are imported and while these tests run,
-as in test_fused (whose fixture and counting helpers these tests share).
+As in test_fused (whose fixture, device and counting helpers these tests share), the
+interpreter is set only while the fused modules are imported and while these tests run.
 """
 
 import importlib
@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 import gsgd_core as gc
 from _helpers import Problem
 from _strategies import chains, examples, seeds
-from test_fused import (CNN, MANY, _assert_unchanged, _counted_launches,  # noqa: F401
-                        _interpreter, _interpreting, _NoHostReads, _plan, _tensors, gbt)
+from test_fused import (CNN, CUDA, DEVICE, MANY, _assert_unchanged,  # noqa: F401
+                        _counted_launches, _graph_captured, _interpreter, _interpreting,
+                        _NoHostReads, _ns, _plan, _tensors, gbt)
 from test_rule_fast_path import _synced_steps
 
 torch = pytest.importorskip("torch")
@@ -66,14 +67,13 @@ def test_fused_adam_step_equals_the_core(chain, seed, name, dtype, maximize):
     (_conditioning: float64 to rounding, float32 within 2e-4), on drawn chains (custom
     skeletons, skeleton scales, convolution slots, biases) and a conv-flatten chain with
     biases; L2 and decoupled weight decay, AMSGrad, ``maximize`` on negated gradients."""
-    from _namespaces import _torch
-    assert _synced_steps(_torch(dtype), chain, Problem(chain, seed), _rule(name), 3,
+    assert _synced_steps(_ns(dtype), chain, Problem(chain, seed), _rule(name), 3,
                          step=_fused_step(chain, name, maximize))
 
 
 def _setup(chains_, rule, seed=0):
     """Per chain: the host problem, then weights, biases, gradients, bias gradients and
-    the rule's state (torch, float64)."""
+    the rule's state (torch, float64, on the tests' device)."""
     out = []
     for i, c in enumerate(chains_):
         pb = Problem(c, seed + i)
@@ -113,12 +113,12 @@ def test_a_chain_with_a_nan_gradient_is_skipped_alone_and_found_inf_skips_all():
     expected = list(want_W) + [x for x in want_b if x is not None] + [
         a for bufs in want.buffers for a in bufs]
     for x, y in zip(got, expected, strict=True):
-        np.testing.assert_allclose(x.numpy(), y, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(x.cpu().numpy(), y, rtol=1e-12, atol=1e-12)
     assert [int(p[5].count) for p in parts] == [1, 0]
     before = _snapshot(parts)
-    _step_all(plan, parts, "amsgrad-l2", found_inf=torch.ones(1))
+    _step_all(plan, parts, "amsgrad-l2", found_inf=torch.ones(1, device=DEVICE))
     _assert_unchanged(before, _snapshot(parts), range(2))
-    _step_all(plan, parts, "amsgrad-l2", found_inf=torch.zeros(1))
+    _step_all(plan, parts, "amsgrad-l2", found_inf=torch.zeros(1, device=DEVICE))
     assert [int(p[5].count) for p in parts] == [2, 0]
 
 
@@ -132,7 +132,8 @@ def test_a_fused_adam_step_is_three_launches_and_reads_nothing_back(monkeypatch)
     parts = _setup(group, _rule("amsgrad"))
     plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
     counting = _counted_launches(monkeypatch, fused)
-    lr, found_inf = torch.tensor(LR, dtype=torch.float64), torch.zeros(1)
+    lr = torch.tensor(LR, dtype=torch.float64, device=DEVICE)
+    found_inf = torch.zeros(1, device=DEVICE)
     totals = []
     for _ in range(2):
         counting.aten, counting.launches = [], []
@@ -203,7 +204,8 @@ def test_half_precision_steps_as_the_core_in_float32(dtype):
     G, Gb = pb.grads()
 
     def half(arrays):
-        return [None if a is None else torch.tensor(a, dtype=dtype) for a in arrays]
+        return [None if a is None else torch.tensor(a, dtype=dtype, device=DEVICE)
+                for a in arrays]
     W, b, Gt, Gbt = half(pb.W), half(pb.b), half(G), half(Gb)
     state = gc.path_init(chain, rule, W, b)
     assert state.buffers[0][0].dtype == torch.float32
@@ -219,3 +221,36 @@ def test_half_precision_steps_as_the_core_in_float32(dtype):
     for got, expected in zip((a for bufs in state.buffers for a in bufs),
                              (a for bufs in want.buffers for a in bufs)):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs and stream synchronisation need a GPU")
+def test_a_fused_adam_step_never_synchronises_and_replays_from_a_cuda_graph():
+    """Two chains, AMSGrad with decoupled decay, a device learning rate and GradScaler's
+    ``found_inf``: eager steps under torch's sync debug mode "error" and the same steps
+    replayed from one captured CUDA graph agree bit for bit (bias corrections from the
+    device counter), including a learning rate changed on the device between replays and a
+    replay skipped by a set ``found_inf``."""
+    rule = _rule("amsgrad")
+    eager, captured = _setup(MANY, rule), _setup(MANY, rule)
+    plans = _plan(MANY, eager[0][1][0]), _plan(MANY, captured[0][1][0])
+    lrs = [torch.tensor(LR, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    founds = [torch.zeros(1, device=DEVICE) for _ in range(2)]
+
+    def step(i, parts):
+        _step_all(plans[i], parts, "amsgrad", lr=lrs[i], found_inf=founds[i])
+    step(0, eager)  # compiles the kernels and makes the tables, as the warm-up below does
+    graph = _graph_captured(lambda: step(1, captured))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for lr, found in ((0.01, 0.0), (0.005, 0.0), (0.005, 1.0), (0.02, 0.0)):
+            for i in range(2):
+                lrs[i].fill_(lr)
+                founds[i].fill_(found)
+            step(0, eager)
+            graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(_snapshot(eager), _snapshot(captured)):
+        for x, y in zip(a, b):
+            assert x is None or torch.equal(x, y)
+    assert [int(p[5].count) for p in eager] == [4, 4]
