@@ -75,6 +75,9 @@ class GAdam(ScaleInvariantOptimizer):
         ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
         one fused loop that reads its weights, gradients and moments once. The first step
         compiles for some seconds. Off by default.
+    fused : bool, optional
+        The fused step (:class:`~.optim.GSGD`'s ``fused``): not available for G-Adam yet;
+        ``True`` raises ``ValueError``, and ``None`` (the default) steps as ``False``.
     bn : {"adam", "paper"}
         Weight layers directly followed by a normalisation end their chain and take Adam
         (``"adam"``, the default), or, with ``"paper"``, batch norm does not end a chain and
@@ -107,7 +110,8 @@ class GAdam(ScaleInvariantOptimizer):
                  foreach: bool | None = None, model: nn.Module | None = None, chains=None,
                  skeleton: str = "he", bn: str = "adam", strict: bool = False,
                  example_input=None, check_finite: bool = False,
-                 backward_sums: bool = True, compile: bool = False) -> None:
+                 backward_sums: bool = True, compile: bool = False,
+                 fused: bool | None = None) -> None:
         if bn not in ("adam", "paper"):
             raise ValueError(f"bn must be 'adam' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -116,7 +120,7 @@ class GAdam(ScaleInvariantOptimizer):
         self._compile = bool(compile)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
-                         strict=strict, backward_sums=backward_sums)
+                         strict=strict, backward_sums=backward_sums, fused=fused)
         self._check_chains(params, model, example_input)
 
     def _validate(self, group: dict, where: str) -> None:

@@ -328,14 +328,15 @@ class ChainSums:
         for sums in self._of.values():
             sums.clear()
 
-    def unscaled(self, factor: float | None) -> None:
+    def unscaled(self, factor: float | None,
+                 why: str = "GradScaler.unscale_ changed the gradients in place") -> None:
         """The gradients were unscaled in place for ``GradScaler``: by the optimizer, by
         ``factor`` (the sums are rescaled with them, :meth:`BackwardSums.rescale`), or
-        (``None``) by ``GradScaler.unscale_``, out of the version counters' sight (refused
-        until the gradients are cleared)."""
+        (``None``) out of the version counters' sight (``why``: by ``GradScaler.unscale_``;
+        refused until the gradients are cleared)."""
         for sums in self._of.values():
             if factor is None:
-                sums.refuse("GradScaler.unscale_ changed the gradients in place")
+                sums.refuse(why)
             else:
                 sums.rescale(factor)
 

@@ -16,6 +16,13 @@ Each chooses its implementation in one place: the whole-layer update
 (:mod:`gsgd_backends.sharded`) with the gathered layers' update as its fallback
 (:func:`.fsdp.sharded_step`). :func:`sgd` and :func:`adam` are torch's own rules, for the
 parameters outside chains.
+
+With ``fused`` on (:func:`use_fused`: CUDA parameters and Triton), every chain of a group
+that can take it steps in one fused call (:func:`fused_gsgd`: three Triton launches, no host
+read, :mod:`gsgd_backends.fused`), normalised weights in one (:func:`psi` given a
+:class:`~gsgd_backends.fused_psi.FusedPSIPlan`), and the rest by torch's fused SGD, each
+skipped on the device while ``found_inf`` (``GradScaler``'s, or a non-finite gradient's) is
+set. An algorithm without a fused step (G-Adam, for now) has ``None`` for it.
 """
 
 from __future__ import annotations
@@ -34,12 +41,47 @@ from gsgd_core import GSGDState, PSIState, RuleState
 from .fsdp import is_sharded, sharded_step
 from .hyper import hyper_value
 
-__all__ = ["adam", "gadam", "gsgd", "hyperparameters", "momentum_buffer", "momentum_state",
-           "path_sgd", "psi", "row_norm_scaled", "rule_state", "sgd"]
+__all__ = ["adam", "fused_gsgd", "gadam", "gsgd", "hyperparameters", "momentum_buffer",
+           "momentum_state", "nonfinite_flag", "path_sgd", "psi", "row_norm_scaled",
+           "rule_state", "sgd", "use_fused"]
 
 _HALF = (torch.float16, torch.bfloat16)
 #: The keyword-only parameters of a chain step that are not hyperparameters.
 _NOT_HYPER = ("plan", "sums")
+
+
+def use_fused(fused: bool | None, params, algorithm: str, available: bool) -> bool:
+    """Whether an optimizer of ``params`` takes the fused step: ``fused=None``, for CUDA
+    parameters when Triton imports (and the algorithm has a fused step); ``True`` on CPU
+    tensors only where the kernels run under Triton's interpreter (tests), else
+    ``ValueError``, as ``torch.optim`` refuses ``fused=True`` on a device it cannot fuse."""
+    if fused is False:
+        return False
+    cuda = all(p.is_cuda for p in params)
+    if fused is None:
+        return bool(available and cuda and _fused_module() is not None)
+    if not available:
+        raise ValueError(f"fused=True: the fused {algorithm} step is not available; use "
+                         "fused=False")
+    module = _fused_module()
+    if module is None:
+        raise ValueError("fused=True requires Triton (the fused kernels are Triton's), which "
+                         "does not import here; use fused=False")
+    if not cuda and not module.interpreted():
+        raise ValueError("fused=True requires all the params to be CUDA tensors: the fused "
+                         "kernels run on CPU tensors only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1, for tests); use fused=False")
+    return True
+
+
+def _fused_module():
+    """:mod:`gsgd_backends.fused`, imported only here (it imports triton); ``None`` without
+    triton."""
+    try:
+        import gsgd_backends.fused as fused
+    except ImportError:
+        return None
+    return fused
 
 
 def hyperparameters(step) -> tuple[str, ...]:
@@ -152,22 +194,81 @@ def path_sgd(chain, state: None, W, b, G, Gb, *, lr, plan, sums: dict) -> bool:
     return _sharded_or_whole((state, W, b, G, Gb), update, None, None, plan, sums)
 
 
-def psi(U, W, G, *, lr, momentum, max_norm, plan) -> None:
+def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight_decay,
+               maximize: bool, sums: list | None, found_inf) -> None:
+    """One G-SGD(M) step of every chain of ``plan`` (a :class:`gsgd_backends.fused.FusedPlan`)
+    in three launches, no host read: ``chains``, their ``(W, b, G, Gb)`` (gradients as
+    they are: the kernels negate them to maximise, and ``sums``, the column sums per chain
+    or ``None``, with them); states gathered from ``state`` (momentum buffers; with weight
+    decay alone, a step count the rule never reads). Skipped on the device while
+    ``found_inf`` is set, as a chain with a non-finite gradient is."""
+    from gsgd_backends.fused import fused_step_
+
+    W, b, G, Gb = (list(x) for x in zip(*chains))
+    states = None
+    if momentum or weight_decay:
+        states = [momentum_state(state, w, x, [False] * len(w)) if momentum else
+                  GSGDState(tuple(_no_buffer(t) for t in w),
+                            tuple(None if t is None else _no_buffer(t) for t in x),
+                            torch.zeros((), dtype=torch.int32, device=w[0].device))
+                  for w, x in zip(W, b)]
+    given = {} if sums is None else dict(column_sums=[s["column_sums"] for s in sums],
+                                         gradient_check=[s["gradient_check"] for s in sums])
+    fused_step_(plan, W, b, G, Gb, _on(lr, plan.device), states, momentum=momentum,
+                dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+                maximize=maximize, found_inf=found_inf, **given)
+
+
+def _no_buffer(t: torch.Tensor) -> torch.Tensor:
+    """A zero that takes no memory, for a buffer a step does not read."""
+    return t.new_zeros(()).expand_as(t)
+
+
+def _on(lr, device):
+    """``lr`` as the fused kernels read it: a tensor on the parameters' device (copied
+    there without waiting), or a number."""
+    return lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
+
+
+def psi(U, W, G, *, lr, momentum, max_norm, plan, found_inf=None) -> None:
     """PSI-SGD(M) (Yi et al., Algorithm 1) per row ``i`` of each weight:
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u``, rows of norm above
-    ``max_norm`` renormalised; ``U`` the momentum buffers."""
+    ``max_norm`` renormalised; ``U`` the momentum buffers. ``plan``: a compiled
+    :class:`~gsgd_backends.psi.PSIPlan`, or a fused one (one launch, skipped on the device
+    while ``found_inf`` is set)."""
+    if type(plan).__name__ == "FusedPSIPlan":
+        from gsgd_backends.fused_psi import fused_psi_step_
+
+        fused_psi_step_(plan, PSIState(tuple(U)), W, G, _on(lr, plan.device),
+                        momentum=momentum, max_norm=max_norm, found_inf=found_inf)
+        return
     psi_update_(PSIState(tuple(U)), W, G, lr=lr, momentum=momentum, max_norm=max_norm,
                 plan=plan)
 
 
 # ---------------------------------------------------------------------- the rest: torch's
-def sgd(params, state, group: dict) -> None:
-    """``torch.optim.SGD``'s update of ``params`` with the group's hyperparameters."""
+def nonfinite_flag(grads, found_inf=None) -> torch.Tensor:
+    """A one-element float32 tensor on the gradients' device, non-zero where ``found_inf``
+    is or a gradient holds NaN or Inf; nothing is read back to the host."""
+    flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+    if found_inf is not None:
+        flag.add_(found_inf.reshape(1).to(flag.device, torch.float32))
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [g.detach() for g in grads], flag, torch.ones(1, dtype=torch.float32,
+                                                      device=flag.device))
+    return flag
+
+
+def sgd(params, state, group: dict, found_inf=None) -> None:
+    """``torch.optim.SGD``'s update of ``params`` with the group's hyperparameters; given
+    ``found_inf`` (:func:`nonfinite_flag`), torch's fused update, skipped on the device
+    while it is set."""
     bufs = [state[p].get("momentum_buffer") for p in params]
+    how = dict(foreach=group.get("foreach")) if found_inf is None else dict(
+        fused=True, found_inf=found_inf)
     torch_sgd(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
               momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
-              nesterov=group["nesterov"], maximize=group["maximize"],
-              foreach=group.get("foreach"))
+              nesterov=group["nesterov"], maximize=group["maximize"], **how)
     if group["momentum"] != 0:
         for p, buf in zip(params, bufs):
             state[p]["momentum_buffer"] = buf

@@ -12,6 +12,7 @@ tensors and hyperparameters (:mod:`.functional`), as ``torch.optim.SGD`` steps t
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
@@ -39,7 +40,7 @@ __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarn
 
 # Attributes of the optimizer beyond torch's own, carried by copy.deepcopy and pickle.
 _OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile", "_sums",
-              "_began", "_unchecked")
+              "_began", "_unchecked", "_fused")
 
 
 def _user_groups(params, model):
@@ -96,11 +97,15 @@ class ScaleInvariantOptimizer(Optimizer):
     reads_skeleton = True
     #: Whether chain steps keep a step plan (:meth:`_stepper`).
     keeps_plans = False
+    #: The fused step of a group's chains (:mod:`.functional`; ``None``: none, so
+    #: ``fused=True`` is refused) and whether the other parts have theirs.
+    fused_functional = None
+    fused_rest = False
 
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
                  find_normalised: bool, through_bn: bool = False,
                  skeleton: str = "paper", strict: bool = False,
-                 backward_sums: bool = False) -> None:
+                 backward_sums: bool = False, fused: bool | None = False) -> None:
         self._validate(defaults, "")
         replicated = isinstance(params if model is None else model, nn.DataParallel)
         model, groups = _user_groups(params, model)
@@ -127,6 +132,9 @@ class ScaleInvariantOptimizer(Optimizer):
         self._unchecked = self.reads_skeleton
         self._sums = ChainSums(self._chains(), on=bool(
             backward_sums and self.takes_column_sums and not replicated))
+        self._fused = F.use_fused(
+            fused, [p for g in self.param_groups for p in g["params"]], self.algorithm,
+            self.fused_rest and (self.fused_functional is not None or not self._chains()))
 
     def _chains(self) -> list[ChainPart]:
         return [p for p in self._parts if isinstance(p, ChainPart)]
@@ -147,8 +155,11 @@ class ScaleInvariantOptimizer(Optimizer):
             if self._unscale_amp():
                 if self._unchecked:
                     self._check_skeleton()
+                fused = self._fusable()
                 for part in self._parts:
-                    part.step(self, self.param_groups[part.group])
+                    if part not in fused:
+                        part.step(self, self.param_groups[part.group])
+                self._step_fused(fused)
         return loss
 
     def _unscale_amp(self) -> bool:
@@ -158,9 +169,10 @@ class ScaleInvariantOptimizer(Optimizer):
         (:meth:`.backward_sums.ChainSums.unscaled`). Gradients that ``scaler.unscale_``
         already unscaled (no ``grad_scale`` then) refuse the sums."""
         found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        self._found_inf = found if self._fused else None  # the fused steps skip on the device
         if found is None and scale is None:
             return True
-        if found is not None and bool(found):
+        if not self._fused and found is not None and bool(found):
             return False
         inv = None if scale is None else scale.double().reciprocal().float()
         if inv is not None:
@@ -172,7 +184,10 @@ class ScaleInvariantOptimizer(Optimizer):
             for (device, _), gs in grads.items():
                 torch._amp_foreach_non_finite_check_and_unscale_(
                     gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
-        self._sums.unscaled(None if inv is None else float(inv))
+        if self._fused and inv is not None:  # its factor cannot be read without a host sync
+            self._sums.unscaled(None, "the fused step unscaled the gradients on the device")
+        else:
+            self._sums.unscaled(None if inv is None else float(inv))
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -197,6 +212,7 @@ class ScaleInvariantOptimizer(Optimizer):
         if "_parts" in self.__dict__:
             self.__dict__.setdefault("_began", {})  # pickled before the states were kept
             self.__dict__.setdefault("_unchecked", False)
+            self.__dict__.setdefault("_fused", False)
 
     def __getstate__(self) -> dict:
         # torch keeps only defaults, state and param_groups; the partition goes along so that
@@ -295,10 +311,55 @@ class ScaleInvariantOptimizer(Optimizer):
                 "this model was skeleton-initialised and trained, ignore this; otherwise "
                 "call gsgd_adapters.torch.skeleton_init_(model) before training." + silence,
                 SkeletonWarning)
+    # ------------------------------------------------------------------ the fused step
+    def _fusable(self) -> list[ChainPart]:
+        """The chains the fused step takes now (none unless ``fused``): whole (every layer
+        and bias with a gradient, none frozen), not FSDP2's, their gradients not scaled
+        by row norms (``bn="paper"``); the others step one by one."""
+        if not self._fused:
+            return []
+        return [p for p in self._chains() if not any(p.normalised) and not any(
+            p.frozen_bias) and not is_sharded(p.weights[0]) and all(
+            x.grad is not None for x in p.weights + p.biases if x is not None)]
+
+    def _step_fused(self, parts: list[ChainPart]) -> None:
+        """The fused step of ``parts``: one call per group, device and dtype, on a
+        :class:`~gsgd_backends.fused.FusedPlan` built from the chains' step plans and kept
+        while they are the same."""
+        together = defaultdict(list)
+        for p in parts:
+            together[p.group, p.weights[0].device, p.weights[0].dtype].append(p)
+        for key, ps in together.items():
+            group = self.param_groups[key[0]]
+            for p in (ps if group.get("check_finite") else ()):  # host reads, on request
+                for x, n in zip(p.params, map(self._name, p.params)):
+                    self._grad(x, group, n)
+            plans = [self._stepper(p.chain, p.weights, p.names) for p in ps]
+            held = self.__dict__.setdefault("_fused_plans", {}).get(key)
+            if held is None or len(held.plans) != len(plans) or any(
+                    a is not b for a, b in zip(held.plans, plans)):
+                from gsgd_backends.fused import FusedPlan
+                held = self._fused_plans[key] = FusedPlan(plans)
+            sums = [self._sums.take(p, True, False) for p in ps]
+            self.fused_functional(
+                held, self.state, [(p.weights, p.biases, [w.grad for w in p.weights],
+                                    [None if x is None else x.grad for x in p.biases])
+                                   for p in ps],
+                maximize=bool(group["maximize"]), found_inf=self._found_inf,
+                sums=sums if all(sums) else None, **self._hyper(group))
+
     # ------------------------------------------------------------------ what parts call
     def _hyper(self, group: dict) -> dict:
-        """The chain step's hyperparameters, read from ``group`` (once per chain and step)."""
-        return {k: hyper_value(group[k], k) for k in _hyper_names(self.functional)}
+        """The chain step's hyperparameters, read from ``group`` (once per chain and step;
+        under ``fused``, a tensor ``lr`` is left to the kernels, on the device)."""
+        return {k: self._value(group, k) for k in _hyper_names(self.functional)}
+
+    def _value(self, group: dict, key: str):
+        """``group[key]`` as the steps take it (:func:`.hyper.hyper_value`), but a tensor
+        ``lr`` under ``fused``: read on the device, not here."""
+        if key == "lr" and self._fused and isinstance(group[key], torch.Tensor):
+            return group[key]
+        return hyper_value(group[key], key)
 
     def _chain_state(self, state, W, b, fixed, hyper: dict):
         """The chain's optimizer state, gathered from ``state`` (``None``: it keeps none)."""
@@ -374,18 +435,39 @@ class _SGDRules(ScaleInvariantOptimizer):
 
     _validate = staticmethod(check_sgd_group)
 
+    fused_rest = True
+
     def _rest(self, params, group: dict, state) -> None:
-        """``torch.optim.SGD``'s update of ``params`` (those with a gradient)."""
+        """``torch.optim.SGD``'s update of ``params`` (those with a gradient); under
+        ``fused``, torch's fused update, skipped on the device for a non-finite gradient
+        (not counted: counting would read the device)."""
+        if self._fused:
+            params = [p for p in params if p.grad is not None]
+            if group.get("check_finite"):
+                params = self._live(params, group)
+            if params:
+                F.sgd(params, state, group, F.nonfinite_flag([p.grad for p in params],
+                                                             self._found_inf))
+            return
         params = self._live(params, group)
         if params:
             F.sgd(params, state, group)
 
-    def _psi_plan(self, part) -> PSIPlan | None:
-        """The compiled PSI step of a part of normalised weights (``compile=True``), built
-        on its first step and kept by the optimizer beside the chains' step plans."""
+    def _psi_plan(self, part, weights):
+        """The PSI step's plan of a part of normalised weights: fused
+        (:class:`~gsgd_backends.fused_psi.FusedPSIPlan`, rebuilt when the stepped weights'
+        shapes, device or dtype change) or compiled (``compile=True``), built on its first
+        step and kept by the optimizer beside the chains' step plans; else ``None``."""
+        held = self.__dict__.setdefault("_steppers", {})
+        if self._fused:
+            plan = held.get(id(part))
+            if plan is None or plan.shapes != tuple(tuple(w.shape) for w in weights) or (
+                    plan.device, plan.dtype) != (weights[0].device, weights[0].dtype):
+                from gsgd_backends.fused_psi import FusedPSIPlan
+                plan = held[id(part)] = FusedPSIPlan(weights)
+            return plan
         if not self.__dict__.get("_compile"):
             return None
-        held = self.__dict__.setdefault("_steppers", {})
         if id(part) not in held:
             held[id(part)] = PSIPlan()
         return held[id(part)]
@@ -497,6 +579,7 @@ class GSGD(_SGDRules):
     takes_column_sums = True
     keeps_plans = True
     functional = staticmethod(F.gsgd)
+    fused_functional = staticmethod(F.fused_gsgd)
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -504,7 +587,7 @@ class GSGD(_SGDRules):
                  bn: str = "psi", strict: bool = False, example_input=None,
                  check_finite: bool = False, foreach: bool | None = None,
                  max_norm: float = 1e4, compile: bool = False,
-                 backward_sums: bool = True) -> None:
+                 backward_sums: bool = True, fused: bool | None = None) -> None:
         if bn not in ("psi", "sgd", "paper"):
             raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -513,7 +596,8 @@ class GSGD(_SGDRules):
         self._compile = bool(compile)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=(bn == "psi"), through_bn=(bn == "paper"),
-                         skeleton=skeleton, strict=strict, backward_sums=backward_sums)
+                         skeleton=skeleton, strict=strict, backward_sums=backward_sums,
+                         fused=fused)
         self._check_chains(params, model, example_input)
 
     def _chain_state(self, state, W, b, fixed, hyper: dict):
@@ -534,14 +618,16 @@ class PSISGD(_SGDRules):
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, momentum: float = 0.0,
                  weight_decay: float = 0.0, *, max_norm: float = 1e4, maximize: bool = False,
-                 foreach: bool | None = None, compile: bool = False) -> None:
+                 foreach: bool | None = None, compile: bool = False,
+                 fused: bool | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError("PSISGD takes a model: it finds the normalised layers in it")
         self._compile = bool(compile)
         defaults = dict(lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay,
                         nesterov=False, maximize=maximize, check_finite=False,
                         foreach=foreach, max_norm=max_norm)
-        super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True)
+        super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True,
+                         fused=fused)
 
 
 class PathSGD(_SGDRules):

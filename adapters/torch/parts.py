@@ -30,7 +30,7 @@ from .fsdp import is_sharded, local, row_range
 from .hyper import hyper_value
 from .warn import warn_user
 
-__all__ = ["ChainPart", "PSIPart", "Runs", "SGDPart", "chain_spec", "fingerprint",
+__all__ = ["ChainPart", "PSIPart", "Part", "Runs", "SGDPart", "chain_spec", "fingerprint",
            "skeleton_state", "sub_chain"]
 
 
@@ -78,8 +78,21 @@ class Runs:
                             if not any(i in range(*r) for r in chains)])
 
 
+class Part:
+    """What the optimizer asks of every part: ``step(opt, group)`` (its update, with its
+    user group's hyperparameters), ``info(opt, i, hyper)`` (its :class:`PartInfo`) and
+    ``layout()`` (its entry in the saved state dict's ``gsgd_parts``: a change refuses
+    state dicts saved before)."""
+
+    kind: ClassVar[str]
+    group: int
+
+    def layout(self) -> list:
+        return [self.kind, self.group]
+
+
 @dataclass(eq=False)
-class ChainPart:
+class ChainPart(Part):
     """One chain: its layers' names, weights and biases (``None`` where a layer has none),
     the core :class:`Chain`, the user group it belongs to, and which biases are frozen (a
     frozen bias is a basis path that never moves: it is never written)."""
@@ -167,7 +180,7 @@ class ChainPart:
 
 
 @dataclass(eq=False)
-class PSIPart:
+class PSIPart(Part):
     """Weights of layers followed by a normalisation, stepped by PSI-SGD(M) (Yi et al.,
     Algorithm 1)."""
 
@@ -175,9 +188,6 @@ class PSIPart:
     weights: list[torch.Tensor]
     group: int
     kind: ClassVar[str] = "psi"
-
-    def layout(self) -> list:
-        return [self.kind, self.group]
 
     def info(self, opt, i: int, hyper: dict) -> PartInfo:
         return PartInfo(self.kind, self.names, hyper)
@@ -194,20 +204,18 @@ class PSIPart:
         # takes no memory stands for a buffer the state does not have.
         U = [local(F.momentum_buffer(opt.state[p], p)) if momentum
              else w.new_zeros(()).expand_as(w) for (p, _), w in zip(live, W)]
-        F.psi(U, W, G, lr=hyper_value(group["lr"], "lr"), momentum=momentum,
-              max_norm=group["max_norm"], plan=opt._psi_plan(self))
+        F.psi(U, W, G, lr=opt._value(group, "lr"), momentum=momentum,
+              max_norm=group["max_norm"], plan=opt._psi_plan(self, W),
+              found_inf=opt._found_inf)
 
 
 @dataclass(eq=False)
-class SGDPart:
+class SGDPart(Part):
     """Every other parameter of a user group: the optimizer's rest rule."""
 
     params: list[torch.Tensor]
     group: int
     kind: ClassVar[str] = "sgd"
-
-    def layout(self) -> list:
-        return [self.kind, self.group]
 
     def info(self, opt, i: int, hyper: dict) -> PartInfo:
         return PartInfo(self.kind, [opt._name(q) for q in self.params], hyper)
