@@ -455,6 +455,27 @@ def _graph_captured(step):
     return graph
 
 
+def _eager_and_replayed(step, lrs, founds, schedule) -> None:
+    """``step(0)`` taken eagerly and ``step(1)`` captured in a CUDA graph (after a first
+    eager ``step(0)``, which compiles the kernels and makes the tables), then, for each
+    ``(lr, found)`` of ``schedule`` written into the device tensors ``lrs`` and ``founds``,
+    ``step(0)`` and a replay under torch's sync debug mode "error" (a host synchronisation
+    raises)."""
+    step(0)
+    graph = _graph_captured(lambda: step(1))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for lr, found in schedule:
+            for t in lrs:
+                t.fill_(lr)
+            for t in founds:
+                t.fill_(found)
+            step(0)
+            graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs and stream synchronisation need a GPU")
 def test_a_fused_step_never_synchronises_and_replays_from_a_cuda_graph():
     """Two chains, momentum, Nesterov, weight decay, a device learning rate and GradScaler's
@@ -468,20 +489,9 @@ def test_a_fused_step_never_synchronises_and_replays_from_a_cuda_graph():
     founds = [torch.zeros(1, device=DEVICE) for _ in range(2)]
     hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
 
-    def step(i, parts):
-        _step_all(plans[i], parts, lr=lrs[i], found_inf=founds[i], **hyper)
-    step(0, eager)  # compiles the kernels and makes the tables, as the warm-up below does
-    graph = _graph_captured(lambda: step(1, captured))
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for lr, found in ((0.1, 0.0), (0.05, 0.0), (0.05, 1.0), (0.2, 0.0)):
-            for i in range(2):
-                lrs[i].fill_(lr)
-                founds[i].fill_(found)
-            step(0, eager)
-            graph.replay()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    def step(i):
+        _step_all(plans[i], (eager, captured)[i], lr=lrs[i], found_inf=founds[i], **hyper)
+    _eager_and_replayed(step, lrs, founds, ((0.1, 0.0), (0.05, 0.0), (0.05, 1.0), (0.2, 0.0)))
     for a, b in zip(_snapshot(eager), _snapshot(captured)):
         for x, y in zip(a, b):
             assert x is None or torch.equal(x, y)

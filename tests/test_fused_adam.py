@@ -17,7 +17,7 @@ import gsgd_core as gc
 from _helpers import Problem
 from _strategies import chains, examples, seeds
 from test_fused import (CNN, CUDA, DEVICE, MANY, _assert_unchanged,  # noqa: F401
-                        _counted_launches, _graph_captured, _interpreter, _interpreting,
+                        _counted_launches, _eager_and_replayed, _interpreter, _interpreting,
                         _NoHostReads, _ns, _plan, _tensors, gbt)
 from test_rule_fast_path import _synced_steps
 
@@ -236,21 +236,47 @@ def test_a_fused_adam_step_never_synchronises_and_replays_from_a_cuda_graph():
     lrs = [torch.tensor(LR, dtype=torch.float64, device=DEVICE) for _ in range(2)]
     founds = [torch.zeros(1, device=DEVICE) for _ in range(2)]
 
-    def step(i, parts):
-        _step_all(plans[i], parts, "amsgrad", lr=lrs[i], found_inf=founds[i])
-    step(0, eager)  # compiles the kernels and makes the tables, as the warm-up below does
-    graph = _graph_captured(lambda: step(1, captured))
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for lr, found in ((0.01, 0.0), (0.005, 0.0), (0.005, 1.0), (0.02, 0.0)):
-            for i in range(2):
-                lrs[i].fill_(lr)
-                founds[i].fill_(found)
-            step(0, eager)
-            graph.replay()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    def step(i):
+        _step_all(plans[i], (eager, captured)[i], "amsgrad", lr=lrs[i], found_inf=founds[i])
+    _eager_and_replayed(step, lrs, founds,
+                        ((0.01, 0.0), (0.005, 0.0), (0.005, 1.0), (0.02, 0.0)))
     for a, b in zip(_snapshot(eager), _snapshot(captured)):
         for x, y in zip(a, b):
             assert x is None or torch.equal(x, y)
     assert [int(p[5].count) for p in eager] == [4, 4]
+
+
+def _model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5),
+                                torch.nn.ReLU(), torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
+    return model.double().to(DEVICE)
+
+
+@pytest.mark.parametrize("optimizer, hyper", [
+    ("GAdam", dict(weight_decay=0.1)),
+    ("GAdamW", dict(amsgrad=True, maximize=True))], ids=["gadam-l2", "gadamw-amsgrad-max"])
+def test_gadam_fused_equals_gadam_unfused(monkeypatch, optimizer, hyper):
+    """``GAdam``/``GAdamW(model, fused=True)``: the chain in the fused kernels' three
+    launches a step, the layers outside it (a Linear followed by a LayerNorm, and the
+    LayerNorm) by torch's fused Adam; three steps equal ``fused=False``'s, float64, to
+    1e-12: weights and every moment."""
+    from gsgd_adapters import torch as gat
+    x = torch.randn(8, 4, dtype=torch.float64, device=DEVICE)
+    runs, counting = [], _counted_launches(monkeypatch, fused)
+    for on in (False, True):
+        model = _model()
+        gat.skeleton_init_(model)
+        opt = getattr(gat, optimizer)(model, lr=LR, fused=on, **hyper)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().sum().backward()
+            opt.step()
+        runs.append((list(model.parameters()), opt.state))
+    assert counting.launches == ["read_pass", "vector_stage", "write_pass"] * 3
+    (ps, slow), (qs, fast) = runs
+    for p, q in zip(ps, qs, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-12)
+        for name, value in slow[p].items():
+            if name != "step":
+                torch.testing.assert_close(fast[q][name], value, rtol=1e-12, atol=1e-12)

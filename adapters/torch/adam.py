@@ -23,9 +23,10 @@ from .optim import ScaleInvariantOptimizer
 __all__ = ["GAdam", "GAdamW"]
 
 
-def _rule(group: dict, decoupled: bool) -> AdamRule:
-    """The group's Adam rule (it validates the hyperparameters)."""
-    return AdamRule(hyper_value(group["lr"], "lr"),
+def _rule(group: dict, decoupled: bool, lr=None) -> AdamRule:
+    """The group's Adam rule (it validates the hyperparameters), at ``lr`` if given (the
+    group's as the steps take it)."""
+    return AdamRule(hyper_value(group["lr"], "lr") if lr is None else lr,
                     tuple(hyper_value(b, "betas") for b in group["betas"]),
                     group["eps"], group["weight_decay"], decoupled, group["amsgrad"])
 
@@ -76,8 +77,13 @@ class GAdam(ScaleInvariantOptimizer):
         one fused loop that reads its weights, gradients and moments once. The first step
         compiles for some seconds. Off by default.
     fused : bool, optional
-        The fused step (:class:`~.optim.GSGD`'s ``fused``): not available for G-Adam yet;
-        ``True`` raises ``ValueError``, and ``None`` (the default) steps as ``False``.
+        The fused step, as :class:`~.optim.GSGD`'s ``fused``: every chain of a group in
+        three Triton launches with no read back to the host
+        (:func:`gsgd_backends.fused_adam.fused_adam_step_`; a one-element tensor ``lr`` is
+        read on the device), and the other parameters by ``torch.optim.Adam``'s fused
+        update, each skipped on the device for a non-finite gradient or ``GradScaler``'s
+        ``found_inf``. ``None`` (the default): on for CUDA parameters where Triton imports;
+        ``True`` on CPU tensors only under Triton's interpreter (tests).
     bn : {"adam", "paper"}
         Weight layers directly followed by a normalisation end their chain and take Adam
         (``"adam"``, the default), or, with ``"paper"``, batch norm does not end a chain and
@@ -104,6 +110,8 @@ class GAdam(ScaleInvariantOptimizer):
     decoupled = False
     keeps_plans = True
     functional = staticmethod(F.gadam)
+    fused_functional = staticmethod(F.fused_gadam)
+    fused_rest = True
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
@@ -133,13 +141,22 @@ class GAdam(ScaleInvariantOptimizer):
             raise ValueError(f"{where}{exc}") from None
 
     def _hyper(self, group: dict) -> dict:
-        return dict(rule=_rule(group, self.decoupled))
+        return dict(rule=_rule(group, self.decoupled, self._value(group, "lr")))
 
     def _chain_state(self, state, W, b, fixed, hyper: dict):
         return F.rule_state(state, W, b, fixed, hyper["rule"])
 
     def _rest(self, params, group: dict, state) -> None:
-        """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient."""
+        """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient; under
+        ``fused``, torch's fused update, skipped on the device for a non-finite gradient."""
+        if self._fused:
+            params = [p for p in params if p.grad is not None]
+            if group.get("check_finite"):
+                params = self._live(params, group)
+            if params:
+                F.adam(params, state, group, self.decoupled,
+                       F.nonfinite_flag([p.grad for p in params], self._found_inf))
+            return
         params = self._live(params, group)
         if params:
             F.adam(params, state, group, self.decoupled)

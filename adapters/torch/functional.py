@@ -22,7 +22,8 @@ that can take it steps in one fused call (:func:`fused_gsgd`: three Triton launc
 read, :mod:`gsgd_backends.fused`), normalised weights in one (:func:`psi` given a
 :class:`~gsgd_backends.fused_psi.FusedPSIPlan`), and the rest by torch's fused SGD, each
 skipped on the device while ``found_inf`` (``GradScaler``'s, or a non-finite gradient's) is
-set. An algorithm without a fused step (G-Adam, for now) has ``None`` for it.
+set. G-Adam's chains step in one fused call too (:func:`fused_gadam`,
+:mod:`gsgd_backends.fused_adam`) and the rest by torch's fused Adam.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from gsgd_core import GSGDState, PSIState, RuleState
 from .fsdp import is_sharded, sharded_step
 from .hyper import hyper_value
 
-__all__ = ["adam", "fused_gsgd", "gadam", "gsgd", "hyperparameters", "momentum_buffer",
-           "momentum_state", "nonfinite_flag", "path_sgd", "psi", "row_norm_scaled",
-           "rule_state", "sgd", "use_fused"]
+__all__ = ["adam", "fused_gadam", "fused_gsgd", "gadam", "gsgd", "hyperparameters",
+           "momentum_buffer", "momentum_state", "nonfinite_flag", "path_sgd", "psi",
+           "row_norm_scaled", "rule_state", "sgd", "use_fused"]
 
 _HALF = (torch.float16, torch.bfloat16)
 #: The keyword-only parameters of a chain step that are not hyperparameters.
@@ -219,6 +220,23 @@ def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight
                 maximize=maximize, found_inf=found_inf, **given)
 
 
+def fused_gadam(plan, state, chains, *, rule, maximize: bool, sums: list | None,
+                found_inf) -> None:
+    """One step of ``rule`` (G-Adam's, :class:`gsgd_core.AdamRule`) on every chain of
+    ``plan`` in three launches, no host read, as :func:`fused_gsgd` (the moments and step
+    count gathered from ``state``; ``rule.lr`` may be a one-element tensor, read on the
+    device)."""
+    from gsgd_backends.fused_adam import fused_adam_step_
+
+    W, b, G, Gb = (list(x) for x in zip(*chains))
+    states = [rule_state(state, w, x, [False] * len(w), rule) for w, x in zip(W, b)]
+    given = {} if sums is None else dict(column_sums=[s["column_sums"] for s in sums],
+                                         gradient_check=[s["gradient_check"] for s in sums])
+    fused_adam_step_(plan, W, b, G, Gb, _on(rule.lr, plan.device), states, betas=rule.betas,
+                     eps=rule.eps, weight_decay=rule.weight_decay, decoupled=rule.decoupled,
+                     amsgrad=rule.amsgrad, maximize=maximize, found_inf=found_inf, **given)
+
+
 def _no_buffer(t: torch.Tensor) -> torch.Tensor:
     """A zero that takes no memory, for a buffer a step does not read."""
     return t.new_zeros(()).expand_as(t)
@@ -274,22 +292,26 @@ def sgd(params, state, group: dict, found_inf=None) -> None:
             state[p]["momentum_buffer"] = buf
 
 
-def adam(params, state, group: dict, decoupled: bool) -> None:
-    """``torch.optim.Adam``'s (``AdamW``'s: ``decoupled``) update of ``params``."""
+def adam(params, state, group: dict, decoupled: bool, found_inf=None) -> None:
+    """``torch.optim.Adam``'s (``AdamW``'s: ``decoupled``) update of ``params``; given
+    ``found_inf`` (:func:`nonfinite_flag`), torch's fused update (its step counts on the
+    parameters' device), skipped on the device while it is set."""
     names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
     sts = [state[p] for p in params]
+    how = dict(foreach=group.get("foreach")) if found_inf is None else dict(
+        fused=True, found_inf=found_inf.reshape(()))  # 0-d, as its step counts are
     for p, st in zip(params, sts):
         if "step" not in st:
-            st["step"] = torch.tensor(0.0)
+            st["step"] = torch.tensor(0.0, device=None if found_inf is None else p.device)
         for name in names:
             if name not in st:
                 st[name] = torch.zeros_like(p)
     torch_adam(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
                [s["exp_avg_sq"] for s in sts],
                [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
-               [s["step"] for s in sts], foreach=group.get("foreach"),
-               decoupled_weight_decay=decoupled, amsgrad=group["amsgrad"],
+               [s["step"] for s in sts], decoupled_weight_decay=decoupled,
+               amsgrad=group["amsgrad"],
                beta1=hyper_value(group["betas"][0], "betas"),
                beta2=hyper_value(group["betas"][1], "betas"), lr=hyper_value(group["lr"], "lr"),
                weight_decay=group["weight_decay"], eps=group["eps"],
-               maximize=group["maximize"])
+               maximize=group["maximize"], **how)
