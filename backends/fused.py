@@ -17,7 +17,9 @@ chain (``data_ptr()``s and sizes, as ``_foreach`` and fused Adam take them):
 
 :class:`FusedPlan` holds the tables and the device workspace of a list of chains (built
 from their :class:`~gsgd_backends.plan.StepPlan`s, kept by whoever steps) and
-:func:`fused_step_` takes one step. CPU tensors run only under Triton's interpreter
+:func:`fused_step_` takes one step. The kernels take the step rule as flags: G-Adam's step
+(:mod:`.fused_adam`) shares the plan, the checks (:func:`checked_tensors`) and the
+launches (:func:`launch_step`). CPU tensors run only under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before this module is imported), which is how a machine without
 a GPU tests the kernels.
 
