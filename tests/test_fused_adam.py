@@ -123,12 +123,12 @@ def test_a_chain_with_a_nan_gradient_is_skipped_alone_and_found_inf_skips_all():
 
 
 def test_a_fused_adam_step_is_three_launches_and_reads_nothing_back(monkeypatch):
-    """Chains of 12 and 3 layers in one plan, AMSGrad with decoupled decay at a device
+    """Chains of 6 and 3 layers in one plan, AMSGrad with decoupled decay at a device
     learning rate and a clear ``found_inf``: each step launches the three kernels once and
     no ATen operation (the first after building the plan at most the pointer tables'
     copies: at most 8 in all), while ``item``, ``bool``, ``tolist``, ``cpu``, ... of any
     tensor raise; the steps take place."""
-    group = [gc.Chain.mlp([1] * 13, bias=False), MANY[1]]
+    group = [gc.Chain.mlp([1] * 7, bias=False), MANY[1]]
     parts = _setup(group, _rule("amsgrad"))
     plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
     counting = _counted_launches(monkeypatch, fused)
