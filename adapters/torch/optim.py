@@ -352,7 +352,9 @@ class ScaleInvariantOptimizer(Optimizer):
     def _hyper(self, group: dict) -> dict:
         """The chain step's hyperparameters, read from ``group`` (once per chain and step;
         under ``fused``, a tensor ``lr`` is left to the kernels, on the device)."""
-        return {k: self._value(group, k) for k in _hyper_names(self.functional)}
+        keep = self._fused and isinstance(group.get("lr"), torch.Tensor)
+        return {k: group[k] if keep and k == "lr" else hyper_value(group[k], k)
+                for k in _hyper_names(self.functional)}
 
     def _value(self, group: dict, key: str):
         """``group[key]`` as the steps take it (:func:`.hyper.hyper_value`), but a tensor
