@@ -352,7 +352,9 @@ class ScaleInvariantOptimizer(Optimizer):
     def _hyper(self, group: dict) -> dict:
         """The chain step's hyperparameters, read from ``group`` (once per chain and step;
         under ``fused``, a tensor ``lr`` is left to the kernels, on the device)."""
-        return {k: self._value(group, k) for k in _hyper_names(self.functional)}
+        keep = self._fused and isinstance(group.get("lr"), torch.Tensor)
+        return {k: group[k] if keep and k == "lr" else hyper_value(group[k], k)
+                for k in _hyper_names(self.functional)}
 
     def _value(self, group: dict, key: str):
         """``group[key]`` as the steps take it (:func:`.hyper.hyper_value`), but a tensor
@@ -559,6 +561,17 @@ class GSGD(_SGDRules):
         the step reads ``W * grad`` instead, with the same result; ``describe()`` counts
         both. Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
         On by default; ``False`` removes the hooks' cost from the backward pass.
+    fused : bool, optional
+        Step every chain of a param group in one fused step of three Triton launches
+        (:mod:`gsgd_backends.fused`, DESIGN §14), the normalised weights in one more and the
+        other parameters by ``torch.optim.SGD``'s fused update, with nothing read back to
+        the host: ``lr`` may be a device tensor, ``GradScaler``'s ``found_inf`` skips the
+        step on the device, and so does a non-finite gradient (not counted in
+        ``describe()``: counting would read the device). ``None`` (the default): on for
+        CUDA parameters where Triton imports, off otherwise; ``True`` on CPU parameters
+        is refused (``ValueError``) unless the kernels run under Triton's interpreter. A
+        chain with a layer or bias without gradient, a frozen bias, FSDP2's shards or
+        ``bn="paper"`` steps unfused; ``check_finite`` still reads every gradient.
 
     Notes
     -----
@@ -611,7 +624,9 @@ class PSISGD(_SGDRules):
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u`` per row (rows with norm above
     ``max_norm`` renormalised); every other parameter gets ``torch.optim.SGD``'s update with
     the same ``lr``, ``momentum`` and ``weight_decay``. ``compile=True`` runs the normalised
-    weights' step as compiled row loops (:class:`gsgd_backends.psi.PSIPlan`).
+    weights' step as compiled row loops (:class:`gsgd_backends.psi.PSIPlan`); ``fused``
+    (:class:`GSGD`'s) steps them in one Triton launch (:mod:`gsgd_backends.fused_psi`) and
+    the rest by torch's fused SGD, with no host read.
     """
 
     algorithm = "PSI-SGD"
