@@ -245,38 +245,3 @@ def test_a_fused_adam_step_never_synchronises_and_replays_from_a_cuda_graph():
             assert x is None or torch.equal(x, y)
     assert [int(p[5].count) for p in eager] == [4, 4]
 
-
-def _model():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5),
-                                torch.nn.ReLU(), torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
-    return model.double().to(DEVICE)
-
-
-@pytest.mark.parametrize("optimizer, hyper", [
-    ("GAdam", dict(weight_decay=0.1)),
-    ("GAdamW", dict(amsgrad=True, maximize=True))], ids=["gadam-l2", "gadamw-amsgrad-max"])
-def test_gadam_fused_equals_gadam_unfused(monkeypatch, optimizer, hyper):
-    """``GAdam``/``GAdamW(model, fused=True)``: the chain in the fused kernels' three
-    launches a step, the layers outside it (a Linear followed by a LayerNorm, and the
-    LayerNorm) by torch's fused Adam; three steps equal ``fused=False``'s, float64, to
-    1e-12: weights and every moment."""
-    from gsgd_adapters import torch as gat
-    x = torch.randn(8, 4, dtype=torch.float64, device=DEVICE)
-    runs, counting = [], _counted_launches(monkeypatch, fused)
-    for on in (False, True):
-        model = _model()
-        gat.skeleton_init_(model)
-        opt = getattr(gat, optimizer)(model, lr=LR, fused=on, **hyper)
-        for _ in range(3):
-            opt.zero_grad()
-            model(x).square().sum().backward()
-            opt.step()
-        runs.append((list(model.parameters()), opt.state))
-    assert counting.launches == ["read_pass", "vector_stage", "write_pass"] * 3
-    (ps, slow), (qs, fast) = runs
-    for p, q in zip(ps, qs, strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-12)
-        for name, value in slow[p].items():
-            if name != "step":
-                torch.testing.assert_close(fast[q][name], value, rtol=1e-12, atol=1e-12)

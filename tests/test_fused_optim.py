@@ -1,5 +1,6 @@
-"""The torch optimizers' fused step (``GSGD(..., fused=True)``, ``PSISGD``): Triton's
-kernels run by Triton's interpreter on CPU tensors, against the unfused step.
+"""The torch optimizers' fused step (``GSGD(..., fused=True)``, ``PSISGD``, ``GAdam``,
+``GAdamW``): Triton's kernels run by Triton's interpreter on CPU tensors, against the
+unfused step.
 
 ``TRITON_INTERPRET=1`` is set while gsgd_backends.fused is first imported and while these
 tests run, and restored between, as tests/test_fused.py does (and for the same reasons);
@@ -144,6 +145,20 @@ def test_the_fused_psi_sgd_step_equals_the_unfused_one(monkeypatch):
                                        "write_pass"] * 2)
 
 
+@pytest.mark.parametrize("opt_class, hyper", [
+    (GAdam, dict(lr=0.01, weight_decay=0.1)),
+    (GAdamW, dict(lr=0.01, amsgrad=True, maximize=True))],
+    ids=["gadam-l2", "gadamw-amsgrad-maximize"])
+def test_the_fused_gadam_step_equals_the_unfused_one(opt_class, hyper, monkeypatch):
+    """G-Adam and G-AdamW on a model with batch norm: the chain in the three launches of
+    the fused G-Adam step, the rest (the convolution before the batch norm, the batch
+    norm) by torch's fused Adam; parameters and moments equal to the unfused steps over
+    three steps."""
+    launched = _launches(monkeypatch, [fused])
+    _assert_twins_step_alike(_bn, opt_class, hyper)
+    assert launched == ["read_pass", "vector_stage", "write_pass"] * 3
+
+
 def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it():
     """As ``GradScaler.step`` hands it: a set ``found_inf`` leaves every parameter and
     buffer as it was; a power-of-two ``grad_scale`` with ``found_inf`` clear steps as the
@@ -204,8 +219,8 @@ def test_a_fused_step_reads_nothing_back_to_the_host():
 
 def test_fused_true_on_cpu_tensors_outside_the_interpreter_is_refused(monkeypatch):
     """``fused=True`` on CPU parameters is refused, as ``torch.optim`` refuses it, where the
-    kernels are compiled (not interpreted); ``fused=None`` then steps unfused; G-Adam has no
-    fused step yet."""
+    kernels are compiled (not interpreted), G-Adam's too; ``fused=None`` then steps
+    unfused."""
     monkeypatch.setattr(fused, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="^fused=True requires all the params to be CUDA "
                                          "tensors"):
@@ -215,5 +230,6 @@ def test_fused_true_on_cpu_tensors_outside_the_interpreter_is_refused(monkeypatc
         PSISGD(_bn(), lr=0.1, fused=True)
     assert not GSGD(_mlp(), lr=0.1)._fused
     for make in (GAdam, GAdamW):
-        with pytest.raises(ValueError, match="fused G-Adam"):
+        with pytest.raises(ValueError, match="^fused=True requires all the params to be "
+                                             "CUDA tensors"):
             make(_mlp(), fused=True)
