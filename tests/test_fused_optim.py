@@ -159,15 +159,18 @@ def test_the_fused_gadam_step_equals_the_unfused_one(opt_class, hyper, monkeypat
     assert launched == ["read_pass", "vector_stage", "write_pass"] * 3
 
 
-def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it():
+@pytest.mark.parametrize("opt_class, hyper", [(GSGD, dict(lr=0.05, momentum=0.9)),
+                                              (GAdam, dict(lr=0.01))], ids=["gsgd", "gadam"])
+def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it(opt_class, hyper):
     """As ``GradScaler.step`` hands it: a set ``found_inf`` leaves every parameter and
-    buffer as it was; a power-of-two ``grad_scale`` with ``found_inf`` clear steps as the
+    buffer (momentum; G-Adam's moments and step counts, the chain's and torch's fused
+    Adam's) as it was; a power-of-two ``grad_scale`` with ``found_inf`` clear steps as the
     unscaled gradients do."""
     model = _bn()
     twin = copy.deepcopy(model)
     x = _input(model)
-    opt = GSGD(model, lr=0.05, momentum=0.9, fused=True)
-    ref = GSGD(twin, lr=0.05, momentum=0.9, fused=False)
+    opt = opt_class(model, fused=True, **hyper)
+    ref = opt_class(twin, fused=False, **hyper)
     for m, o in ((model, opt), (twin, ref)):  # momentum buffers to keep
         _backward(m, o, x)
         o.step()
