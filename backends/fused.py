@@ -41,8 +41,8 @@ from gsgd_core.gsgd import check_update_hypers
 from . import fused_kernels as fk
 from .plan import StepPlan, check_column_sums
 
-__all__ = ["Blocks", "Buffers", "DeviceValues", "FusedPlan", "checked_tensors", "fused_step_",
-           "interpreted", "launch_step"]
+__all__ = ["Blocks", "Buffers", "DeviceValues", "FusedPlan", "check_lengths", "checked_tensors",
+           "fused_step_", "interpreted", "launch_step"]
 
 #: The Triton element type of each torch dtype the fused steps take.
 TRITON_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
@@ -327,6 +327,15 @@ def _check_device(plan: FusedPlan, lr, counters, found_inf, checks) -> None:
                              f"got {t.dtype}")
 
 
+def check_lengths(plan: FusedPlan, **lists) -> None:
+    """``ValueError`` naming the first of ``lists`` (per chain; ``None`` passes) that has
+    not one entry per chain of ``plan``."""
+    n = len(plan.plans)
+    for name, v in lists.items():
+        if v is not None and len(v) != n:
+            raise ValueError(f"{name}: the plan steps {n} chains, got {len(v)} lists")
+
+
 def checked_tensors(plan: FusedPlan, weights, biases, grads, bias_grads, lr, *, counters,
                     buffers, buffer_dtype, found_inf, sums, checks) -> list:
     """Check a step's arguments (``ValueError`` before anything runs) and list its tensors
@@ -334,11 +343,8 @@ def checked_tensors(plan: FusedPlan, weights, biases, grads, bias_grads, lr, *, 
     rule's :class:`Buffers` (``buffers[c]``, of ``buffer_dtype``) and step counter
     (``counters[c]``: ``(name, tensor)``; ``counters`` ``None`` where the rule keeps none)."""
     n = len(plan.plans)
-    for name, v in (("weights", weights), ("biases", biases), ("grads", grads),
-                    ("bias_grads", bias_grads), ("states", counters), ("column_sums", sums),
-                    ("gradient_check", checks)):
-        if v is not None and len(v) != n:
-            raise ValueError(f"{name}: the plan steps {n} chains, got {len(v)} lists")
+    check_lengths(plan, weights=weights, biases=biases, grads=grads, bias_grads=bias_grads,
+                  states=counters, column_sums=sums, gradient_check=checks)
     if (sums is None) != (checks is None):
         raise ValueError("gradient_check is the check of column_sums: pass both")
     for c, p in enumerate(plan.plans if sums is not None else ()):

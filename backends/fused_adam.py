@@ -21,7 +21,7 @@ import torch
 from gsgd_core import AdamRule, RuleState
 
 from . import fused_kernels as fk
-from .fused import Buffers, FusedPlan, checked_tensors, launch_step
+from .fused import Buffers, FusedPlan, check_lengths, checked_tensors, launch_step
 
 __all__ = ["adam_buffers", "fused_adam_step_"]
 
@@ -71,10 +71,10 @@ def fused_adam_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr,
     """
     rule = AdamRule(1.0 if isinstance(lr, torch.Tensor) else lr, tuple(betas), eps,
                     weight_decay, decoupled, amsgrad)
-    n = len(plan.plans)
-    if states is None or len(states) != n:
-        raise ValueError(f"states: the plan steps {n} chains; G-Adam needs one "
-                         f"gsgd_core.path_init(chain, rule, weights, biases) per chain")
+    if states is None:
+        raise ValueError("states: G-Adam needs one gsgd_core.path_init(chain, rule, weights, "
+                         "biases) per chain")
+    check_lengths(plan, biases=biases, states=states)
     buffers = [adam_buffers(c, rule, s, None if biases is None else biases[c], p.chain.L)
                for c, (p, s) in enumerate(zip(plan.plans, states))]
     counters = [(f"states[{c}].count", s.count) for c, s in enumerate(states)]
