@@ -59,8 +59,8 @@ def device_function(fn):
 
 
 def _interpreting() -> bool:
-    """Whether Triton interprets the kernels defined now: its ``knobs`` (triton 3.4 on)
-    or, before, the variable it reads."""
+    """Whether Triton interprets the kernels defined now: its ``knobs``, or, in a triton
+    without them (3.2), the variable it reads."""
     try:
         from triton import knobs
     except ImportError:
