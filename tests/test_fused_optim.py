@@ -6,31 +6,18 @@ tests run, and restored between, as tests/test_fused.py does (and for the same r
 where the kernels were already compiled for a GPU in this process, these tests skip.
 """
 
-import contextlib
 import copy
 import importlib
-import os
 
 import pytest
+
+from _helpers import triton_interpreting
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
 
 
-@contextlib.contextmanager
-def _interpreting():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-with _interpreting():
+with triton_interpreting():
     pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
     fused = importlib.import_module("gsgd_backends.fused")
     fused_psi = importlib.import_module("gsgd_backends.fused_psi")
@@ -44,7 +31,7 @@ if not fused.interpreted():
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    with _interpreting():
+    with triton_interpreting():
         yield
 
 

@@ -155,11 +155,12 @@ class ScaleInvariantOptimizer(Optimizer):
             if self._unscale_amp():
                 if self._unchecked:
                     self._check_skeleton()
-                fused = self._fusable()
+                fused = self._fusable() if self._fused else ()
                 for part in self._parts:
                     if part not in fused:
                         part.step(self, self.param_groups[part.group])
-                self._step_fused(fused)
+                if fused:
+                    self._step_fused(fused)
         return loss
 
     def _unscale_amp(self) -> bool:
@@ -313,11 +314,9 @@ class ScaleInvariantOptimizer(Optimizer):
                 SkeletonWarning)
     # ------------------------------------------------------------------ the fused step
     def _fusable(self) -> list[ChainPart]:
-        """The chains the fused step takes now (none unless ``fused``): whole (every layer
-        and bias with a gradient, none frozen), not FSDP2's, their gradients not scaled
-        by row norms (``bn="paper"``); the others step one by one."""
-        if not self._fused:
-            return []
+        """The chains the fused step takes now: whole (every layer and bias with a
+        gradient, none frozen), not FSDP2's, their gradients not scaled by row norms
+        (``bn="paper"``); the others step one by one."""
         return [p for p in self._chains() if not any(p.normalised) and not any(
             p.frozen_bias) and not is_sharded(p.weights[0]) and all(
             x.grad is not None for x in p.weights + p.biases if x is not None)]
