@@ -52,14 +52,16 @@ _NOT_HYPER = ("plan", "sums")
 
 def use_fused(fused: bool | None, params, algorithm: str, available: bool) -> bool:
     """Whether an optimizer of ``params`` takes the fused step: ``fused=None``, for CUDA
-    parameters when Triton imports (and the algorithm has a fused step); ``True`` on CPU
-    tensors only where the kernels run under Triton's interpreter (tests), else
-    ``ValueError``, as ``torch.optim`` refuses ``fused=True`` on a device it cannot fuse."""
+    parameters (not FSDP2's) when Triton imports and the algorithm has a fused step;
+    ``True`` on CPU tensors only where the kernels run under Triton's interpreter (tests),
+    else ``ValueError``, as ``torch.optim`` refuses ``fused=True`` on a device it cannot
+    fuse."""
     if fused is False:
         return False
     cuda = all(p.is_cuda for p in params)
-    if fused is None:
-        return bool(available and cuda and _fused_module() is not None)
+    if fused is None:  # not for FSDP2's shards: torch's fused SGD does not take them
+        return bool(available and cuda and not any(map(is_sharded, params))
+                    and _fused_module() is not None)
     if not available:
         raise ValueError(f"fused=True: the fused {algorithm} step is not available; use "
                          "fused=False")
