@@ -170,7 +170,10 @@ class ScaleInvariantOptimizer(Optimizer):
         if it found a non-finite gradient, as it skips other optimizers' steps; else the
         gradients unscaled as ``scaler.unscale_`` would, and the chains' column sums with them
         (:meth:`.backward_sums.ChainSums.unscaled`). Gradients that ``scaler.unscale_``
-        already unscaled (no ``grad_scale`` then) refuse the sums."""
+        already unscaled (no ``grad_scale`` then) refuse the sums. Under ``fused`` nothing is
+        read: ``found_inf`` goes to the fused steps, which skip on the device, and the sums
+        are refused (their rescaling is exact only for a power of two, which only a read
+        could tell)."""
         found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         self._found_inf = found if self._fused else None  # the fused steps skip on the device
         if found is None and scale is None:
