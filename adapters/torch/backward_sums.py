@@ -16,6 +16,8 @@ The sums stand for ``W * grad`` only while each weight's ``.grad`` is exactly th
 accumulation of the backward passes they saw, with the weights they saw. Everything else is
 detected, and the step then reads ``W * grad`` as before (a fallback, counted):
 
+- gradients that were there when the optimizer was built (a backward pass before it, or
+  assigned by hand): the sums began at zero and never saw them;
 - ``.grad`` replaced, or changed in place (clipping, an all-reduce of DDP: the tensor's
   identity and its version counter, checked before every accumulation and at the step);
 - ``.grad`` cleared by someone else (``model.zero_grad()``): set to ``None`` before a forward
@@ -99,6 +101,8 @@ class _Layer:
         self.conv = isinstance(module, nn.modules.conv._ConvNd)
         self.sums = self.bound = None
         self.reset()
+        if self.weight.grad is not None:  # sums of zero do not stand for what it holds
+            self._break("the gradient was there before the optimizer")
 
     def reset(self) -> None:
         """Sums of zero (in the weight's dtype and on its device, which ``model.to`` may have
