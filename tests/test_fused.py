@@ -10,9 +10,7 @@ while they run). Where the kernels were already imported the other way in this p
 these tests skip.
 """
 
-import contextlib
 import importlib
-import os
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 
 import gsgd_core as gc
 from _conditioning import synced_gsgd_steps
-from _helpers import Problem, from_repository
+from _helpers import Problem, from_repository, triton_interpreting
 from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
@@ -30,23 +28,7 @@ CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-@contextlib.contextmanager
-def _interpreting():
-    if CUDA:
-        yield
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-with _interpreting():  # triton's own library functions too are decided when it is imported
+with triton_interpreting(CUDA):  # triton's own library functions are decided at its import
     triton = pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
     fused = importlib.import_module("gsgd_backends.fused")
     fused_psi = importlib.import_module("gsgd_backends.fused_psi")
@@ -58,7 +40,7 @@ def _interpreted(fn) -> bool:
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    with _interpreting():
+    with triton_interpreting(CUDA):
         yield
 
 gbt = importlib.import_module("gsgd_backends.torch")

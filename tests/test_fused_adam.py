@@ -14,16 +14,16 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import gsgd_core as gc
-from _helpers import Problem
+from _helpers import Problem, triton_interpreting
 from _strategies import chains, examples, seeds
 from test_fused import (CNN, CUDA, DEVICE, MANY, _assert_unchanged,  # noqa: F401
-                        _counted_launches, _eager_and_replayed, _interpreter, _interpreting,
+                        _counted_launches, _eager_and_replayed, _interpreter,
                         _NoHostReads, _ns, _plan, _tensors, gbt)
 from test_rule_fast_path import _synced_steps
 
 torch = pytest.importorskip("torch")
 
-with _interpreting():
+with triton_interpreting(CUDA):
     fused = importlib.import_module("gsgd_backends.fused")
     fused_adam = importlib.import_module("gsgd_backends.fused_adam")
 

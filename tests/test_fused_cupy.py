@@ -9,11 +9,11 @@ import importlib
 import pytest
 
 import gsgd_core as gc
-from _helpers import Problem, assert_close
+from _helpers import Problem, assert_close, triton_interpreting
 from _namespaces import _cupy, _numpy
-from test_fused import CUDA, _counted_launches, _interpreter, _interpreting  # noqa: F401
+from test_fused import CUDA, _counted_launches, _interpreter  # noqa: F401
 
-with _interpreting():
+with triton_interpreting(CUDA):
     fused = importlib.import_module("gsgd_backends.fused")
 from gsgd_adapters.cupy import GSGD  # noqa: E402
 

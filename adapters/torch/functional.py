@@ -42,9 +42,9 @@ from gsgd_core import GSGDState, PSIState, RuleState
 from .fsdp import is_sharded, sharded_step
 from .hyper import hyper_value
 
-__all__ = ["adam", "fused_gadam", "fused_gsgd", "gadam", "gsgd", "hyperparameters",
-           "momentum_buffer", "momentum_state", "nonfinite_flag", "path_sgd", "psi",
-           "row_norm_scaled", "rule_state", "sgd", "use_fused"]
+__all__ = ["adam", "fused_gadam", "fused_gsgd", "fused_plan", "gadam", "gsgd",
+           "hyperparameters", "momentum_buffer", "momentum_state", "nonfinite_flag", "path_sgd",
+           "psi", "row_norm_scaled", "rule_state", "sgd", "use_fused"]
 
 _HALF = (torch.float16, torch.bfloat16)
 #: The keyword-only parameters of a chain step that are not hyperparameters.
@@ -53,14 +53,16 @@ _NOT_HYPER = ("plan", "sums")
 
 def use_fused(fused: bool | None, params, algorithm: str, available: bool) -> bool:
     """Whether an optimizer of ``params`` takes the fused step: ``fused=None``, for CUDA
-    parameters when Triton imports (and the algorithm has a fused step); ``True`` on CPU
-    tensors only where the kernels run under Triton's interpreter (tests), else
-    ``ValueError``, as ``torch.optim`` refuses ``fused=True`` on a device it cannot fuse."""
+    parameters (not FSDP2's) when Triton imports and the algorithm has a fused step;
+    ``True`` on CPU tensors only where the kernels run under Triton's interpreter (tests),
+    else ``ValueError``, as ``torch.optim`` refuses ``fused=True`` on a device it cannot
+    fuse."""
     if fused is False:
         return False
     cuda = all(p.is_cuda for p in params)
-    if fused is None:
-        return bool(available and cuda and _fused_module() is not None)
+    if fused is None:  # not for FSDP2's shards: torch's fused SGD does not take them
+        return bool(available and cuda and not any(map(is_sharded, params))
+                    and _fused_module() is not None)
     if not available:
         raise ValueError(f"fused=True: the fused {algorithm} step is not available; use "
                          "fused=False")
@@ -193,6 +195,14 @@ def path_sgd(chain, state: None, W, b, G, Gb, *, lr, plan, sums: dict) -> bool:
         return True
 
     return _sharded_or_whole((state, W, b, G, Gb), update, None, None, plan, sums)
+
+
+def fused_plan(step_plans):
+    """The :class:`~gsgd_backends.fused.FusedPlan` of chains' step plans (one device and
+    dtype), which :func:`fused_gsgd` and :func:`fused_gadam` take."""
+    from gsgd_backends.fused import FusedPlan
+
+    return FusedPlan(step_plans)
 
 
 def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight_decay,
