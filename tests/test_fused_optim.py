@@ -89,9 +89,18 @@ def _launches(monkeypatch, modules):
     return names
 
 
-def _assert_twins_step_alike(make, opt_class, hyper, steps=3):
+#: How far G-Adam's twins may part on a GPU: torch's own fused and foreach Adam round
+#: differently there, and Adam divides the gradients of the convolution's bias before batch
+#: norm, which cancel to rounding noise (1e-18), by ``sqrt(v) + eps`` (1e-8), so the noise
+#: moves those biases by up to ``lr * 1e-10``; a wrong step moves them by ``lr``.
+ADAM_ATOL = 1e-10 if CUDA else 1e-12
+
+
+def _assert_twins_step_alike(make, opt_class, hyper, steps=3, atol=1e-12):
     """The model stepped by ``opt_class(fused=True)`` and its copy by ``fused=False``:
-    parameters and optimizer states equal to 1e-12 after each of ``steps`` steps."""
+    parameters and optimizer states equal to ``atol`` (and 1e-12 relative) after each of
+    ``steps`` steps; states compared by value (the fused step keeps G-Adam's step counts on
+    the parameters' device, as torch's fused Adam does)."""
     model = make()
     twin = copy.deepcopy(model)
     x = _input(model)
@@ -101,10 +110,11 @@ def _assert_twins_step_alike(make, opt_class, hyper, steps=3):
             _backward(m, o, x)
             o.step()
         for p, q in zip(model.parameters(), twin.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=atol)
         for p, q in zip(model.parameters(), twin.parameters()):
             for k, v in b.state[q].items():
-                torch.testing.assert_close(a.state[p][k], v, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(a.state[p][k], v, rtol=1e-12, atol=atol,
+                                           check_device=False)
 
 
 @pytest.mark.parametrize("make, hyper", [
@@ -144,7 +154,7 @@ def test_the_fused_gadam_step_equals_the_unfused_one(opt_class, hyper, monkeypat
     norm) by torch's fused Adam; parameters and moments equal to the unfused steps over
     three steps."""
     launched = _launches(monkeypatch, [fused])
-    _assert_twins_step_alike(_bn, opt_class, hyper)
+    _assert_twins_step_alike(_bn, opt_class, hyper, atol=ADAM_ATOL)
     assert launched == ["read_pass", "vector_stage", "write_pass"] * 3
 
 
@@ -183,7 +193,8 @@ def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it(opt_class, 
     opt.found_inf = torch.zeros((), device=DEVICE)
     opt.step()
     for p, q in zip(model.parameters(), twin.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(p, q, rtol=1e-12,
+                                   atol=ADAM_ATOL if opt_class is GAdam else 1e-12)
 
 
 def test_a_fused_step_reads_nothing_back_to_the_host():

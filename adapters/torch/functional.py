@@ -287,6 +287,15 @@ def nonfinite_flag(grads, found_inf=None) -> torch.Tensor:
     return flag
 
 
+def _torch_lr(lr, params, found_inf):
+    """The learning rate as torch's own update takes it: a tensor stays on the device for
+    the fused update (``found_inf`` given), as float32, the only dtype torch's fused
+    kernels read it in; otherwise a number."""
+    if found_inf is None or not isinstance(lr, torch.Tensor):
+        return hyper_value(lr, "lr")
+    return lr.to(device=params[0].device, dtype=torch.float32)
+
+
 def sgd(params, state, group: dict, found_inf=None) -> None:
     """``torch.optim.SGD``'s update of ``params`` with the group's hyperparameters; given
     ``found_inf`` (:func:`nonfinite_flag`), torch's fused update, skipped on the device
@@ -295,7 +304,8 @@ def sgd(params, state, group: dict, found_inf=None) -> None:
     how = dict(foreach=group.get("foreach")) if found_inf is None else dict(
         fused=True, found_inf=found_inf)
     torch_sgd(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
-              momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
+              momentum=group["momentum"], lr=_torch_lr(group["lr"], params, found_inf),
+              dampening=group["dampening"],
               nesterov=group["nesterov"], maximize=group["maximize"], **how)
     if group["momentum"] != 0:
         for p, buf in zip(params, bufs):
@@ -322,6 +332,7 @@ def adam(params, state, group: dict, decoupled: bool, found_inf=None) -> None:
                [s["step"] for s in sts], decoupled_weight_decay=decoupled,
                amsgrad=group["amsgrad"],
                beta1=hyper_value(group["betas"][0], "betas"),
-               beta2=hyper_value(group["betas"][1], "betas"), lr=hyper_value(group["lr"], "lr"),
+               beta2=hyper_value(group["betas"][1], "betas"),
+               lr=_torch_lr(group["lr"], params, found_inf),
                weight_decay=group["weight_decay"], eps=group["eps"],
                maximize=group["maximize"], **how)
