@@ -239,3 +239,17 @@ def test_fused_true_on_cpu_tensors_outside_the_interpreter_is_refused(monkeypatc
         with pytest.raises(ValueError, match="^fused=True requires all the params to be "
                                              "CUDA tensors"):
             make(_mlp().cpu(), fused=True)
+
+
+@pytest.mark.parametrize("fused, backward_sums, taken", [
+    (True, None, {}), (True, True, {"backward": 1}), (False, None, {"backward": 1})])
+def test_the_fused_step_reads_w_times_grad_unless_asked_for_the_backward_sums(
+        fused, backward_sums, taken):
+    """The fused step's default: no backward-pass hooks (on a GPU their launches cost the
+    training step more than the read of ``W * grad`` they save); asked for, it takes them;
+    the unfused step takes them by default."""
+    model = _mlp()
+    opt = GSGD(model, lr=0.05, fused=fused, backward_sums=backward_sums)
+    _backward(model, opt, _input(model))
+    opt.step()
+    assert opt.describe().column_sums == taken

@@ -69,8 +69,9 @@ class GAdam(ScaleInvariantOptimizer):
     check_finite : bool
         Raise ``ValueError`` naming a parameter whose gradient has NaN/Inf, as
         :class:`~.optim.GSGD`.
-    backward_sums : bool
-        Take the chains' column sums from the backward pass, as :class:`~.optim.GSGD`.
+    backward_sums : bool, optional
+        Take the chains' column sums from the backward pass, as :class:`~.optim.GSGD`
+        (``None``: unless the step is fused).
     compile : bool
         The chains' update of every edge (the rule's moments and the weights) runs as one
         ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
@@ -118,7 +119,7 @@ class GAdam(ScaleInvariantOptimizer):
                  foreach: bool | None = None, model: nn.Module | None = None, chains=None,
                  skeleton: str = "he", bn: str = "adam", strict: bool = False,
                  example_input=None, check_finite: bool = False,
-                 backward_sums: bool = True, compile: bool = False,
+                 backward_sums: bool | None = None, compile: bool = False,
                  fused: bool | None = None) -> None:
         if bn not in ("adam", "paper"):
             raise ValueError(f"bn must be 'adam' or 'paper', got {bn!r}")

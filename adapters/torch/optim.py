@@ -107,7 +107,7 @@ class ScaleInvariantOptimizer(Optimizer):
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
                  find_normalised: bool, through_bn: bool = False,
                  skeleton: str = "paper", strict: bool = False,
-                 backward_sums: bool = False, fused: bool | None = False) -> None:
+                 backward_sums: bool | None = False, fused: bool | None = False) -> None:
         self._validate(defaults, "")
         replicated = isinstance(params if model is None else model, nn.DataParallel)
         model, groups = _user_groups(params, model)
@@ -132,11 +132,13 @@ class ScaleInvariantOptimizer(Optimizer):
         # load_state_dict; saved in the state dict): once stepped, weights may not tell
         self._began: dict[int, str] = {}
         self._unchecked = self.reads_skeleton
-        self._sums = ChainSums(self._chains(), on=bool(
-            backward_sums and self.takes_column_sums and not replicated))
         self._fused = F.use_fused(
             fused, [p for g in self.param_groups for p in g["params"]], self.algorithm,
             self.fused_rest and (self.fused_functional is not None or not self._chains()))
+        if backward_sums is None:  # measured (docs/step_overhead_gpu.md): the hooks' own
+            backward_sums = not self._fused  # launches cost a GPU more than W * grad's read
+        self._sums = ChainSums(self._chains(), on=bool(
+            backward_sums and self.takes_column_sums and not replicated))
 
     def _chains(self) -> list[ChainPart]:
         return [p for p in self._parts if isinstance(p, ChainPart)]
@@ -556,14 +558,17 @@ class GSGD(_SGDRules):
         finite is skipped (a :class:`SkippedStepWarning` the first time, a count in
         ``describe()``), at no more cost than a normal step; so is the step of a group's
         parameters outside chains, and a PSI weight's row keeps its values.
-    backward_sums : bool
+    backward_sums : bool, optional
         Take each chain's column sums ``colsum(W_l * grad_l)`` from the backward pass
         (:mod:`.backward_sums`: hooks on the chain's layers), so that a step reads each
         weight and gradient once. Where the gradients are not exactly the accumulation of
         the backward passes the sums saw (clipped, unscaled, reduced by DDP, replaced, ...)
         the step reads ``W * grad`` instead, with the same result; ``describe()`` counts
         both. Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
-        On by default; ``False`` removes the hooks' cost from the backward pass.
+        ``None`` (the default): on, except with the fused step, where the hooks' own
+        kernels cost a GPU's training step more than the read of ``W * grad`` they save
+        (measured: docs/step_overhead_gpu.md); ``False`` removes their cost from the
+        backward pass.
     fused : bool, optional
         Step every chain of a param group in one fused step of three Triton launches
         (:mod:`gsgd_backends.fused`, DESIGN §14), the normalised weights in one more and the
@@ -603,7 +608,7 @@ class GSGD(_SGDRules):
                  bn: str = "psi", strict: bool = False, example_input=None,
                  check_finite: bool = False, foreach: bool | None = None,
                  max_norm: float = 1e4, compile: bool = False,
-                 backward_sums: bool = True, fused: bool | None = None) -> None:
+                 backward_sums: bool | None = None, fused: bool | None = None) -> None:
         if bn not in ("psi", "sgd", "paper"):
             raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
