@@ -52,6 +52,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from .ddp import DDPSums
 from .fsdp import is_sharded
 
 __all__ = ["BackwardSums", "ChainSums", "step_arguments"]
@@ -98,6 +99,7 @@ class _Layer:
         # times positions, channel-major after a flatten) of a Linear's.
         self.conv = isinstance(module, nn.modules.conv._ConvNd)
         self.sums = self.bound = None
+        self.on_accumulated = None  # told after each accumulation (:mod:`.ddp`)
         self.reset()
 
     def reset(self) -> None:
@@ -172,6 +174,14 @@ class _Layer:
         self.clean = False
         self.accumulations.add(_graph_task())
         self.known = _state(self.weight.grad)
+        if self.on_accumulated is not None:
+            self.on_accumulated(self)
+
+    def reduced(self) -> None:
+        """DDP wrote the gradient after this backward pass's accumulation (its all-reduce,
+        :mod:`.ddp`): the gradient it left is the known one."""
+        if not self.broken:
+            self.known = _state(self.weight.grad)
 
     def _fits(self) -> bool:
         w = self.weight
@@ -300,9 +310,11 @@ class ChainSums:
     (:meth:`take`, negated to maximise); :attr:`counts` says where the steps got them.
     """
 
-    def __init__(self, parts, on: bool) -> None:
+    def __init__(self, parts, on: bool, ddp=None) -> None:
         self._of = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in parts
                     if on and not any(p.normalised) and not is_sharded(p.weights[0])}
+        # DDP averages the gradients: the sums are averaged with them
+        self._ddp = DDPSums(ddp, self._of.values()) if ddp is not None and self._of else None
 
     def take(self, part, whole: bool, maximize: bool):
         """The chain's column sums and gradient check from the backward pass when they stand
@@ -312,10 +324,17 @@ class ChainSums:
         sums = self._of.get(id(part))
         if sums is None:
             return {}
-        taken = sums.take("" if whole else "a layer had no gradient")
+        refused = "" if self._ddp is None else self._ddp.take_reason(sums)
+        taken = sums.take(refused or ("" if whole else "a layer had no gradient"))
         if taken is not None and maximize:
             taken = ([-s for s in taken[0]], taken[1])
         return step_arguments(taken)
+
+    def reduce(self) -> None:
+        """Before a step of a DDP model's optimizer, on every process: the sums averaged
+        over processes as the gradients are (:meth:`.ddp.DDPSums.reduce`)."""
+        if self._ddp is not None:
+            self._ddp.reduce()
 
     def clear(self) -> None:
         for sums in self._of.values():

@@ -25,6 +25,7 @@ from gsgd_core import GSGDState, PSIState
 from gsgd_core.group import SKELETON_STATES
 
 from .backward_sums import ChainSums
+from .ddp import find_ddp
 from .discovery import ChainLayers, unwrap
 from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
                    row_shard, sharded_step)
@@ -118,6 +119,7 @@ class ScaleInvariantOptimizer(Optimizer):
                  backward_sums: bool = False) -> None:
         self._validate(defaults, "")
         replicated = isinstance(params if model is None else model, nn.DataParallel)
+        ddp = find_ddp(params if model is None else model)
         model, groups = _user_groups(params, model)
         if chains is not None:
             chains = explicit_chains(model, chains)  # validated before any parameter is read
@@ -143,13 +145,15 @@ class ScaleInvariantOptimizer(Optimizer):
         self._began: dict[int, str] = {}
         self._unchecked = self.reads_skeleton
         self._backward_sums = bool(backward_sums and self.takes_column_sums and not replicated)
-        self._hook_chains()
+        self._hook_chains(ddp)
 
-    def _hook_chains(self) -> None:
+    def _hook_chains(self, ddp=None) -> None:
         """The chains' :class:`.backward_sums.ChainSums` (hooks on their layers), if the
-        optimizer takes its column sums from the backward pass."""
+        optimizer takes its column sums from the backward pass; averaged over processes
+        with the gradients when the optimizer was given the ``ddp`` module (a copy of the
+        optimizer is not: its steps read ``W * grad``)."""
         self._sums = ChainSums([p for p in self._parts if p.kind == "chain"],
-                               on=bool(self.__dict__.get("_backward_sums")))
+                               on=bool(self.__dict__.get("_backward_sums")), ddp=ddp)
 
     # ------------------------------------------------------------------ torch.optim API
     #: ``torch.amp.GradScaler.step`` hands the step its scale and ``found_inf`` instead of
@@ -165,6 +169,7 @@ class ScaleInvariantOptimizer(Optimizer):
                 loss = closure()
         with torch.no_grad():
             if self._unscale_amp():
+                self._sums.reduce()
                 if self._unchecked:
                     self._check_skeleton()
                 for part in self._parts:
