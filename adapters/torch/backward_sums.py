@@ -16,8 +16,10 @@ The sums stand for ``W * grad`` only while each weight's ``.grad`` is exactly th
 accumulation of the backward passes they saw, with the weights they saw. Everything else is
 detected, and the step then reads ``W * grad`` as before (a fallback, counted):
 
-- ``.grad`` replaced, or changed in place (clipping, an all-reduce of DDP: the tensor's
+- ``.grad`` replaced, or changed in place (clipping, an all-reduce: the tensor's
   identity and its version counter, checked before every accumulation and at the step);
+  DDP's all-reduce is accounted for instead, when the optimizer was given the DDP module:
+  the sums are averaged over its processes as the gradients are (:mod:`.ddp`);
 - ``.grad`` cleared by someone else (``model.zero_grad()``): set to ``None`` before a forward
   pass, it is accounted for exactly (the sums restart at zero, as the gradient does); zeroed
   in place, or cleared or assigned between a forward pass and its backward, it is detected
@@ -306,7 +308,8 @@ class ChainSums:
     reduce their local rows' sums across processes; not one ``bn="paper"`` scales: its
     gradients are scaled by row norms before the step), or on none (``on=False``). The
     optimizer clears them with the gradients (:meth:`clear`), unscales or refuses them with
-    ``GradScaler`` (:meth:`rescale`, :meth:`refuse`), and each chain step takes them
+    ``GradScaler`` (:meth:`rescale`, :meth:`refuse`), averages them over the processes of
+    ``ddp`` (a DDP module) before a step (:meth:`reduce`), and each chain step takes them
     (:meth:`take`, negated to maximise); :attr:`counts` says where the steps got them.
     """
 

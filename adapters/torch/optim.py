@@ -579,9 +579,10 @@ class GSGD(ScaleInvariantOptimizer):
         Take each chain's column sums ``colsum(W_l * grad_l)`` from the backward pass
         (:mod:`.backward_sums`: hooks on the chain's layers), so that a step reads each
         weight and gradient once. Where the gradients are not exactly the accumulation of
-        the backward passes the sums saw (clipped, unscaled, reduced by DDP, replaced, ...)
-        the step reads ``W * grad`` instead, with the same result; ``describe()`` counts
-        both. Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
+        the backward passes the sums saw (clipped, unscaled, replaced, ...) the step reads
+        ``W * grad`` instead, with the same result; ``describe()`` counts both. Given a DDP
+        module, the sums are averaged over its processes as DDP averages the gradients
+        (one all-reduce of vectors per step, :mod:`.ddp`). Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
         On by default; ``False`` removes the hooks' cost from the backward pass.
 
     Notes
@@ -596,7 +597,7 @@ class GSGD(ScaleInvariantOptimizer):
 
     A model sharded by FSDP2 (``fully_shard``) is stepped on each process's rows, with one
     all-reduce of ``O(sum of widths)`` numbers per chain and step (:mod:`.fsdp`); DDP
-    models step their replicas.
+    models step their replicas, with the column sums averaged over the processes.
     """
 
     algorithm = "G-SGD"
