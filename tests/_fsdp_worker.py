@@ -121,6 +121,29 @@ def full_state(model, opt) -> dict:
     return out
 
 
+def one_process(name: str) -> dict:
+    """The scenario trained on one process, unsharded: what the sharded runs must equal."""
+    import warnings
+    model = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = SCENARIOS[name][1](model)
+    x, y = data(model)
+    train(model, opt, x, y, SCENARIOS[name][2])
+    return full_state(model, opt)
+
+
+def assert_close(got: dict, want: dict, rtol: float = 1e-12) -> None:
+    """Every tensor of ``got`` equals ``want``'s to ``rtol`` relative to its largest entry."""
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        assert g.shape == w.shape and g.dtype == w.dtype, k
+        scale = max(1.0, float(w.abs().max())) if w.is_floating_point() else 1.0
+        err = float((g - w).abs().max()) if g.numel() else 0.0
+        assert err <= rtol * scale, f"{k}: differs by {err:.3g} (scale {scale:.3g})"
+
+
 def _local_batch(x, rank: int, world: int):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]
