@@ -2,13 +2,13 @@
 import this; the test process trains the same model on one process to compare)."""
 
 import contextlib
-import os
-from datetime import timedelta
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _gloo import gloo_worker
 from gsgd_adapters.torch import GAdam, GSGD
 
 STEPS = 5
@@ -70,29 +70,24 @@ def optimizer(make, model):
         dict(momentum=0.9) if make is GSGD else {}))
 
 
-def worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        results = {}
-        for name, (ddp_kwargs, make, train_kwargs) in SCENARIOS.items():
-            model, x, y = model_and_data()
-            ddp = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
-            if name == "comm_hook":
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-            opt = optimizer(make, ddp)
-            train(ddp, opt, x[rank::world], y[rank::world], **train_kwargs(model, ddp))
-            counts = [None] * world
-            dist.all_gather_object(counts, dict(opt.describe().column_sums))
-            states = [None] * world
-            dist.all_gather_object(states, {k: v.clone() for k, v in model.state_dict().items()})
-            results[name] = dict(states=states, counts=counts)
-        if rank == 0:  # written whole, then renamed: the test reads it once it exists
-            torch.save(results, out_file + ".part")
-            os.replace(out_file + ".part", out_file)
-    finally:
-        dist.barrier()  # no process tears gloo down while another still talks
-        dist.destroy_process_group()
+def runs(rank: int, world: int) -> dict:
+    """Every scenario on this process's share of the batch: each process's weights and
+    column sums' counts."""
+    results = {}
+    for name, (ddp_kwargs, make, train_kwargs) in SCENARIOS.items():
+        model, x, y = model_and_data()
+        ddp = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+        if name == "comm_hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = optimizer(make, ddp)
+        train(ddp, opt, x[rank::world], y[rank::world], **train_kwargs(model, ddp))
+        counts = [None] * world
+        dist.all_gather_object(counts, dict(opt.describe().column_sums))
+        states = [None] * world
+        dist.all_gather_object(states, {k: v.clone() for k, v in model.state_dict().items()})
+        results[name] = dict(states=states, counts=counts)
+    return results
+
+
+worker = functools.partial(gloo_worker, run=runs, timeout=60)
