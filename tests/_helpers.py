@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import pathlib
 import sys
 
@@ -18,6 +19,21 @@ from _strategies import random_params
 #: checkpointed, run across processes): the skeleton warning is expected there. Its own
 #: tests use ``pytest.warns``, which still sees it.
 DEFAULT_INIT = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")
+
+
+@contextlib.contextmanager
+def triton_interpreting():
+    """``TRITON_INTERPRET=1`` inside, as it was outside (Triton decides at a kernel's
+    definition whether it is interpreted, and checks again at each launch)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
 
 def reverse_axes(a):

@@ -59,7 +59,7 @@ except ImportError:
 
 # Under mutmut (tests/mutation.py), each function of the mutated module is called through a
 # trampoline defined in mutmut's own module. Name that module as the library's, so that
-# gsgd_adapters.torch.groups.warn_user counts the trampolines' frames as the library's own,
+# gsgd_adapters.torch.warn.warn_user counts the trampolines' frames as the library's own,
 # as it does the mutated functions', and the warnings still point at the test's line.
 if "MUTANT_UNDER_TEST" in os.environ:  # set by mutmut in each of its runs
     import mutmut.mutation.trampoline

@@ -531,8 +531,8 @@ def _chain_modules(net):
 
 
 @pytest.mark.parametrize("make_opt, backend", [
-    (GSGD, "gsgd_adapters.torch.optim.gsgd_update_"),
-    (GAdam, "gsgd_adapters.torch.adam.path_update_")], ids=["gsgd", "gadam"])
+    (GSGD, "gsgd_adapters.torch.functional.gsgd_update_"),
+    (GAdam, "gsgd_adapters.torch.functional.path_update_")], ids=["gsgd", "gadam"])
 def test_the_step_hands_the_backend_the_sums_from_the_backward_pass(make_opt, backend,
                                                                     monkeypatch):
     """A step whose record stands hands the backend the column sums of ``W * grad`` and a

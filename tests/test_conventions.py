@@ -290,7 +290,7 @@ def test_a_chains_fingerprint_tells_every_field_of_the_chain_apart():
     how they are hashed would refuse every state dict saved before, so it is pinned."""
     import dataclasses
 
-    from gsgd_adapters.torch.groups import chain_spec, fingerprint
+    from gsgd_adapters.torch.parts import chain_spec, fingerprint
 
     base = gsgd_core.Chain((3, 4, 5, 2), (4, 4, 1), bias=(True, False, True))
     tau, sigma = [list(t) for t in base.tau], [list(s) for s in base.sigma]

@@ -365,7 +365,7 @@ def test_a_sharded_chain_steps_its_own_rows_and_takes_no_backward_sums(one_proce
     """G-SGD steps a chain FSDP2 shards on its local rows (the sharded kernels: the update
     of gathered layers never runs) and hooks none of its layers for column sums (those of
     local rows would be partial)."""
-    import gsgd_adapters.torch.optim as optim
+    import gsgd_adapters.torch.functional as optim
 
     def gathered(*args, **kwargs):
         raise AssertionError("the update of the gathered layers ran")

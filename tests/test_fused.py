@@ -7,9 +7,7 @@ interpreter checks it again at each launch), and restored between, so no other t
 it. Where the kernels were already compiled for a GPU in this process, these tests skip.
 """
 
-import contextlib
 import importlib
-import os
 
 import numpy as np
 import pytest
@@ -18,26 +16,13 @@ from hypothesis import strategies as st
 
 import gsgd_core as gc
 from _conditioning import synced_gsgd_steps
-from _helpers import Problem, from_repository
+from _helpers import Problem, from_repository, triton_interpreting
 from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
 
 
-@contextlib.contextmanager
-def _interpreting():
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-with _interpreting():  # triton's own library functions too are decided when it is imported
+with triton_interpreting():  # triton's own library functions are decided at its import
     triton = pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
     fused = importlib.import_module("gsgd_backends.fused")
     fused_psi = importlib.import_module("gsgd_backends.fused_psi")
@@ -49,7 +34,7 @@ def _interpreted(fn) -> bool:
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    with _interpreting():
+    with triton_interpreting():
         yield
 
 gbt = importlib.import_module("gsgd_backends.torch")

@@ -227,7 +227,7 @@ def test_every_chain_step_takes_its_kept_plan_and_the_backward_passs_column_sums
     once, reused while it fits, of the compiled kernels under ``compile=True``) and the
     column sums taken during the backward pass (negated to maximise, as the gradients
     are)."""
-    import gsgd_adapters.torch.optim as optim
+    import gsgd_adapters.torch.functional as optim
     import gsgd_backends.torch as gbt
     from gsgd_backends import StepPlan
 
@@ -1121,7 +1121,7 @@ def test_a_run_of_a_chains_layers_is_the_chain_of_those_layers():
     """The chain a run of layers steps as (some layers without a weight gradient) has those
     layers' shapes, slots, biases and skeleton scales, here of a conv chain with a layer
     without bias and He scales."""
-    from gsgd_adapters.torch.groups import sub_chain
+    from gsgd_adapters.torch.parts import sub_chain
 
     chain = gc.Chain.from_shapes([(4, 2, 3, 3), (5, 4, 2, 2), (6, 5 * 4), (3, 6)],
                                  bias=[True, False, True, False],
@@ -1183,7 +1183,7 @@ def test_a_description_prints_every_part_reason_skip_and_source_of_column_sums()
     each is in no chain (a parameter of a chain or PSI part has no such line), the skipped
     steps and where the chain steps got their column sums."""
     from gsgd_adapters.torch import Description
-    from gsgd_adapters.torch.groups import PartInfo
+    from gsgd_adapters.torch.description import PartInfo
 
     chain = gc.Chain.mlp([3, 4, 2])
     hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.0)

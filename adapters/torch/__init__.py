@@ -23,7 +23,7 @@ H/m=0.1194
 
 from .adam import GAdam, GAdamW
 from .discovery import ChainLayers, chain_of, discover
-from .groups import Description
+from .description import Description
 from .model_ops import check_invariance, random_rescale_, skeleton_init_
 from .optim import GSGD, PSISGD, PathSGD, SkeletonWarning, SkippedStepWarning
 

@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.optim.adam import adam as adam_update
 
-from gsgd_backends import path_update_
-from gsgd_backends.sharded import sharded_path_update_
-from gsgd_backends.torch import COMPILED, KERNELS
-from gsgd_core import AdamRule, RuleState
+from gsgd_core import AdamRule
 
-from .fsdp import is_sharded, sharded_step
-from .groups import hyper_value
+from . import functional as F
+from .hyper import hyper_value
 from .optim import ScaleInvariantOptimizer
 
 __all__ = ["GAdam", "GAdamW"]
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _rule(group: dict, decoupled: bool) -> AdamRule:
@@ -34,11 +28,6 @@ def _rule(group: dict, decoupled: bool) -> AdamRule:
     return AdamRule(hyper_value(group["lr"], "lr"),
                     tuple(hyper_value(b, "betas") for b in group["betas"]),
                     group["eps"], group["weight_decay"], decoupled, group["amsgrad"])
-
-
-def _zeros(p: torch.Tensor) -> torch.Tensor:
-    """A buffer for ``p`` in the dtype the core computes it in (float32 for half types)."""
-    return torch.zeros_like(p, dtype=torch.float32 if p.dtype in _HALF else p.dtype)
 
 
 class GAdam(ScaleInvariantOptimizer):
@@ -86,6 +75,9 @@ class GAdam(ScaleInvariantOptimizer):
         ``torch.compile`` graph per chain, specialised to the model's shapes: each layer is
         one fused loop that reads its weights, gradients and moments once. The first step
         compiles for some seconds. Off by default.
+    fused : bool, optional
+        The fused step (:class:`~.optim.GSGD`'s ``fused``): not available for G-Adam yet;
+        ``True`` raises ``ValueError``, and ``None`` (the default) steps as ``False``.
     bn : {"adam", "paper"}
         Weight layers directly followed by a normalisation end their chain and take Adam
         (``"adam"``, the default), or, with ``"paper"``, batch norm does not end a chain and
@@ -110,13 +102,16 @@ class GAdam(ScaleInvariantOptimizer):
     rest_rule = "Adam"
     described = ("lr", "weight_decay", "eps")
     decoupled = False
+    keeps_plans = True
+    functional = staticmethod(F.gadam)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, model: nn.Module | None = None, chains=None,
                  skeleton: str = "he", bn: str = "adam", strict: bool = False,
                  example_input=None, check_finite: bool = False,
-                 backward_sums: bool = True, compile: bool = False) -> None:
+                 backward_sums: bool = True, compile: bool = False,
+                 fused: bool | None = None) -> None:
         if bn not in ("adam", "paper"):
             raise ValueError(f"bn must be 'adam' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -125,7 +120,7 @@ class GAdam(ScaleInvariantOptimizer):
         self._compile = bool(compile)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False, through_bn=(bn == "paper"), skeleton=skeleton,
-                         strict=strict, backward_sums=backward_sums)
+                         strict=strict, backward_sums=backward_sums, fused=fused)
         self._check_chains(params, model, example_input)
 
     def _validate(self, group: dict, where: str) -> None:
@@ -137,59 +132,17 @@ class GAdam(ScaleInvariantOptimizer):
         except ValueError as exc:
             raise ValueError(f"{where}{exc}") from None
 
-    @property
-    def kernels(self):
-        return COMPILED if self.__dict__.get("_compile") else KERNELS
+    def _hyper(self, group: dict) -> dict:
+        return dict(rule=_rule(group, self.decoupled))
 
-    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
-        rule = _rule(group, self.decoupled)
-        for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
-            for name in rule.buffers:
-                if name not in state[p]:
-                    state[p][name] = _zeros(p)
-        first = state[W[0]]
-        first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
-
-        def buffers(name):  # a frozen bias's moments are scratch (it never moves)
-            return tuple(state[w][name] for w in W) + tuple(
-                _zeros(x) if f else state[x][name] for x, f in zip(b, fixed) if x is not None)
-
-        st = RuleState(tuple(buffers(n) for n in rule.buffers), first["step"])
-        if not is_sharded(W[0]):
-            return path_update_(chain, rule, st, W, b, G, Gb, plan=stepper,
-                                **sums)
-
-        def fast(a):
-            done = sharded_path_update_(KERNELS, stepper, rule, *a)
-            if done:
-                st.count.add_(1)
-            return done
-
-        return sharded_step((st, W, b, G, Gb), fast,
-                            lambda a: path_update_(chain, rule, *a))
+    def _chain_state(self, state, W, b, fixed, hyper: dict):
+        return F.rule_state(state, W, b, fixed, hyper["rule"])
 
     def _rest(self, params, group: dict, state) -> None:
         """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient."""
         params = self._live(params, group)
-        if not params:
-            return
-        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        sts = [state[p] for p in params]
-        for p, st in zip(params, sts):
-            if "step" not in st:
-                st["step"] = torch.tensor(0.0)
-            for name in names:
-                if name not in st:
-                    st[name] = torch.zeros_like(p)
-        beta1, beta2 = (hyper_value(x, "betas") for x in group["betas"])
-        adam_update(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
-                    [s["exp_avg_sq"] for s in sts],
-                    [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
-                    [s["step"] for s in sts], foreach=group.get("foreach"),
-                    decoupled_weight_decay=self.decoupled, amsgrad=group["amsgrad"],
-                    beta1=beta1, beta2=beta2, lr=hyper_value(group["lr"], "lr"),
-                    weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=group["maximize"])
+        if params:
+            F.adam(params, state, group, self.decoupled)
 
 
 class GAdamW(GAdam):
@@ -203,4 +156,5 @@ class GAdamW(GAdam):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, **kwargs) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         amsgrad=amsgrad, **kwargs)

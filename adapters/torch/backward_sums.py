@@ -308,16 +308,24 @@ class ChainSums:
     reduce their local rows' sums across processes; not one ``bn="paper"`` scales: its
     gradients are scaled by row norms before the step), or on none (``on=False``). The
     optimizer clears them with the gradients (:meth:`clear`), unscales or refuses them with
-    ``GradScaler`` (:meth:`rescale`, :meth:`refuse`), averages them over the processes of
-    ``ddp`` (a DDP module) before a step (:meth:`reduce`), and each chain step takes them
-    (:meth:`take`, negated to maximise); :attr:`counts` says where the steps got them.
+    ``GradScaler`` (:meth:`unscaled`), averages them over the processes of ``ddp`` (a DDP
+    module) before a step (:meth:`reduce`), and each chain step takes them (:meth:`take`,
+    negated to maximise); :attr:`counts` says where the steps got them. A copy of the
+    optimizer takes new ones on the copy's layers, not averaged (its steps read
+    ``W * grad`` under DDP).
     """
 
     def __init__(self, parts, on: bool, ddp=None) -> None:
-        self._of = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in parts
+        self._parts, self._on = list(parts), on
+        self._of = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in self._parts
                     if on and not any(p.normalised) and not is_sharded(p.weights[0])}
         # DDP averages the gradients: the sums are averaged with them
         self._ddp = DDPSums(ddp, self._of.values()) if ddp is not None and self._of else None
+
+    def __reduce__(self):
+        # a copy (copy.deepcopy, pickling) starts anew on the copy's layers: a copy of the
+        # model carries the original's hooks disarmed
+        return (ChainSums, (self._parts, self._on))
 
     def take(self, part, whole: bool, maximize: bool):
         """The chain's column sums and gradient check from the backward pass when they stand
@@ -343,13 +351,17 @@ class ChainSums:
         for sums in self._of.values():
             sums.clear()
 
-    def refuse(self, why: str) -> None:
+    def unscaled(self, factor: float | None,
+                 why: str = "GradScaler.unscale_ changed the gradients in place") -> None:
+        """The gradients were unscaled in place for ``GradScaler``: by the optimizer, by
+        ``factor`` (the sums are rescaled with them, :meth:`BackwardSums.rescale`), or
+        (``None``) out of the version counters' sight (``why``: by ``GradScaler.unscale_``;
+        refused until the gradients are cleared)."""
         for sums in self._of.values():
-            sums.refuse(why)
-
-    def rescale(self, factor: float) -> None:
-        for sums in self._of.values():
-            sums.rescale(factor)
+            if factor is None:
+                sums.refuse(why)
+            else:
+                sums.rescale(factor)
 
     def __getitem__(self, part_id: int) -> BackwardSums:
         """The sums of the chain whose part has this ``id``."""

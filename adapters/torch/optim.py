@@ -3,68 +3,45 @@
 ``opt = GSGD(model, lr=0.1, momentum=0.9)`` finds the model's chains (see
 :mod:`.discovery`), updates each chain by G-SGD in path space, the weights of layers followed
 by a normalisation by PSI-SGD(M), and every other parameter by ``torch.optim.SGD``'s update
-with the same hyperparameters. ``param_groups`` are the user's groups (:mod:`.groups`);
-updates go through :mod:`gsgd_backends` (in place).
+with the same hyperparameters. ``param_groups`` are the user's groups (:mod:`.groups`); the
+optimizer steps their parts (:mod:`.parts`), each chain through its algorithm's function of
+tensors and hyperparameters (:mod:`.functional`), as ``torch.optim.SGD`` steps through
+``sgd()``.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
+import functools
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
 from torch.optim import Optimizer
-from torch.optim.sgd import sgd as sgd_update
 
 import gsgd_backends.torch as gsgd_torch_kernels
-from gsgd_backends import StepPlan, gsgd_update_, path_sgd_step_, psi_update_, step_plan
+from gsgd_backends import StepPlan, step_plan
 from gsgd_backends.psi import PSIPlan
-from gsgd_backends.sharded import RowShard, sharded_gsgd_update_
-from gsgd_core import GSGDState, PSIState
+from gsgd_backends.sharded import RowShard
 from gsgd_core.group import SKELETON_STATES
 
+from . import functional as F
 from .backward_sums import ChainSums
 from .ddp import find_ddp
+from .description import Description
 from .discovery import ChainLayers, unwrap
-from .fsdp import (all_finite, check_chain, every_finite, is_sharded, local, row_ranges,
-                   row_shard, sharded_step)
-from .groups import (ChainPart, Description, PartInfo, Runs, SGDPart, explicit_chains,
-                     hyper_value, initialised, partition, skeleton_state, warn_user)
+from .fsdp import all_finite, check_chain, every_finite, is_sharded, row_ranges, row_shard
+from .groups import explicit_chains, partition
+from .hyper import check_sgd_group, hyper_value
 from .model_ops import check_invariance
+from .parts import ChainPart, SGDPart, skeleton_state
+from .warn import SkeletonWarning, SkippedStepWarning, warn_user
 
 __all__ = ["GSGD", "PSISGD", "PathSGD", "ScaleInvariantOptimizer", "SkeletonWarning",
            "SkippedStepWarning"]
 
 # Attributes of the optimizer beyond torch's own, carried by copy.deepcopy and pickle.
-_OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile",
-              "_backward_sums", "_began", "_unchecked")
-
-
-class SkeletonWarning(UserWarning):
-    """G-SGD was built on chains whose skeleton is not initialised (see ``skeleton_init_``),
-    or that the weights cannot tell from trained ones."""
-
-
-class SkippedStepWarning(UserWarning):
-    """A part's step (a chain, or a group's parameters outside chains) was skipped because
-    a gradient held NaN or Inf."""
-
-
-def _check(name: str, value, high: float | None = None) -> None:
-    value = hyper_value(value, name)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(
-            value) or value < 0 or (high is not None and value > high):
-        bound = f"in [0, {high:g}]" if high is not None else ">= 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-
-
-def _check_group(group: dict, where: str) -> None:
-    for key in ("lr", "momentum", "weight_decay"):
-        _check(f"{where}{key}", group[key])
-    _check(f"{where}dampening", group["dampening"], high=1.0)
-    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"]):
-        raise ValueError(f"{where}nesterov needs momentum > 0 and dampening = 0")
+_OWN_STATE = ("_parts", "_names", "_reasons", "_skeleton", "_skipped", "_compile", "_sums",
+              "_began", "_unchecked", "_fused")
 
 
 def _user_groups(params, model):
@@ -96,27 +73,40 @@ def _add_chain_params(groups: list[dict], chains: list[ChainLayers]) -> None:
     groups[0]["params"] = list(groups[0]["params"]) + extra
 
 
+@functools.lru_cache(maxsize=None)
+def _hyper_names(step) -> tuple[str, ...]:
+    return F.hyperparameters(step)
+
+
 class ScaleInvariantOptimizer(Optimizer):
-    """User param groups, stepped part by part: chains (each subclass's ``_apply``), PSI
-    weights and the rest (``_rest``: ``torch.optim.SGD``'s update unless a subclass says
-    otherwise)."""
+    """User param groups, stepped part by part (:mod:`.parts`): chains (each subclass's
+    ``functional`` chain step, on the state its ``_chain_state`` gathers), PSI weights and
+    the rest (each subclass's ``_rest``)."""
 
     algorithm = "?"
     #: The rule of parameters outside chains and PSI parts, as describe() names it.
     rest_rule = "plain SGD"
     #: The hyperparameters describe() reports per part.
     described = ("lr", "momentum", "weight_decay")
-    _validate = staticmethod(_check_group)
+    #: The chain step (:mod:`.functional`): its keyword-only parameters are read from the
+    #: chain's group (:meth:`_hyper`).
+    functional = None
 
     #: Whether chain steps can take their column sums from the backward pass.
     takes_column_sums = False
     #: Whether chain steps read the skeleton (its units are those of the path values).
     reads_skeleton = True
+    #: Whether chain steps keep a step plan (:meth:`_stepper`).
+    keeps_plans = False
+    #: The fused step of a group's chains (:mod:`.functional`; ``None``: none, so
+    #: ``fused=True`` is refused) and whether the other parts have theirs.
+    fused_functional = None
+    fused_rest = False
 
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
                  find_normalised: bool, through_bn: bool = False,
                  skeleton: str = "paper", strict: bool = False,
-                 backward_sums: bool = False) -> None:
+                 backward_sums: bool = False, fused: bool | None = False) -> None:
         self._validate(defaults, "")
         replicated = isinstance(params if model is None else model, nn.DataParallel)
         ddp = find_ddp(params if model is None else model)
@@ -133,27 +123,23 @@ class ScaleInvariantOptimizer(Optimizer):
                           find_normalised=find_normalised and model is not None,
                           through_bn=through_bn, skeleton=skeleton, strict=strict)
         self._parts, self._names, self._reasons = found.parts, found.names, found.reasons
-        for part in self._parts:
-            if part.kind == "chain":
-                params = [p for w, x in zip(part.weights, part.biases) for p in (w, x)
-                          if p is not None]
-                check_chain(params, [self._name(p) for p in params])
+        for part in self._chains():
+            params = [p for p in part.weights + part.biases if p is not None]
+            check_chain(params, [self._name(p) for p in params])
         self._skeleton = skeleton
         self._skipped = 0
         # chain -> its skeleton's state when training began (the first step, after any
         # load_state_dict; saved in the state dict): once stepped, weights may not tell
         self._began: dict[int, str] = {}
         self._unchecked = self.reads_skeleton
-        self._backward_sums = bool(backward_sums and self.takes_column_sums and not replicated)
-        self._hook_chains(ddp)
+        self._sums = ChainSums(self._chains(), on=bool(
+            backward_sums and self.takes_column_sums and not replicated), ddp=ddp)
+        self._fused = F.use_fused(
+            fused, [p for g in self.param_groups for p in g["params"]], self.algorithm,
+            self.fused_rest and (self.fused_functional is not None or not self._chains()))
 
-    def _hook_chains(self, ddp=None) -> None:
-        """The chains' :class:`.backward_sums.ChainSums` (hooks on their layers), if the
-        optimizer takes its column sums from the backward pass; averaged over processes
-        with the gradients when the optimizer was given the ``ddp`` module (a copy of the
-        optimizer is not: its steps read ``W * grad``)."""
-        self._sums = ChainSums([p for p in self._parts if p.kind == "chain"],
-                               on=bool(self.__dict__.get("_backward_sums")), ddp=ddp)
+    def _chains(self) -> list[ChainPart]:
+        return [p for p in self._parts if isinstance(p, ChainPart)]
 
     # ------------------------------------------------------------------ torch.optim API
     #: ``torch.amp.GradScaler.step`` hands the step its scale and ``found_inf`` instead of
@@ -172,34 +158,40 @@ class ScaleInvariantOptimizer(Optimizer):
                 self._sums.reduce()
                 if self._unchecked:
                     self._check_skeleton()
+                fused = self._fusable() if self._fused else ()
                 for part in self._parts:
-                    getattr(self, f"_step_{part.kind}")(part, self.param_groups[part.group])
+                    if part not in fused:
+                        part.step(self, self.param_groups[part.group])
+                if fused:
+                    self._step_fused(fused)
         return loss
 
     def _unscale_amp(self) -> bool:
         """``GradScaler``'s part of a step called by ``scaler.step(opt)``: ``False`` (no step)
         if it found a non-finite gradient, as it skips other optimizers' steps; else the
         gradients unscaled as ``scaler.unscale_`` would, and the chains' column sums with them
-        (:meth:`.backward_sums.BackwardSums.rescale`). Gradients that ``scaler.unscale_``
+        (:meth:`.backward_sums.ChainSums.unscaled`). Gradients that ``scaler.unscale_``
         already unscaled (no ``grad_scale`` then) refuse the sums."""
         found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        self._found_inf = found if self._fused else None  # the fused steps skip on the device
         if found is None and scale is None:
             return True
-        if found is not None and bool(found):
+        if not self._fused and found is not None and bool(found):
             return False
-        if scale is None:
-            self._sums.refuse("GradScaler.unscale_ changed the gradients in place")
-            return True
-        inv = scale.double().reciprocal().float()
-        grads: dict = {}
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is not None:
-                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, _), gs in grads.items():
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
-        self._sums.rescale(float(inv))
+        inv = None if scale is None else scale.double().reciprocal().float()
+        if inv is not None:
+            grads: dict = {}
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+            for (device, _), gs in grads.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
+        if self._fused and inv is not None:  # its factor cannot be read without a host sync
+            self._sums.unscaled(None, "the fused step unscaled the gradients on the device")
+        else:
+            self._sums.unscaled(None if inv is None else float(inv))
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -208,8 +200,8 @@ class ScaleInvariantOptimizer(Optimizer):
         self._sums.clear()
 
     def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``; parameters added after construction take the SGD rule
-        (build a new optimizer to have chains found among them)."""
+        """torch's ``add_param_group``; parameters added after construction take the rest's
+        rule (build a new optimizer to have chains found among them)."""
         built = "_parts" in self.__dict__
         if built:  # refused before torch adds it, as torch refuses its own bad groups
             self._validate({**self.defaults, **param_group},
@@ -220,17 +212,16 @@ class ScaleInvariantOptimizer(Optimizer):
                                        len(self.param_groups) - 1))
 
     def __setstate__(self, state: dict) -> None:
-        # a copy's sums start anew, on the copy's layers (a copy of the model carries the
-        # original's hooks disarmed)
         super().__setstate__(state)
         if "_parts" in self.__dict__:
             self.__dict__.setdefault("_began", {})  # pickled before the states were kept
             self.__dict__.setdefault("_unchecked", False)
-            self._hook_chains()
+            self.__dict__.setdefault("_fused", False)
 
     def __getstate__(self) -> dict:
         # torch keeps only defaults, state and param_groups; the partition goes along so that
-        # copy.deepcopy and pickling give a working optimizer.
+        # copy.deepcopy and pickling give a working optimizer (the copy's column sums start
+        # anew, on the copy's layers: ChainSums.__reduce__).
         state = super().__getstate__()
         state.update({k: self.__dict__[k] for k in _OWN_STATE if k in self.__dict__})
         return state
@@ -259,35 +250,25 @@ class ScaleInvariantOptimizer(Optimizer):
             self._began = {i: v for i, v in enumerate(began) if v is not None}
 
     def _layout(self) -> list:
-        return [[p.kind, p.group] + ([p.names, p.fingerprint] if p.kind == "chain" else [])
-                for p in self._parts]
+        return [p.layout() for p in self._parts]
 
     def describe(self) -> Description:
         """The parts (chains with m, H, G-space dimension; PSI and SGD parameters), the
         hyperparameters each uses, why parameters are not in a chain, and skipped steps."""
-        infos = []
-        for i, p in enumerate(self._parts):
-            g = self.param_groups[p.group]
-            hyper = {k: hyper_value(g[k], k) for k in self.described}
-            if p.kind == "chain":
-                state = self._skeleton_state(i, p)
-                infos.append(PartInfo("chain", p.names, hyper, p.chain, initialised(state),
-                                      state))
-            elif p.kind == "psi":
-                infos.append(PartInfo("psi", p.names, hyper))
-            else:
-                infos.append(PartInfo("sgd", [self._name(q) for q in p.params], hyper))
-        counts = self._sums.counts
+        infos = [p.info(self, i, {k: hyper_value(self.param_groups[p.group][k], k)
+                                  for k in self.described})
+                 for i, p in enumerate(self._parts)]
         return Description(infos, self.algorithm, dict(self._reasons), self._skipped,
-                           self._skeleton, self.rest_rule, dict(counts))
+                           self._skeleton, self.rest_rule, dict(self._sums.counts))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(\n{self.describe()}\n)"
 
     def _skeleton_state(self, i: int, part: ChainPart) -> str:
-        """Chain ``i``'s skeleton as describe() says it (:data:`.groups.SKELETON_TEXT`): as
-        its weights show it, unless it has been stepped from a skeleton that was (or was not)
-        initialised; training moves weights, but never out of "initialised, then trained"."""
+        """Chain ``i``'s skeleton as describe() says it (:data:`.description.SKELETON_TEXT`):
+        as its weights show it, unless it has been stepped from a skeleton that was (or was
+        not) initialised; training moves weights, but never out of "initialised, then
+        trained"."""
         if not self.reads_skeleton:
             return "unused"
         now, began = skeleton_state(part), self._began.get(i)
@@ -299,7 +280,7 @@ class ScaleInvariantOptimizer(Optimizer):
         """After construction: the invariance check on ``example_input``, if given."""
         if example_input is not None:
             check_invariance(params if model is None else model, example_input,
-                             chains=[p.modules for p in self._parts if p.kind == "chain"])
+                             chains=[p.modules for p in self._chains()])
 
     def _check_skeleton(self) -> None:
         """At the first step (after any ``load_state_dict``, whose chains' states stand):
@@ -311,7 +292,7 @@ class ScaleInvariantOptimizer(Optimizer):
             return  # trains nothing: DCP's get_state_dict steps at lr 0 before it loads
         self._unchecked = False
         now = {i: skeleton_state(p) for i, p in enumerate(self._parts)
-               if p.kind == "chain" and i not in self._began}
+               if isinstance(p, ChainPart) and i not in self._began}
         self._began.update(now)
         named = {state: "; ".join(" -> ".join(self._parts[i].names)
                                   for i, s in now.items() if s == state)
@@ -334,10 +315,65 @@ class ScaleInvariantOptimizer(Optimizer):
                 "this model was skeleton-initialised and trained, ignore this; otherwise "
                 "call gsgd_adapters.torch.skeleton_init_(model) before training." + silence,
                 SkeletonWarning)
+    # ------------------------------------------------------------------ the fused step
+    def _fusable(self) -> list[ChainPart]:
+        """The chains the fused step takes now: whole (every layer and bias with a
+        gradient, none frozen), not FSDP2's, their gradients not scaled by row norms
+        (``bn="paper"``); the others step one by one."""
+        return [p for p in self._chains() if not any(p.normalised) and not any(
+            p.frozen_bias) and not is_sharded(p.weights[0]) and all(
+            x.grad is not None for x in p.weights + p.biases if x is not None)]
 
-    # ------------------------------------------------------------------ helpers
-    #: The kernels of this algorithm's chain steps (``None``: it keeps no step plan).
-    kernels = None
+    def _step_fused(self, parts: list[ChainPart]) -> None:
+        """The fused step of ``parts``: one call per group, device and dtype, on a
+        :class:`~gsgd_backends.fused.FusedPlan` built from the chains' step plans and kept
+        while they are the same."""
+        together = defaultdict(list)
+        for p in parts:
+            together[p.group, p.weights[0].device, p.weights[0].dtype].append(p)
+        for key, ps in together.items():
+            group = self.param_groups[key[0]]
+            for p in (ps if group.get("check_finite") else ()):  # host reads, on request
+                for x, n in zip(p.params, map(self._name, p.params)):
+                    self._grad(x, group, n)
+            plans = [self._stepper(p.chain, p.weights, p.names) for p in ps]
+            held = self.__dict__.setdefault("_fused_plans", {}).get(key)
+            if held is None or len(held.plans) != len(plans) or any(
+                    a is not b for a, b in zip(held.plans, plans)):
+                from gsgd_backends.fused import FusedPlan
+                held = self._fused_plans[key] = FusedPlan(plans)
+            sums = [self._sums.take(p, True, False) for p in ps]
+            self.fused_functional(
+                held, self.state, [(p.weights, p.biases, [w.grad for w in p.weights],
+                                    [None if x is None else x.grad for x in p.biases])
+                                   for p in ps],
+                maximize=bool(group["maximize"]), found_inf=self._found_inf,
+                sums=sums if all(sums) else None, **self._hyper(group))
+
+    # ------------------------------------------------------------------ what parts call
+    def _hyper(self, group: dict) -> dict:
+        """The chain step's hyperparameters, read from ``group`` (once per chain and step;
+        under ``fused``, a tensor ``lr`` is left to the kernels, on the device)."""
+        keep = self._fused and isinstance(group.get("lr"), torch.Tensor)
+        return {k: group[k] if keep and k == "lr" else hyper_value(group[k], k)
+                for k in _hyper_names(self.functional)}
+
+    def _value(self, group: dict, key: str):
+        """``group[key]`` as the steps take it (:func:`.hyper.hyper_value`), but a tensor
+        ``lr`` under ``fused``: read on the device, not here."""
+        if key == "lr" and self._fused and isinstance(group[key], torch.Tensor):
+            return group[key]
+        return hyper_value(group[key], key)
+
+    def _chain_state(self, state, W, b, fixed, hyper: dict):
+        """The chain's optimizer state, gathered from ``state`` (``None``: it keeps none)."""
+        return None
+
+    def _chain_step(self, chain, tensors, *, fixed, state, hyper, plan, sums) -> bool:
+        """One step of a chain: its state gathered, then the algorithm's chain step."""
+        W, b = tensors[:2]
+        return self.functional(chain, self._chain_state(state, W, b, fixed, hyper), *tensors,
+                               plan=plan, sums=sums, **hyper)
 
     def _stepper(self, chain, W, names) -> StepPlan | RowShard | None:
         """What steps the chain: its step plan or, when FSDP2 shards it, its
@@ -345,7 +381,7 @@ class ScaleInvariantOptimizer(Optimizer):
         first step and kept by the optimizer, not in its state (a shard holds the process
         group); rebuilt when it no longer fits (the model moved to another device or dtype,
         or was sharded anew)."""
-        if self.kernels is None:
+        if not self.keeps_plans:
             return None
         held = self.__dict__.setdefault("_steppers", {}).get(id(chain))
         if is_sharded(W[0]):
@@ -353,19 +389,10 @@ class ScaleInvariantOptimizer(Optimizer):
             if not (isinstance(held, RowShard) and held.rows == rows):
                 held = row_shard(chain, rows, W[0])
         elif not (isinstance(held, StepPlan) and held.fits(chain, W[0])):
-            held = step_plan(chain, W, kernels=self.kernels)
+            held = step_plan(chain, W, kernels=gsgd_torch_kernels.COMPILED if self.__dict__.get(
+                "_compile") else gsgd_torch_kernels.KERNELS)
         self._steppers[id(chain)] = held
         return held
-
-    def _psi_plan(self, part) -> PSIPlan | None:
-        """The compiled PSI step of a part of normalised weights (``compile=True``), built
-        on its first step and kept by the optimizer beside the chains' step plans."""
-        if not self.__dict__.get("_compile"):
-            return None
-        held = self.__dict__.setdefault("_steppers", {})
-        if id(part) not in held:
-            held[id(part)] = PSIPlan()
-        return held[id(part)]
 
     def _name(self, p: torch.Tensor) -> str:
         name = self._names.get(id(p))  # a lazy parameter has no shape yet
@@ -378,25 +405,6 @@ class ScaleInvariantOptimizer(Optimizer):
         if group.get("check_finite") and not all_finite(g):
             raise ValueError(f"non-finite gradient in {name}")
         return -g if group.get("maximize") else g
-
-    def _step_psi(self, part, group: dict) -> None:
-        """PSI-SGD(M) on the weights of normalised layers (Yi et al., Algorithm 1)."""
-        live = [(p, n) for p, n in zip(part.weights, part.names) if p.grad is not None]
-        if not live:
-            return
-        # PSI acts on each row (output unit) alone: FSDP2's local rows are stepped as they are.
-        W = [local(p) for p, _ in live]
-        G = [local(self._grad(p, group, f"{n}.weight")) for p, n in live]
-        momentum = hyper_value(group["momentum"], "momentum")
-        # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state): a zero that
-        # takes no memory stands for a buffer the state does not have.
-        U = [local(_buffer(self.state[p], p)) if momentum else w.new_zeros(()).expand_as(w)
-             for (p, _), w in zip(live, W)]
-        psi_update_(PSIState(tuple(U)), W, G, lr=hyper_value(group["lr"], "lr"),
-                    momentum=momentum, max_norm=group["max_norm"], plan=self._psi_plan(part))
-
-    def _step_sgd(self, part, group: dict) -> None:
-        self._rest(part.params, group, self.state)
 
     def _live(self, params, group: dict) -> list:
         """The parameters with a gradient (checked for non-finite values on request); none
@@ -412,66 +420,8 @@ class ScaleInvariantOptimizer(Optimizer):
         return params
 
     def _rest(self, params, group: dict, state) -> None:
-        """``torch.optim.SGD``'s update of ``params`` (those with a gradient)."""
-        params = self._live(params, group)
-        if not params:
-            return
-        bufs = [state[p].get("momentum_buffer") for p in params]
-        sgd_update(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
-                   momentum=group["momentum"], lr=group["lr"], dampening=group["dampening"],
-                   nesterov=group["nesterov"], maximize=group["maximize"],
-                   foreach=group.get("foreach"))
-        if group["momentum"] != 0:
-            for p, buf in zip(params, bufs):
-                state[p]["momentum_buffer"] = buf
-
-    def _step_chain(self, part: ChainPart, group: dict) -> None:
-        """Step a chain; layers without a weight gradient this step are never written (their
-        biases take SGD's rule): the chain is stepped as the runs of consecutive layers that
-        have one (a run of one layer takes SGD's rule), each with momentum restarted, and a
-        warning says so once."""
-        live = [w.grad is not None for w in part.weights]
-        if not any(live) and all(x is None or x.grad is None for x in part.biases):
-            return  # nothing of the chain has a gradient (a branch this step did not use)
-        if all(live):
-            self._update_chain(part.chain, part, range(len(live)), group, self.state)
-            return
-        runs = part.runs.get(tuple(live))
-        if runs is None:
-            runs = part.runs[tuple(live)] = Runs.of(part.chain, live)
-            dead = [n for n, ok in zip(part.names, live) if not ok]
-            warn_user(
-                f"{self.algorithm}: {', '.join(dead)} had no gradient, so the chain "
-                f"{' -> '.join(part.names)} was stepped as the runs of layers that have one; "
-                "those layers are never written, and the runs' momentum restarts")
-        # Single-layer runs take the rest's rule; so do the biases of layers without a weight
-        # gradient (their weights have no grad, and _rest leaves those alone).
-        self._rest([p for i in runs.outside for p in part.layer_params(i)], group, runs.state)
-        for (start, stop), chain in runs.chains.items():
-            self._update_chain(chain, part, range(start, stop), group, runs.state)
-
-    def _update_chain(self, chain, part: ChainPart, layers, group: dict, state) -> None:
-        """One chain update (``self._apply``, each algorithm's own) of ``part``'s layers
-        ``layers`` as ``chain``; counts and warns about skipped steps."""
-        W = [part.weights[i] for i in layers]
-        b = [part.biases[i] for i in layers]
-        names = [part.names[i] for i in layers]
-        G = [self._grad(w, group, f"{n}.weight") for w, n in zip(W, names)]
-        Gb = [None if x is None else self._grad(x, group, f"{n}.bias") for x, n in zip(b, names)]
-        # A frozen bias (or one without a gradient) is a basis path that does not move: the
-        # update writes into a copy of it (and a scratch momentum buffer, kept out of the
-        # optimizer's state), so the parameter itself is never written.
-        fixed = [x is not None and (part.frozen_bias[i] or x.grad is None)
-                 for x, i in zip(b, layers)]
-        b = [x.detach().clone() if f else x for x, f in zip(b, fixed)]
-        G = [_row_norm_scaled(g, w) if part.normalised[i] else g
-             for g, w, i in zip(G, W, layers)]
-        applied = self._apply(chain, W, b, G, Gb, group=group, state=state, fixed=fixed,
-                              stepper=self._stepper(chain, W, names),
-                              sums=self._sums.take(part, len(layers) == len(part.weights),
-                                                   bool(group.get("maximize"))))
-        if not applied:
-            self._count_skip(f"the chain {' -> '.join(names)}")
+        """The update of ``params`` outside chains (those with a gradient): each family's."""
+        raise NotImplementedError
 
     def _count_skip(self, what: str) -> None:
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
@@ -483,21 +433,51 @@ class ScaleInvariantOptimizer(Optimizer):
                 "describe() without a warning", SkippedStepWarning)
 
 
-def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
-    """``state["momentum_buffer"]``, zeros like ``p`` when missing (allocated only then:
-    ``setdefault`` would build a full-size default every step)."""
-    if "momentum_buffer" not in state:
-        state["momentum_buffer"] = torch.zeros_like(p)
-    return state["momentum_buffer"]
+class _SGDRules(ScaleInvariantOptimizer):
+    """The SGD family: ``torch.optim.SGD``'s hyperparameters and checks, its update of the
+    parameters outside chains, and PSI-SGD(M) on normalised weights."""
+
+    _validate = staticmethod(check_sgd_group)
+
+    fused_rest = True
+
+    def _rest(self, params, group: dict, state) -> None:
+        """``torch.optim.SGD``'s update of ``params`` (those with a gradient); under
+        ``fused``, torch's fused update, skipped on the device for a non-finite gradient
+        (not counted: counting would read the device)."""
+        if self._fused:
+            params = [p for p in params if p.grad is not None]
+            if group.get("check_finite"):
+                params = self._live(params, group)
+            if params:
+                F.sgd(params, state, group, F.nonfinite_flag([p.grad for p in params],
+                                                             self._found_inf))
+            return
+        params = self._live(params, group)
+        if params:
+            F.sgd(params, state, group)
+
+    def _psi_plan(self, part, weights):
+        """The PSI step's plan of a part of normalised weights: fused
+        (:class:`~gsgd_backends.fused_psi.FusedPSIPlan`, rebuilt when the stepped weights'
+        shapes, device or dtype change) or compiled (``compile=True``), built on its first
+        step and kept by the optimizer beside the chains' step plans; else ``None``."""
+        held = self.__dict__.setdefault("_steppers", {})
+        if self._fused:
+            plan = held.get(id(part))
+            if plan is None or plan.shapes != tuple(tuple(w.shape) for w in weights) or (
+                    plan.device, plan.dtype) != (weights[0].device, weights[0].dtype):
+                from gsgd_backends.fused_psi import FusedPSIPlan
+                plan = held[id(part)] = FusedPSIPlan(weights)
+            return plan
+        if not self.__dict__.get("_compile"):
+            return None
+        if id(part) not in held:
+            held[id(part)] = PSIPlan()
+        return held[id(part)]
 
 
-def _row_norm_scaled(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``grad * ||W[j]||`` per output unit ``j``: the BN variant of ICR (paper eq. 30)."""
-    norms = torch.linalg.vector_norm(weight.reshape(weight.shape[0], -1), dim=1)
-    return grad * norms.reshape((-1,) + (1,) * (grad.ndim - 1))
-
-
-class GSGD(ScaleInvariantOptimizer):
+class GSGD(_SGDRules):
     """G-SGD (Meng et al., ICLR 2019): SGD on the values of a basis of paths.
 
     Parameters
@@ -582,8 +562,20 @@ class GSGD(ScaleInvariantOptimizer):
         the backward passes the sums saw (clipped, unscaled, replaced, ...) the step reads
         ``W * grad`` instead, with the same result; ``describe()`` counts both. Given a DDP
         module, the sums are averaged over its processes as DDP averages the gradients
-        (one all-reduce of vectors per step, :mod:`.ddp`). Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
+        (one all-reduce of vectors per step, :mod:`.ddp`). Writes through ``.data`` are not
+        detected: call ``zero_grad()`` after one.
         On by default; ``False`` removes the hooks' cost from the backward pass.
+    fused : bool, optional
+        Step every chain of a param group in one fused step of three Triton launches
+        (:mod:`gsgd_backends.fused`, DESIGN §14), the normalised weights in one more and the
+        other parameters by ``torch.optim.SGD``'s fused update, with nothing read back to
+        the host: ``lr`` may be a device tensor, ``GradScaler``'s ``found_inf`` skips the
+        step on the device, and so does a non-finite gradient (not counted in
+        ``describe()``: counting would read the device). ``None`` (the default): on for
+        CUDA parameters where Triton imports, off otherwise; ``True`` on CPU parameters
+        is refused (``ValueError``) unless the kernels run under Triton's interpreter. A
+        chain with a layer or bias without gradient, a frozen bias, FSDP2's shards or
+        ``bn="paper"`` steps unfused; ``check_finite`` still reads every gradient.
 
     Notes
     -----
@@ -602,6 +594,9 @@ class GSGD(ScaleInvariantOptimizer):
 
     algorithm = "G-SGD"
     takes_column_sums = True
+    keeps_plans = True
+    functional = staticmethod(F.gsgd)
+    fused_functional = staticmethod(F.fused_gsgd)
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
@@ -609,7 +604,7 @@ class GSGD(ScaleInvariantOptimizer):
                  bn: str = "psi", strict: bool = False, example_input=None,
                  check_finite: bool = False, foreach: bool | None = None,
                  max_norm: float = 1e4, compile: bool = False,
-                 backward_sums: bool = True) -> None:
+                 backward_sums: bool = True, fused: bool | None = None) -> None:
         if bn not in ("psi", "sgd", "paper"):
             raise ValueError(f"bn must be 'psi', 'sgd' or 'paper', got {bn!r}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -618,72 +613,49 @@ class GSGD(ScaleInvariantOptimizer):
         self._compile = bool(compile)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=(bn == "psi"), through_bn=(bn == "paper"),
-                         skeleton=skeleton, strict=strict, backward_sums=backward_sums)
+                         skeleton=skeleton, strict=strict, backward_sums=backward_sums,
+                         fused=fused)
         self._check_chains(params, model, example_input)
 
-    @property
-    def kernels(self):
-        return gsgd_torch_kernels.COMPILED if self._compile else gsgd_torch_kernels.KERNELS
-
-    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
-        momentum = hyper_value(group["momentum"], "momentum")
-        st = None
-        if momentum != 0:
-            for p in W + [x for x, f in zip(b, fixed) if x is not None and not f]:
-                _buffer(state[p], p)
-            first = state[W[0]]
-            first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
-            st = GSGDState(tuple(state[w]["momentum_buffer"] for w in W),
-                           tuple(None if x is None else torch.zeros_like(x) if f
-                                 else state[x]["momentum_buffer"] for x, f in zip(b, fixed)),
-                           first["step"])
-        hyper = dict(lr=hyper_value(group["lr"], "lr"), momentum=momentum,
-                     dampening=hyper_value(group["dampening"], "dampening"),
-                     nesterov=group["nesterov"],
-                     weight_decay=hyper_value(group["weight_decay"], "weight_decay"))
-        if not is_sharded(W[0]):
-            return gsgd_update_(chain, st, W, b, G, Gb, **hyper, plan=stepper,
-                                **sums)
-
-        def fast(a):  # eager kernels: a compiled stage is specialised to whole layers
-            done = sharded_gsgd_update_(gsgd_torch_kernels.KERNELS, stepper, *a, **hyper)
-            if done and st is not None:
-                st.step.add_(1)
-            return done
-
-        return sharded_step((st, W, b, G, Gb), fast, lambda a: gsgd_update_(chain, *a, **hyper))
+    def _chain_state(self, state, W, b, fixed, hyper: dict):
+        return F.momentum_state(state, W, b, fixed) if hyper["momentum"] != 0 else None
 
 
-class PSISGD(ScaleInvariantOptimizer):
+class PSISGD(_SGDRules):
     """PSI-SGD / PSI-SGDM (Yi et al., Algorithm 1) for a model with normalisation layers.
 
     Weights of Linear/Conv layers directly followed by batch, group or layer norm get
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u`` per row (rows with norm above
     ``max_norm`` renormalised); every other parameter gets ``torch.optim.SGD``'s update with
     the same ``lr``, ``momentum`` and ``weight_decay``. ``compile=True`` runs the normalised
-    weights' step as compiled row loops (:class:`gsgd_backends.psi.PSIPlan`).
+    weights' step as compiled row loops (:class:`gsgd_backends.psi.PSIPlan`); ``fused``
+    (:class:`GSGD`'s) steps them in one Triton launch (:mod:`gsgd_backends.fused_psi`) and
+    the rest by torch's fused SGD, with no host read.
     """
 
     algorithm = "PSI-SGD"
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, momentum: float = 0.0,
                  weight_decay: float = 0.0, *, max_norm: float = 1e4, maximize: bool = False,
-                 foreach: bool | None = None, compile: bool = False) -> None:
+                 foreach: bool | None = None, compile: bool = False,
+                 fused: bool | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError("PSISGD takes a model: it finds the normalised layers in it")
         self._compile = bool(compile)
         defaults = dict(lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay,
                         nesterov=False, maximize=maximize, check_finite=False,
                         foreach=foreach, max_norm=max_norm)
-        super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True)
+        super().__init__(model, defaults, chains=None, find_chains=False, find_normalised=True,
+                         fused=fused)
 
 
-class PathSGD(ScaleInvariantOptimizer):
+class PathSGD(_SGDRules):
     """Path-SGD (Neyshabur et al. 2015), the G-SGD paper's baseline: on every chain
     ``w_e <- w_e - lr * grad_e / gamma_e``; other parameters take plain SGD."""
 
     algorithm = "Path-SGD"
     reads_skeleton = False  # gamma_e sums over every path: no unit is chosen
+    functional = staticmethod(F.path_sgd)
 
     def __init__(self, params, lr: float = 1e-3, *, model: nn.Module | None = None,
                  chains=None, maximize: bool = False, foreach: bool | None = None) -> None:
@@ -691,14 +663,3 @@ class PathSGD(ScaleInvariantOptimizer):
                         maximize=maximize, check_finite=False, foreach=foreach)
         super().__init__(params, defaults, model=model, chains=chains, find_chains=True,
                          find_normalised=False)
-
-    def _apply(self, chain, W, b, G, Gb, *, group, state, fixed, stepper, sums) -> bool:
-        def full(a):
-            path_sgd_step_(chain, *a, hyper_value(group["lr"], "lr"))
-            return True
-
-        # Path-SGD's scales are products along whole paths: under FSDP2 it steps the
-        # gathered full layers (O(m) communication; it is the paper's baseline).
-        if not is_sharded(W[0]):
-            return full((W, b, G, Gb))
-        return sharded_step((W, b, G, Gb), None, full)
