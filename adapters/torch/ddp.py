@@ -66,7 +66,7 @@ class DDPSums:
         self.layers = [layer for r in self.records for layer in r.layers]
         for layer in self.layers:
             layer.on_accumulated = self._accumulated
-        self.handle = ddp.register_forward_pre_hook(_Forward(self))
+        ddp.register_forward_pre_hook(_Forward(self))
         # what DDP's last forward pass decided for the next backward pass, and whether the
         # last backward pass that reached a chain was reduced (None: none yet)
         self.will_sync = self.synced = None
@@ -81,10 +81,11 @@ class DDPSums:
             self.will_sync = bool(self.ddp.require_backward_grad_sync)
 
     def _accumulated(self, layer) -> None:
-        """A chain weight's gradient was accumulated: once per backward pass, a callback
-        that queues the end of the backward pass behind DDP's own callback (which writes the
-        gradients), queued meanwhile: callbacks run in their order, those queued by a
-        callback after all others."""
+        """A chain weight's gradient was accumulated: once per backward pass, queue the end
+        of the backward pass behind DDP's callback that writes the averaged gradients.
+        Callbacks run in the order queued, and one queued by a callback after all those
+        queued during the backward pass: hence a callback that queues :meth:`_backward_end`
+        (DDP may queue its own after this accumulation)."""
         task = torch._C._current_graph_task_id()
         if task not in self.awaited:
             self.awaited.add(task)
@@ -99,8 +100,7 @@ class DDPSums:
                 layer.reduced()
         self.synced, self.will_sync = bool(self.will_sync), False
 
-    def _why(self, record) -> str:
-        hook = self._comm_hook()
+    def _why(self, record, hook: str) -> str:
         if hook:
             return (f"DDP's communication hook {hook} reduces the gradients (the column "
                     "sums follow DDP's own all-reduce only)")
@@ -119,9 +119,8 @@ class DDPSums:
         validity: each valid record's sums and bound become their mean over processes,
         and :attr:`refused` says why the others' are not used (the same on every process).
         Called before every step on every process, as DDP's own collectives are."""
-        if not self.records:
-            return
-        local = [self._why(r) for r in self.records]
+        hook = self._comm_hook()
+        local = [self._why(r, hook) for r in self.records]
         sums = [t for layer in self.layers for t in (layer.sums, layer.bound.reshape(1))]
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in sums])
         flags = torch.tensor([float(bool(w)) for w in local], dtype=dtype,
