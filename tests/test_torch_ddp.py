@@ -94,3 +94,25 @@ def test_steps_after_no_sync_alone_keep_each_processs_own_sums(runs):
                              ] * WORLD
     for rank, state in enumerate(run["states"]):
         _assert_close(state, _one_process("no_sync_only", rank))
+
+
+def test_each_step_all_reduces_the_sums_once_over_ddps_group(one_process_group, monkeypatch):
+    """One all-reduce per step over DDP's process group, of one flag per chain and every
+    layer's sums and bound: 1 + (8 + 5) + 3 numbers for the MLP 6-8-5-3 (a world of one,
+    in this process)."""
+    import torch.distributed as dist
+    from gsgd_adapters.torch import GSGD
+
+    model, x, y = dw.model_and_data()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GSGD(ddp, lr=0.05)
+    calls, all_reduce = [], dist.all_reduce
+
+    def spy(t, *args, **kwargs):
+        calls.append((t.numel(), kwargs.get("group")))
+        return all_reduce(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    dw.train(ddp, opt, x, y)
+    assert calls == [(17, ddp.process_group)] * dw.STEPS
+    assert opt.describe().column_sums == ONE_PASS
