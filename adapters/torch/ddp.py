@@ -125,7 +125,8 @@ class DDPSums:
         dtype = functools.reduce(torch.promote_types, [t.dtype for t in sums])
         flags = torch.tensor([float(bool(w)) for w in local], dtype=dtype,
                              device=sums[0].device)
-        flat = torch.cat([flags] + [t.to(dtype) for t in sums])
+        # one vector on the first layer's device (a module may span devices)
+        flat = torch.cat([flags] + [t.to(device=flags.device, dtype=dtype) for t in sums])
         dist.all_reduce(flat, group=self.ddp.process_group)
         flat /= dist.get_world_size(self.ddp.process_group)
         invalid = flat[:len(local)].tolist()
