@@ -59,10 +59,17 @@ def _counter(steps, chain, which: tl.constexpr, T: tl.constexpr):
     return tl.load(steps + chain * SFIELDS + which).to(tl.pointer_type(T))
 
 
+#: Infinity, for the finiteness test.
+INF = tl.constexpr(float("inf"))
+
+
 @device_function
 def finite(x):
-    """rules.finite_mask: ``x - x`` is 0 exactly when ``x`` is finite."""
-    return (x - x) == 0
+    """rules.finite_mask: ``|x| < inf``, false for NaN and both infinities. (Not the core's
+    ``x - x == 0``: compiled, a product ``x = a * b`` and the subtraction contract into one
+    fused multiply-add, ``fma(a, b, -x)``, the product's rounding error, which is 0 only by
+    chance.)"""
+    return tl.abs(x) < INF
 
 
 @device_function

@@ -22,9 +22,13 @@ DEFAULT_INIT = pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonW
 
 
 @contextlib.contextmanager
-def triton_interpreting():
+def triton_interpreting(compiled: bool = False):
     """``TRITON_INTERPRET=1`` inside, as it was outside (Triton decides at a kernel's
-    definition whether it is interpreted, and checks again at each launch)."""
+    definition whether it is interpreted, and checks again at each launch); nothing where
+    the kernels run ``compiled`` (a CUDA device)."""
+    if compiled:
+        yield
+        return
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

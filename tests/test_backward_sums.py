@@ -340,6 +340,33 @@ def test_every_way_of_touching_the_gradients_steps_like_w_times_grad(name, make_
     assert opt.describe().column_sums == sources and ref.describe().column_sums == {}
 
 
+@pytest.mark.parametrize("how", ["backward", "assigned"])
+def test_gradients_made_before_the_optimizer_are_read_from_w_times_grad(how):
+    """An optimizer built after a backward pass, or on gradients assigned by hand: its first
+    step reads ``W * grad`` (the sums began at zero and never saw those gradients) and steps
+    as the optimizer without sums; the next batch takes the sums from its backward pass."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(Net())
+        skeleton_init_(models[-1])
+        if how == "backward":
+            _loss(models[-1], 0).backward()
+        else:
+            for p in models[-1].parameters():
+                p.grad = torch.randn_like(p)
+    (model, twin) = models
+    opt, ref = GSGD(model, lr=0.05), GSGD(twin, lr=0.05, backward_sums=False)
+    for seed in (None, 1):
+        for m, o in ((model, opt), (twin, ref)):
+            if seed is not None:
+                _plain(m, o, seed)
+            o.step()
+    assert_same_parameters(model, twin)
+    assert opt.describe().column_sums == {"the gradient was there before the optimizer": 1,
+                                          "backward": 1}
+
+
 def test_fallbacks_are_counted_with_their_reason_and_described():
     (model, opt), _ = _pair(GSGD, lr=0.05)
     _plain(model, opt, 0)

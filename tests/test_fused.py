@@ -1,10 +1,13 @@
-"""The fused step (gsgd_backends.fused): Triton kernels run by Triton's interpreter on CPU
-tensors, against the core, in three launches and with no read back to the host.
+"""The fused step (gsgd_backends.fused) against the core, in three launches and with no read
+back to the host: compiled on a CUDA device where there is one, else run by Triton's
+interpreter on CPU tensors.
 
-``TRITON_INTERPRET=1`` is set while gsgd_backends.fused is first imported (Triton decides at
-a kernel's definition whether it is interpreted) and while this module's tests run (the
-interpreter checks it again at each launch), and restored between, so no other test sees
-it. Where the kernels were already compiled for a GPU in this process, these tests skip.
+Without CUDA, ``TRITON_INTERPRET=1`` is set while gsgd_backends.fused is first imported
+(Triton decides at a kernel's definition whether it is interpreted) and while this module's
+tests run (the interpreter checks it again at each launch), and restored between, so no
+other test sees it. With CUDA the tests make their tensors on the GPU (the default device
+while they run). Where the kernels were already imported the other way in this process,
+these tests skip.
 """
 
 import importlib
@@ -20,9 +23,12 @@ from _helpers import Problem, from_repository, triton_interpreting
 from _strategies import chains, examples, seeds
 
 torch = pytest.importorskip("torch")
+#: The kernels run compiled on this device where there is one, else interpreted on the CPU.
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-with triton_interpreting():  # triton's own library functions are decided at its import
+with triton_interpreting(CUDA):  # triton's own library functions are decided at its import
     triton = pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
     fused = importlib.import_module("gsgd_backends.fused")
     fused_psi = importlib.import_module("gsgd_backends.fused_psi")
@@ -34,12 +40,16 @@ def _interpreted(fn) -> bool:
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    with triton_interpreting():
+    with triton_interpreting(CUDA):
         yield
 
 gbt = importlib.import_module("gsgd_backends.torch")
 READS = from_repository("benchmarks.step_counts").READS
-if not (fused.interpreted() and _interpreted(triton.language.standard.sum)):
+if CUDA and fused.interpreted():
+    pytest.skip("gsgd_backends.fused was imported for Triton's interpreter in this process "
+                "before these tests (run them in a process of their own)",
+                allow_module_level=True)
+if not CUDA and not (fused.interpreted() and _interpreted(triton.language.standard.sum)):
     pytest.skip("triton was imported for compiled kernels in this process before these tests "
                 "(run them in a process of their own)", allow_module_level=True)
 
@@ -47,6 +57,12 @@ if not (fused.interpreted() and _interpreted(triton.language.standard.sum)):
 BLOCKS = fused.Blocks(rows=4, cols=16, chunk=4, nodes=4)
 HYPERS = [dict(), dict(momentum=0.9), dict(momentum=0.9, nesterov=True, weight_decay=0.01),
           dict(momentum=0.5, dampening=0.3), dict(weight_decay=0.1)]
+
+
+def _ns(dtype):
+    """The torch namespace of the tests' arrays: on the GPU where the kernels run there."""
+    from _namespaces import _torch, _torch_cuda
+    return (_torch_cuda if CUDA else _torch)(dtype)
 
 
 def _plan(chains_, like):
@@ -70,8 +86,7 @@ def test_fused_step_equals_the_core(chain, seed, hyper, dtype):
     """Two fused steps against gsgd_update, each from the core's state (path values,
     momentum buffers, weights and biases where no tau ratio nears 0: _conditioning), on
     drawn chains (custom skeletons, skeleton scales, convolution slots, biases)."""
-    from _namespaces import _torch
-    synced_gsgd_steps(_torch(dtype), chain, Problem(chain, seed), hyper, 2, lr=0.1,
+    synced_gsgd_steps(_ns(dtype), chain, Problem(chain, seed), hyper, 2, lr=0.1,
                       rtol=1e-12 if dtype == "float64" else 2e-4,
                       step=_fused_step(chain, hyper))
 
@@ -84,29 +99,29 @@ def test_fused_step_of_a_conv_flatten_chain_maximizes_on_the_negated_gradients()
     """Convolutions, a Linear after a flatten, Nesterov and weight decay: ``maximize``
     steps as the core does on ``-grad`` (the helper hands the core ``grad`` and the fused
     step ``-grad`` with ``maximize``)."""
-    from _namespaces import _torch
     hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
     inner = _fused_step(CNN, hyper, maximize=True)
 
     def step(A, Ab, G, Gb, lr, state):
         inner(A, Ab, [-g for g in G], [None if g is None else -g for g in Gb], lr, state)
-    synced_gsgd_steps(_torch("float64"), CNN, Problem(CNN, 3), hyper, 2, lr=0.1, rtol=1e-12,
+    synced_gsgd_steps(_ns("float64"), CNN, Problem(CNN, 3), hyper, 2, lr=0.1, rtol=1e-12,
                       step=step)
 
 
-def _tensors(arrays):
-    return [None if a is None else torch.tensor(a) for a in arrays]
+def _tensors(arrays, device=DEVICE):
+    return [None if a is None else torch.tensor(a, device=device) for a in arrays]
 
 
-def _setup(chains_, seed=0):
-    """Per chain: weights, biases, gradients, bias gradients and a state (torch, float64),
-    and the host problems."""
+def _setup(chains_, seed=0, device=DEVICE):
+    """Per chain: weights, biases, gradients, bias gradients and a state (torch, float64,
+    on ``device``), and the host problems."""
     out = []
     for i, c in enumerate(chains_):
         pb = Problem(c, seed + i)
         G, Gb = pb.grads()
-        W, b = _tensors(pb.W), _tensors(pb.b)
-        out.append((pb, W, b, _tensors(G), _tensors(Gb), gc.gsgd_init(c, W, b)))
+        W, b = _tensors(pb.W, device), _tensors(pb.b, device)
+        out.append((pb, W, b, _tensors(G, device), _tensors(Gb, device),
+                    gc.gsgd_init(c, W, b)))
     return out
 
 
@@ -148,12 +163,12 @@ def test_chains_in_one_fused_step_are_skipped_one_by_one_and_all_by_found_inf():
                                                 pb.W, pb.b, *pb.grads(), lr=0.1, momentum=0.9,
                                                 dampening=0.5)
         for got, want in zip(W + list(state.momentum), list(want_W) + list(want_s.momentum)):
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
         assert int(state.step) == 1
     before = _snapshot(parts)
-    _step_all(plan, parts, momentum=0.9, found_inf=torch.ones(1))
+    _step_all(plan, parts, momentum=0.9, found_inf=torch.ones(1, device=DEVICE))
     _assert_unchanged(before, _snapshot(parts), range(2))
-    _step_all(plan, parts, momentum=0.9, found_inf=torch.zeros(1))
+    _step_all(plan, parts, momentum=0.9, found_inf=torch.zeros(1, device=DEVICE))
     assert [int(p[5].step) for p in parts] == [2, 0]
 
 
@@ -197,7 +212,7 @@ def test_a_fused_step_is_three_launches_for_any_depth_and_number_of_chains(monke
     parts = _setup(group)
     plan = fused.FusedPlan([gbt.ON_DEVICE.plan(c, parts[0][1][0]) for c in group])
     counting = _counted_launches(monkeypatch, fused)
-    lr = torch.tensor(0.1, dtype=torch.float64)
+    lr = torch.tensor(0.1, dtype=torch.float64, device=DEVICE)
     hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
     totals = []
     for _ in range(2):
@@ -225,7 +240,7 @@ def test_a_fused_step_reads_nothing_back_to_the_host():
     plan = _plan(MANY[:2], parts[0][1][0])
     parts[1][3][0][0, 0, 0] = float("inf")
     with _NoHostReads():
-        _step_all(plan, parts, momentum=0.9, found_inf=torch.zeros(1))
+        _step_all(plan, parts, momentum=0.9, found_inf=torch.zeros(1, device=DEVICE))
     assert [int(p[5].step) for p in parts] == [1, 0]
 
 
@@ -250,7 +265,7 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
 
 
 def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
-    parts = _setup(MANY[:1])
+    parts = _setup(MANY[:1], device=torch.device("cpu"))
     plan = _plan(MANY[:1], parts[0][1][0])
     monkeypatch.setattr(fused, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -267,7 +282,7 @@ def test_half_precision_steps_as_the_core_in_float32(dtype):
     G, Gb = pb.grads()
 
     def half(arrays):
-        return [None if a is None else torch.tensor(a, dtype=dtype) for a in arrays]
+        return [None if a is None else torch.tensor(a, dtype=dtype, device=DEVICE) for a in arrays]
     W, b, Gt, Gbt = half(pb.W), half(pb.b), half(G), half(Gb)
     state = gc.gsgd_init(chain, W, b)
     want = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, Gt, Gbt, lr=0.1,
@@ -313,7 +328,7 @@ def _psi_problem(dtype, seed=0):
     rng = np.random.default_rng(seed)
 
     def draw():
-        return [torch.tensor(rng.uniform(-1, 1, s), dtype=torch.float64) for s in PSI_SHAPES]
+        return [torch.tensor(rng.uniform(-1, 1, s), dtype=torch.float64, device=DEVICE) for s in PSI_SHAPES]
     W, G, U = draw(), draw(), draw()
     W[1][0] *= 8
     G[0][1, 0, 0, 1] = float("nan")
@@ -333,7 +348,7 @@ def test_fused_psi_step_equals_psi_update(dtype, momentum):
     state = gc.PSIState(tuple(u.clone() for u in U))
     W = [w.clone() for w in W]
     plan, norms = fused_psi.FusedPSIPlan(W, PSI_BLOCKS), []
-    for lr in (0.1, torch.tensor(0.05, dtype=dtype)):
+    for lr in (0.1, torch.tensor(0.05, dtype=dtype, device=DEVICE)):
         want_W, want = gc.psi_update(want, want_W, G, lr=float(lr), momentum=momentum,
                                      max_norm=5.0)
         fused_psi.fused_psi_step_(plan, state, W, G, lr, momentum=momentum, max_norm=5.0)
@@ -357,7 +372,7 @@ def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(m
     totals = []
     for found in (1.0, 0.0):
         before = [t.clone() for t in W + U]
-        found_inf = torch.tensor([found], dtype=torch.float64)
+        found_inf = torch.tensor([found], dtype=torch.float64, device=DEVICE)
         counting.aten, counting.launches = [], []
         with counting, _NoHostReads():
             fused_psi.fused_psi_step_(plan, state, W, G, 0.1, momentum=0.9,
@@ -374,7 +389,7 @@ def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(m
     (lambda W, G, U: G.__setitem__(1, G[1][:, :2]), "weight 1: grads has shape"),
     (lambda W, G, U: U.__setitem__(0, U[0].float()), "weight 0: .*momentum buffer.*float32"),
     (lambda W, G, U: W.__setitem__(1, W[1].t().contiguous().t()), "not contiguous"),
-    (lambda W, G, U: W.append(torch.zeros(2, 2)), "shapes"),
+    (lambda W, G, U: W.append(torch.zeros(2, 2, device=DEVICE)), "shapes"),
     (lambda W, G, U: dict(momentum=torch.tensor(0.9)), "momentum as a Python number"),
 ])
 def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message):
@@ -384,8 +399,8 @@ def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message
     W, G, U = _psi_problem(torch.float64)
     plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
     hyper = change(W, G, U) or dict(momentum=0.9)
-    G += [torch.zeros(2, 2)] * (len(W) - len(G))
-    U += [torch.zeros(2, 2)] * (len(W) - len(U))
+    G += [torch.zeros(2, 2, device=DEVICE)] * (len(W) - len(G))
+    U += [torch.zeros(2, 2, device=DEVICE)] * (len(W) - len(U))
     monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=message):
         fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, **hyper)
@@ -406,3 +421,50 @@ def test_half_precision_psi_steps_as_the_core_in_float32(dtype):
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), atol=0,
                                    rtol=torch.finfo(dtype).eps)
+
+
+def _graph_captured(step):
+    """``step`` warmed up once on a side stream (compiling the kernels, making the plan's
+    tables) and captured in a CUDA graph, as torch's documentation captures a step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs and stream synchronisation need a GPU")
+def test_a_fused_step_never_synchronises_and_replays_from_a_cuda_graph():
+    """Two chains, momentum, Nesterov, weight decay, a device learning rate and GradScaler's
+    ``found_inf``: eager steps under torch's sync debug mode "error" (any host
+    synchronisation raises) and the same steps replayed from one captured CUDA graph agree
+    bit for bit, including a learning rate changed on the device between replays and a
+    replay skipped by a set ``found_inf``."""
+    eager, captured = _setup(MANY), _setup(MANY)
+    plans = _plan(MANY, eager[0][1][0]), _plan(MANY, captured[0][1][0])
+    lrs = [torch.tensor(0.1, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    founds = [torch.zeros(1, device=DEVICE) for _ in range(2)]
+    hyper = dict(momentum=0.9, nesterov=True, weight_decay=0.01)
+
+    def step(i, parts):
+        _step_all(plans[i], parts, lr=lrs[i], found_inf=founds[i], **hyper)
+    step(0, eager)  # compiles the kernels and makes the tables, as the warm-up below does
+    graph = _graph_captured(lambda: step(1, captured))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for lr, found in ((0.1, 0.0), (0.05, 0.0), (0.05, 1.0), (0.2, 0.0)):
+            for i in range(2):
+                lrs[i].fill_(lr)
+                founds[i].fill_(found)
+            step(0, eager)
+            graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for a, b in zip(_snapshot(eager), _snapshot(captured)):
+        for x, y in zip(a, b):
+            assert x is None or torch.equal(x, y)
+    assert [int(p[5].step) for p in eager] == [4, 4]

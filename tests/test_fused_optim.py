@@ -1,9 +1,8 @@
-"""The torch optimizers' fused step (``GSGD(..., fused=True)``, ``PSISGD``): Triton's
-kernels run by Triton's interpreter on CPU tensors, against the unfused step.
-
-``TRITON_INTERPRET=1`` is set while gsgd_backends.fused is first imported and while these
-tests run, and restored between, as tests/test_fused.py does (and for the same reasons);
-where the kernels were already compiled for a GPU in this process, these tests skip.
+"""The torch optimizers' fused step (``GSGD(..., fused=True)``, ``PSISGD``) against the
+unfused step: compiled on a CUDA device where there is one, else run by Triton's interpreter
+on CPU tensors (``TRITON_INTERPRET=1`` set as tests/test_fused.py sets it, for the same
+reasons); where the kernels were already imported the other way in this process, these
+tests skip.
 """
 
 import copy
@@ -15,30 +14,33 @@ from _helpers import triton_interpreting
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
+#: The kernels run compiled on this device where there is one, else interpreted on the CPU.
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
-
-with triton_interpreting():
+with triton_interpreting(CUDA):
     pytest.importorskip("triton", reason="the fused step's kernels are Triton's")
     fused = importlib.import_module("gsgd_backends.fused")
     fused_psi = importlib.import_module("gsgd_backends.fused_psi")
 
 from gsgd_adapters.torch import GAdam, GAdamW, GSGD, PSISGD, skeleton_init_  # noqa: E402
 
-if not fused.interpreted():
-    pytest.skip("triton was imported for compiled kernels in this process before these tests "
-                "(run them in a process of their own)", allow_module_level=True)
+if fused.interpreted() == CUDA:
+    pytest.skip("gsgd_backends.fused was imported the other way (interpreted or compiled) in "
+                "this process before these tests (run them in a process of their own)",
+                allow_module_level=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    with triton_interpreting():
+    with triton_interpreting(CUDA):
         yield
 
 
 def _mlp():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6), nn.ReLU(),
-                          nn.Linear(6, 3)).double()
+                          nn.Linear(6, 3)).double().to(DEVICE)
     skeleton_init_(model)
     return model
 
@@ -46,7 +48,7 @@ def _mlp():
 def _cnn():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 4, 3),
-                          nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+                          nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double().to(DEVICE)
     skeleton_init_(model)
     return model
 
@@ -57,7 +59,7 @@ def _bn():
     torch.manual_seed(2)
     model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.Conv2d(4, 3, 3, padding=1), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(3 * 6 * 6, 4)).double()
+                          nn.Linear(3 * 6 * 6, 4)).double().to(DEVICE)
     skeleton_init_(model)
     return model
 
@@ -65,7 +67,8 @@ def _bn():
 def _input(model):
     first = model[0]
     shape = (6, 2, 6, 6) if isinstance(first, nn.Conv2d) else (6, first.in_features)
-    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    return torch.randn(*shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(3)).to(DEVICE)
 
 
 def _backward(model, opt, x):
@@ -146,7 +149,8 @@ def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it():
     before = ([p.detach().clone() for p in model.parameters()],
               copy.deepcopy(opt.state_dict()))
     _backward(model, opt, x)
-    opt.found_inf, opt.grad_scale = torch.ones(()), torch.full((), 8.0)
+    opt.found_inf = torch.ones((), device=DEVICE)
+    opt.grad_scale = torch.full((), 8.0, device=DEVICE)
     opt.step()
     after = list(model.parameters()), opt.state_dict()
     for p, q in zip(after[0], before[0]):
@@ -159,7 +163,7 @@ def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it():
     _backward(model, opt, x)
     for p in model.parameters():
         p.grad.mul_(8.0)
-    opt.found_inf = torch.zeros(())
+    opt.found_inf = torch.zeros((), device=DEVICE)
     opt.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
@@ -172,7 +176,8 @@ def test_a_fused_step_reads_nothing_back_to_the_host():
     ``.item()``, ``bool()`` and ``float()`` of a tensor run)."""
     model = _bn()
     x = _input(model)
-    opt = GSGD(model, lr=torch.tensor(0.05, dtype=torch.float64), momentum=0.9, fused=True)
+    opt = GSGD(model, lr=torch.tensor(0.05, dtype=torch.float64, device=DEVICE), momentum=0.9,
+               fused=True)
     _backward(model, opt, x)
     opt.step()
     ops = []
@@ -183,7 +188,8 @@ def test_a_fused_step_reads_nothing_back_to_the_host():
             return func(*args, **(kwargs or {}))
 
     _backward(model, opt, x)
-    opt.found_inf, opt.grad_scale = torch.zeros(()), torch.full((), 4.0)
+    opt.found_inf = torch.zeros((), device=DEVICE)
+    opt.grad_scale = torch.full((), 4.0, device=DEVICE)
     with Recording():
         opt.step()
     assert ops and "aten._local_scalar_dense.default" not in ops
@@ -196,11 +202,11 @@ def test_fused_true_on_cpu_tensors_outside_the_interpreter_is_refused(monkeypatc
     monkeypatch.setattr(fused, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="^fused=True requires all the params to be CUDA "
                                          "tensors"):
-        GSGD(_mlp(), lr=0.1, fused=True)
+        GSGD(_mlp().cpu(), lr=0.1, fused=True)
     with pytest.raises(ValueError, match="^fused=True requires all the params to be CUDA "
                                          "tensors"):
-        PSISGD(_bn(), lr=0.1, fused=True)
-    assert not GSGD(_mlp(), lr=0.1)._fused
+        PSISGD(_bn().cpu(), lr=0.1, fused=True)
+    assert not GSGD(_mlp().cpu(), lr=0.1)._fused
     for make in (GAdam, GAdamW):
         with pytest.raises(ValueError, match="fused G-Adam"):
             make(_mlp(), fused=True)

@@ -16,6 +16,8 @@ The sums stand for ``W * grad`` only while each weight's ``.grad`` is exactly th
 accumulation of the backward passes they saw, with the weights they saw. Everything else is
 detected, and the step then reads ``W * grad`` as before (a fallback, counted):
 
+- gradients that were there when the optimizer was built (a backward pass before it, or
+  assigned by hand): the sums began at zero and never saw them;
 - ``.grad`` replaced, or changed in place (clipping, an all-reduce: the tensor's
   identity and its version counter, checked before every accumulation and at the step);
   DDP's all-reduce is accounted for instead, when the optimizer was given the DDP module:
@@ -103,6 +105,8 @@ class _Layer:
         self.sums = self.bound = None
         self.on_accumulated = None  # told after each accumulation (:mod:`.ddp`)
         self.reset()
+        if self.weight.grad is not None:  # sums of zero do not stand for what it holds
+            self._break("the gradient was there before the optimizer")
 
     def reset(self) -> None:
         """Sums of zero (in the weight's dtype and on its device, which ``model.to`` may have

@@ -41,9 +41,9 @@ from gsgd_core import GSGDState, PSIState, RuleState
 from .fsdp import is_sharded, sharded_step
 from .hyper import hyper_value
 
-__all__ = ["adam", "fused_gsgd", "gadam", "gsgd", "hyperparameters", "momentum_buffer",
-           "momentum_state", "nonfinite_flag", "path_sgd", "psi", "row_norm_scaled",
-           "rule_state", "sgd", "use_fused"]
+__all__ = ["adam", "fused_gsgd", "fused_plan", "gadam", "gsgd", "hyperparameters",
+           "momentum_buffer", "momentum_state", "nonfinite_flag", "path_sgd", "psi",
+           "row_norm_scaled", "rule_state", "sgd", "use_fused"]
 
 _HALF = (torch.float16, torch.bfloat16)
 #: The keyword-only parameters of a chain step that are not hyperparameters.
@@ -194,6 +194,14 @@ def path_sgd(chain, state: None, W, b, G, Gb, *, lr, plan, sums: dict) -> bool:
         return True
 
     return _sharded_or_whole((state, W, b, G, Gb), update, None, None, plan, sums)
+
+
+def fused_plan(step_plans):
+    """The :class:`~gsgd_backends.fused.FusedPlan` of chains' step plans (one device and
+    dtype), which :func:`fused_gsgd` takes."""
+    from gsgd_backends.fused import FusedPlan
+
+    return FusedPlan(step_plans)
 
 
 def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight_decay,

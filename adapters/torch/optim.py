@@ -99,8 +99,10 @@ class ScaleInvariantOptimizer(Optimizer):
     #: Whether chain steps keep a step plan (:meth:`_stepper`).
     keeps_plans = False
     #: The fused step of a group's chains (:mod:`.functional`; ``None``: none, so
-    #: ``fused=True`` is refused) and whether the other parts have theirs.
+    #: ``fused=True`` is refused), the plan it takes (of the chains' step plans), and
+    #: whether the other parts have their fused steps.
     fused_functional = None
+    fused_plan = staticmethod(F.fused_plan)
     fused_rest = False
 
     def __init__(self, params, defaults: dict, *, model=None, chains=None, find_chains: bool,
@@ -171,7 +173,10 @@ class ScaleInvariantOptimizer(Optimizer):
         if it found a non-finite gradient, as it skips other optimizers' steps; else the
         gradients unscaled as ``scaler.unscale_`` would, and the chains' column sums with them
         (:meth:`.backward_sums.ChainSums.unscaled`). Gradients that ``scaler.unscale_``
-        already unscaled (no ``grad_scale`` then) refuse the sums."""
+        already unscaled (no ``grad_scale`` then) refuse the sums. Under ``fused`` nothing is
+        read: ``found_inf`` goes to the fused steps, which skip on the device, and the sums
+        are refused (their rescaling is exact only for a power of two, which only a read
+        could tell)."""
         found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         self._found_inf = found if self._fused else None  # the fused steps skip on the device
         if found is None and scale is None:
@@ -325,9 +330,9 @@ class ScaleInvariantOptimizer(Optimizer):
             x.grad is not None for x in p.weights + p.biases if x is not None)]
 
     def _step_fused(self, parts: list[ChainPart]) -> None:
-        """The fused step of ``parts``: one call per group, device and dtype, on a
-        :class:`~gsgd_backends.fused.FusedPlan` built from the chains' step plans and kept
-        while they are the same."""
+        """The fused step of ``parts``: one call per group, device and dtype, on a plan
+        (:attr:`fused_plan`) built from the chains' step plans and kept while they are the
+        same."""
         together = defaultdict(list)
         for p in parts:
             together[p.group, p.weights[0].device, p.weights[0].dtype].append(p)
@@ -340,8 +345,7 @@ class ScaleInvariantOptimizer(Optimizer):
             held = self.__dict__.setdefault("_fused_plans", {}).get(key)
             if held is None or len(held.plans) != len(plans) or any(
                     a is not b for a, b in zip(held.plans, plans)):
-                from gsgd_backends.fused import FusedPlan
-                held = self._fused_plans[key] = FusedPlan(plans)
+                held = self._fused_plans[key] = self.fused_plan(plans)
             sums = [self._sums.take(p, True, False) for p in ps]
             self.fused_functional(
                 held, self.state, [(p.weights, p.biases, [w.grad for w in p.weights],
