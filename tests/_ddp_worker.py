@@ -1,13 +1,15 @@
-"""A DDP training run of G-SGD, for the two-process test (spawned processes import this)."""
+"""DDP training runs of G-SGD and G-Adam, for tests/test_torch_ddp.py (spawned processes
+import this; the test process trains the same model on one process to compare)."""
 
-import os
-from datetime import timedelta
+import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gsgd_adapters.torch import GSGD
+from _gloo import gloo_worker
+from gsgd_adapters.torch import GAdam, GSGD
 
 STEPS = 5
 
@@ -21,25 +23,71 @@ def model_and_data():
     return model, torch.randn(16, 6, generator=g, **f64), torch.randn(16, 3, generator=g, **f64)
 
 
-def train(model, opt, x, y):
+def train(model, opt, x, y, micro: int = 1, no_sync=None, edit=None, set_to_none=True):
+    """``STEPS`` steps of the mean squared error over ``micro`` micro-batches, all but the
+    last under ``no_sync`` (every one, if ``micro`` is 1 and ``no_sync`` given);
+    ``edit(i)`` runs after micro-batch ``i``'s backward pass."""
     for _ in range(STEPS):
-        opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
+        opt.zero_grad(set_to_none=set_to_none)
+        for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            quiet = no_sync is not None and (i < micro - 1 or micro == 1)
+            with no_sync() if quiet else contextlib.nullcontext():
+                (((model(xs) - ys) ** 2).mean() / micro).backward()
+            if edit is not None:
+                edit(i)
         opt.step()
 
 
-def worker(rank: int, world: int, init_file: str, out_file: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
+def _edit_on(rank: int, model):
+    """An in-place change of the middle layer's gradient on ``rank`` after the first
+    micro-batch (values kept: it multiplies by one), which that process's record sees."""
+    def edit(i):
+        if i == 0 and dist.get_rank() == rank:
+            model[2].weight.grad.mul_(1.0)
+    return edit
+
+
+#: name -> (DDP's keyword arguments, optimizer, train's keyword arguments given the model
+#: and the DDP module)
+SCENARIOS = {
+    "plain": ({}, GSGD, lambda m, d: {}),
+    "gadam": ({}, GAdam, lambda m, d: {}),
+    "accumulate": ({}, GSGD, lambda m, d: dict(micro=2, no_sync=d.no_sync)),
+    "bucket_view": (dict(gradient_as_bucket_view=True), GSGD,
+                    lambda m, d: dict(micro=2, no_sync=d.no_sync)),
+    "bucket_view_kept": (dict(gradient_as_bucket_view=True), GSGD,
+                         lambda m, d: dict(micro=2, no_sync=d.no_sync, set_to_none=False)),
+    "find_unused": (dict(find_unused_parameters=True), GSGD, lambda m, d: {}),
+    "comm_hook": ({}, GSGD, lambda m, d: {}),
+    "edited_on_one": ({}, GSGD, lambda m, d: dict(micro=2, no_sync=d.no_sync,
+                                                  edit=_edit_on(1, m))),
+    "no_sync_only": ({}, GSGD, lambda m, d: dict(no_sync=d.no_sync)),
+}
+
+
+def optimizer(make, model):
+    return make(model, lr=0.05 if make is GSGD else 0.01, **(
+        dict(momentum=0.9) if make is GSGD else {}))
+
+
+def runs(rank: int, world: int) -> dict:
+    """Every scenario on this process's share of the batch: each process's weights and
+    column sums' counts."""
+    results = {}
+    for name, (ddp_kwargs, make, train_kwargs) in SCENARIOS.items():
         model, x, y = model_and_data()
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = GSGD(ddp, lr=0.05, momentum=0.9)
-        train(ddp, opt, x[rank::world], y[rank::world])
-        if rank == 0:  # written whole, then renamed: the test reads it once it exists
-            torch.save(model.state_dict(), out_file + ".part")
-            os.replace(out_file + ".part", out_file)
-    finally:
-        dist.barrier()  # no process tears gloo down while another still talks
-        dist.destroy_process_group()
+        ddp = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+        if name == "comm_hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = optimizer(make, ddp)
+        train(ddp, opt, x[rank::world], y[rank::world], **train_kwargs(model, ddp))
+        counts = [None] * world
+        dist.all_gather_object(counts, dict(opt.describe().column_sums))
+        states = [None] * world
+        dist.all_gather_object(states, {k: v.clone() for k, v in model.state_dict().items()})
+        results[name] = dict(states=states, counts=counts)
+    return results
+
+
+worker = functools.partial(gloo_worker, run=runs, timeout=60)

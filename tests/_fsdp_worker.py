@@ -6,13 +6,14 @@ builds the same model everywhere, each process trains on its equal share of one 
 (FSDP2 averages the gradients, so the step sees the full batch's gradient).
 """
 
+import functools
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _gloo import gloo_worker
 from gsgd_adapters.torch import GSGD, GAdam, GAdamW, PSISGD, PathSGD, skeleton_init_
 
 F64 = dict(dtype=torch.float64)
@@ -121,26 +122,42 @@ def full_state(model, opt) -> dict:
     return out
 
 
+def one_process(name: str) -> dict:
+    """The scenario trained on one process, unsharded: what the sharded runs must equal."""
+    import warnings
+    model = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = SCENARIOS[name][1](model)
+    x, y = data(model)
+    train(model, opt, x, y, SCENARIOS[name][2])
+    return full_state(model, opt)
+
+
+def assert_close(got: dict, want: dict, rtol: float = 1e-12) -> None:
+    """Every tensor of ``got`` equals ``want``'s to ``rtol`` relative to its largest entry."""
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        g = got[k]
+        assert g.shape == w.shape and g.dtype == w.dtype, k
+        scale = max(1.0, float(w.abs().max())) if w.is_floating_point() else 1.0
+        err = float((g - w).abs().max()) if g.numel() else 0.0
+        assert err <= rtol * scale, f"{k}: differs by {err:.3g} (scale {scale:.3g})"
+
+
 def _local_batch(x, rank: int, world: int):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str, ckpt_dir: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=90))
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        results = sharded_runs(rank, world, init_device_mesh("cpu", (world,)), ckpt_dir)
-        if rank == 0:  # written whole, then renamed: the test reads it once it exists
-            path = os.path.join(out_dir, f"world{world}.pt")
-            torch.save(results, path + ".part")
-            os.replace(path + ".part", path)
-    finally:
-        dist.barrier()  # no process tears gloo down while another still talks
-        dist.destroy_process_group()
+    gloo_worker(rank, world, init_file, os.path.join(out_dir, f"world{world}.pt"),
+                functools.partial(_world_runs, ckpt_dir=ckpt_dir))
+
+
+def _world_runs(rank: int, world: int, ckpt_dir: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    return sharded_runs(rank, world, init_device_mesh("cpu", (world,)), ckpt_dir)
 
 
 def sharded_runs(rank: int, world: int, mesh, ckpt_dir: str = "") -> dict:

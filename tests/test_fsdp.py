@@ -63,31 +63,11 @@ def run(request, world) -> dict:
     return request.getfixturevalue("runs")[0][world]
 
 
-def _one_process(name: str) -> dict:
-    model = fw.build(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opt = fw.SCENARIOS[name][1](model)
-    x, y = fw.data(model)
-    fw.train(model, opt, x, y, fw.SCENARIOS[name][2])
-    return fw.full_state(model, opt)
-
-
-def _assert_close(got: dict, want: dict, rtol: float = 1e-12) -> None:
-    assert got.keys() == want.keys()
-    for k, w in want.items():
-        g = got[k]
-        assert g.shape == w.shape and g.dtype == w.dtype, k
-        scale = max(1.0, float(w.abs().max())) if w.is_floating_point() else 1.0
-        err = float((g - w).abs().max()) if g.numel() else 0.0
-        assert err <= rtol * scale, f"{k}: differs by {err:.3g} (scale {scale:.3g})"
-
-
 @pytest.mark.parametrize("name", list(fw.SCENARIOS))
 def test_sharded_equals_one_process(run, world, name):
     """10 steps on FSDP2-sharded weights (uneven shards over 3 processes, an empty one for
     the conv's 2-row head) equal one process's, momentum buffers and Adam moments too."""
-    _assert_close(run[name], _one_process(name))
+    fw.assert_close(run[name], fw.one_process(name))
 
 
 def _function(state: dict, x):
@@ -196,7 +176,7 @@ def test_checkpoint_two_to_one(runs):
         assert torch.equal(loaded[k], v), k
     x, y = fw.data(model)
     fw.train(model, opt, x, y, 5)
-    _assert_close(fw.full_state(model, opt), ck["straight"])
+    fw.assert_close(fw.full_state(model, opt), ck["straight"])
 
 
 @contextlib.contextmanager
@@ -264,31 +244,64 @@ def test_the_collectives_of_a_chain_go_over_its_meshs_process_group(monkeypatch)
         assert calls == [{"op": torch.distributed.ReduceOp.MIN, "group": mesh.get_group()}]
 
 
+def test_under_hsdp_rows_and_sums_follow_the_sharding_dimension(monkeypatch):
+    """On a 2x2 mesh replicated over its first dimension and split by rows over its second
+    (HSDP), rank r holds chunk r % 2 of the rows, a RowShard sums over the sharding
+    dimension's group (its replica holds the same rows and sums its own), and finiteness
+    is agreed over both dimensions (replicas skip together)."""
+    calls = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, **kw: calls.append(kw))
+    for rank in range(4):
+        with _as_rank(rank, 4):
+            mesh = init_device_mesh("cpu", (2, 2))
+            W = [_sharded(n, mesh, [Replicate(), Shard(0)]) for n in (8, 5)]
+            rows = fsdp.row_ranges(W, ["a", "b"])
+            assert rows == (((0, 4), (0, 3)) if rank % 2 == 0 else ((4, 8), (3, 5))), rank
+            r0, r1 = rows[0]
+            assert torch.equal(fsdp.local(W[0]), torch.arange(16.0).reshape(8, 2)[r0:r1])
+            calls.clear()
+            fsdp.row_shard(Chain.mlp([2, 8, 5]), rows, W[0]).reduce(np.zeros(3))
+            assert calls == [{"group": mesh.get_group(1)}]
+            calls.clear()
+            assert fsdp.all_finite(W[0])
+            assert [c["group"] for c in calls] == [mesh.get_group(0), mesh.get_group(1)]
+
+
 def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_parameter():
-    """check_chain: plain chains and chains sharded by rows on one 1-D mesh pass; a mix of
-    plain and sharded, another placement, a 2-D mesh or two meshes are refused."""
+    """check_chain: plain chains and chains sharded by rows on one mesh (1-D, or replicated
+    over the other dimension of a 2-D one: HSDP) pass; a mix of plain and sharded, another
+    placement (tensor parallelism's split over input units, a replicated DTensor, rows
+    split over both dimensions), two meshes or two sharding dimensions are refused."""
     names = ["0.weight", "2.weight"]
     with _as_rank(0, 4):
-        mesh = init_device_mesh("cpu", (4,))
+        mesh, hsdp = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
         rows, plain = _sharded(8, mesh), torch.zeros(8, 2)
         fsdp.check_chain([plain, plain], names)
         fsdp.check_chain([rows, _sharded(6, mesh)], names)
+        replicated_rows = _sharded(8, hsdp, [Replicate(), Shard(0)])
+        fsdp.check_chain([replicated_rows, _sharded(5, hsdp, [Replicate(), Shard(0)])], names)
         for params, message in [
                 ([rows, plain], "2.weight is a plain tensor in a chain whose other parameters "
                                 "FSDP2 shards: shard every layer of the chain (fully_shard on "
                                 "each layer or on a module holding them)"),
                 ([plain, rows], "0.weight is a plain tensor in a chain"),
                 ([_sharded(8, mesh, [Shard(1)]), rows],
-                 "0.weight is a DTensor placed (Shard(dim=1),) on a 1-D mesh: G-SGD steps "
-                 "chains sharded by rows on a 1-D mesh (FSDP2's Shard(0)); tensor "
-                 "parallelism and HSDP meshes are not supported"),
+                 "0.weight is a DTensor placed (Shard(dim=1),) on a 1-D mesh, split over its "
+                 "input units (tensor parallelism: RowwiseParallel, or Shard(1)): G-SGD "
+                 "steps chains split by rows (Shard(0), the output units) over one mesh "
+                 "dimension and replicated over any other (FSDP2's fully_shard, HSDP); "
+                 "tensor parallelism is not supported"),
                 ([rows, _sharded(8, mesh, [Replicate()])],
-                 "2.weight is a DTensor placed (Replicate(),) on a 1-D mesh"),
-                ([_sharded(8, init_device_mesh("cpu", (2, 2)), [Shard(0), Shard(0)])] * 2,
-                 "0.weight is a DTensor placed (Shard(dim=0), Shard(dim=0)) on a 2-D mesh"),
+                 "2.weight is a DTensor placed (Replicate(),) on a 1-D mesh, replicated on "
+                 "every process (a DTensor not split by rows)"),
+                ([_sharded(8, hsdp, [Shard(0), Shard(0)])] * 2,
+                 "0.weight is a DTensor placed (Shard(dim=0), Shard(dim=0)) on a 2-D mesh, "
+                 "split otherwise than by rows over one mesh dimension"),
                 ([rows, _sharded(8, DeviceMesh("cpu", [0, 1]))],
-                 "2.weight lies on a different device mesh from the chain's other "
-                 "parameters")]:
+                 "2.weight lies on a different device mesh, or is split over another "
+                 "dimension of it, from the chain's other parameters"),
+                ([replicated_rows, _sharded(8, hsdp, [Shard(0), Replicate()])],
+                 "2.weight lies on a different device mesh, or is split over another")]:
             with pytest.raises(ValueError) as info:
                 fsdp.check_chain(params, names)
             assert str(info.value).startswith(message), str(info.value)

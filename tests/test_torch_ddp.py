@@ -1,21 +1,118 @@
-"""DDP + GSGD on two CPU processes equals one process on the same global batch."""
+"""DDP + GSGD/GAdam on two CPU processes equals one process on the same global batch, with
+the chains' column sums from the backward pass averaged over the processes."""
 
 import pytest
 import torch
 
-from _ddp_worker import model_and_data, train, worker
+import _ddp_worker as dw
 from _helpers import DEFAULT_INIT, spawn_workers
-from gsgd_adapters.torch import GSGD
 
-pytestmark = DEFAULT_INIT
+pytestmark = [DEFAULT_INIT, pytest.mark.skipif(not torch.distributed.is_available(),
+                                               reason="torch.distributed missing")]
+
+WORLD = 2
+ONE_PASS = {"backward": dw.STEPS}
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
-def test_ddp_two_processes_equal_one_process(tmp_path):
-    init, out = tmp_path / "init", tmp_path / "weights.pt"
-    spawn_workers(worker, (2, str(init), str(out)), 2, out, limit=120)
-    model, x, y = model_and_data()
-    train(model, GSGD(model, lr=0.05, momentum=0.9), x, y)
-    ddp_state = torch.load(out, weights_only=True)
-    for name, p in model.state_dict().items():
-        assert torch.allclose(ddp_state[name], p, rtol=1e-10, atol=1e-12), name
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every scenario of the workers, run once on two spawned processes."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    out = tmp / "runs.pt"
+    spawn_workers(dw.worker, (WORLD, str(tmp / "init"), str(out)), WORLD, out, limit=150)
+    return torch.load(out, weights_only=True)
+
+
+def _one_process(name: str, rank: int | None = None) -> dict:
+    """The scenario's optimizer on one process over the whole batch (or over process
+    ``rank``'s half of it)."""
+    model, x, y = dw.model_and_data()
+    if rank is not None:
+        x, y = x[rank::WORLD], y[rank::WORLD]
+    dw.train(model, dw.optimizer(dw.SCENARIOS[name][1], model), x, y)
+    return model.state_dict()
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    for name, p in want.items():
+        err = float((got[name] - p).abs().max())
+        assert err <= 1e-12 * max(1.0, float(p.abs().max())), f"{name}: differs by {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["plain", "gadam", "accumulate", "bucket_view",
+                                  "find_unused"])
+def test_ddp_steps_take_the_backward_sums_and_equal_one_process(runs, name):
+    """Each process's steps take the column sums from the backward pass, averaged over the
+    processes, and both processes equal one process on the whole batch to 1e-12: plain
+    DDP, G-Adam, gradients accumulated under no_sync over two micro-batches (also with
+    gradients as views of DDP's buckets), find_unused_parameters."""
+    run, want = runs[name], _one_process(name)
+    assert run["counts"] == [ONE_PASS] * WORLD
+    for state in run["states"]:
+        _assert_close(state, want)
+
+
+def test_gradients_kept_as_views_of_ddps_buckets_equal_one_process(runs):
+    """Gradients kept as views of DDP's buckets (zeroed in place) share one version counter
+    per bucket, so an accumulation into one looks like a change of the others: those steps
+    read W * grad, and every step equals one process."""
+    run = runs["bucket_view_kept"]
+    for counts, state in zip(run["counts"], run["states"]):
+        assert sum(counts.values()) == dw.STEPS
+        _assert_close(state, _one_process("bucket_view_kept"))
+
+
+def test_a_communication_hook_refuses_the_backward_sums(runs):
+    """A communication hook of the user's reduces the gradients (it need not average them):
+    every step reads W * grad instead, says why, and equals one process."""
+    run = runs["comm_hook"]
+    why = ("DDP's communication hook allreduce_hook reduces the gradients (the column sums "
+           "follow DDP's own all-reduce only)")
+    assert run["counts"] == [{why: dw.STEPS}] * WORLD
+    for state in run["states"]:
+        _assert_close(state, _one_process("comm_hook"))
+
+
+def test_sums_invalid_on_one_process_are_refused_on_every_process(runs):
+    """The second process changes a gradient in place between two micro-batches: its
+    record stops (its sums are partial), and the first process, whose own record is
+    valid, refuses the averaged sums too; both equal one process."""
+    run = runs["edited_on_one"]
+    assert run["counts"] == [
+        {"the column sums were refused on another process": dw.STEPS},
+        {"the gradient was changed after a backward pass": dw.STEPS}]
+    for state in run["states"]:
+        _assert_close(state, _one_process("edited_on_one"))
+
+
+def test_steps_after_no_sync_alone_keep_each_processs_own_sums(runs):
+    """Every backward pass under no_sync: DDP reduces nothing, each process steps on its
+    own gradients (as torch's SGD would), so its sums are not averaged: each process equals
+    one process on its own half of the batch."""
+    run = runs["no_sync_only"]
+    assert run["counts"] == [{"the last backward pass ran under DDP's no_sync": dw.STEPS}
+                             ] * WORLD
+    for rank, state in enumerate(run["states"]):
+        _assert_close(state, _one_process("no_sync_only", rank))
+
+
+def test_each_step_all_reduces_the_sums_once_over_ddps_group(one_process_group, monkeypatch):
+    """One all-reduce per step over DDP's process group, of one flag per chain and every
+    layer's sums and bound: 1 + (8 + 5) + 3 numbers for the MLP 6-8-5-3 (a world of one,
+    in this process)."""
+    import torch.distributed as dist
+    from gsgd_adapters.torch import GSGD
+
+    model, x, y = dw.model_and_data()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GSGD(ddp, lr=0.05)
+    calls, all_reduce = [], dist.all_reduce
+
+    def spy(t, *args, **kwargs):
+        calls.append((t.numel(), kwargs.get("group")))
+        return all_reduce(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    dw.train(ddp, opt, x, y)
+    assert calls == [(17, ddp.process_group)] * dw.STEPS
+    assert opt.describe().column_sums == ONE_PASS

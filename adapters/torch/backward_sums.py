@@ -18,8 +18,10 @@ detected, and the step then reads ``W * grad`` as before (a fallback, counted):
 
 - gradients that were there when the optimizer was built (a backward pass before it, or
   assigned by hand): the sums began at zero and never saw them;
-- ``.grad`` replaced, or changed in place (clipping, an all-reduce of DDP: the tensor's
+- ``.grad`` replaced, or changed in place (clipping, an all-reduce: the tensor's
   identity and its version counter, checked before every accumulation and at the step);
+  DDP's all-reduce is accounted for instead, when the optimizer was given the DDP module:
+  the sums are averaged over its processes as the gradients are (:mod:`.ddp`);
 - ``.grad`` cleared by someone else (``model.zero_grad()``): set to ``None`` before a forward
   pass, it is accounted for exactly (the sums restart at zero, as the gradient does); zeroed
   in place, or cleared or assigned between a forward pass and its backward, it is detected
@@ -54,6 +56,7 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
+from .ddp import DDPSums
 from .fsdp import is_sharded
 
 __all__ = ["BackwardSums", "ChainSums", "step_arguments"]
@@ -100,6 +103,7 @@ class _Layer:
         # times positions, channel-major after a flatten) of a Linear's.
         self.conv = isinstance(module, nn.modules.conv._ConvNd)
         self.sums = self.bound = None
+        self.on_accumulated = None  # told after each accumulation (:mod:`.ddp`)
         self.reset()
         if self.weight.grad is not None:  # sums of zero do not stand for what it holds
             self._break("the gradient was there before the optimizer")
@@ -176,6 +180,14 @@ class _Layer:
         self.clean = False
         self.accumulations.add(_graph_task())
         self.known = _state(self.weight.grad)
+        if self.on_accumulated is not None:
+            self.on_accumulated(self)
+
+    def reduced(self) -> None:
+        """DDP wrote the gradient after this backward pass's accumulation (its all-reduce,
+        :mod:`.ddp`): the gradient it left is the known one."""
+        if not self.broken:
+            self.known = _state(self.weight.grad)
 
     def _fits(self) -> bool:
         w = self.weight
@@ -300,15 +312,19 @@ class ChainSums:
     reduce their local rows' sums across processes; not one ``bn="paper"`` scales: its
     gradients are scaled by row norms before the step), or on none (``on=False``). The
     optimizer clears them with the gradients (:meth:`clear`), unscales or refuses them with
-    ``GradScaler`` (:meth:`unscaled`), and each chain step takes them (:meth:`take`, negated
-    to maximise); :attr:`counts` says where the steps got them. A copy of the optimizer
-    takes new ones on the copy's layers.
+    ``GradScaler`` (:meth:`unscaled`), averages them over the processes of ``ddp`` (a DDP
+    module) before a step (:meth:`reduce`), and each chain step takes them (:meth:`take`,
+    negated to maximise); :attr:`counts` says where the steps got them. A copy of the
+    optimizer takes new ones on the copy's layers, not averaged (its steps read
+    ``W * grad`` under DDP).
     """
 
-    def __init__(self, parts, on: bool) -> None:
+    def __init__(self, parts, on: bool, ddp=None) -> None:
         self._parts, self._on = list(parts), on
         self._of = {id(p): BackwardSums(p.modules, p.chain.sizes) for p in self._parts
                     if on and not any(p.normalised) and not is_sharded(p.weights[0])}
+        # DDP averages the gradients: the sums are averaged with them
+        self._ddp = DDPSums(ddp, self._of.values()) if ddp is not None and self._of else None
 
     def __reduce__(self):
         # a copy (copy.deepcopy, pickling) starts anew on the copy's layers: a copy of the
@@ -323,10 +339,17 @@ class ChainSums:
         sums = self._of.get(id(part))
         if sums is None:
             return {}
-        taken = sums.take("" if whole else "a layer had no gradient")
+        refused = "" if self._ddp is None else self._ddp.take_reason(sums)
+        taken = sums.take(refused or ("" if whole else "a layer had no gradient"))
         if taken is not None and maximize:
             taken = ([-s for s in taken[0]], taken[1])
         return step_arguments(taken)
+
+    def reduce(self) -> None:
+        """Before a step of a DDP model's optimizer, on every process: the sums averaged
+        over processes as the gradients are (:meth:`.ddp.DDPSums.reduce`)."""
+        if self._ddp is not None:
+            self._ddp.reduce()
 
     def clear(self) -> None:
         for sums in self._of.values():

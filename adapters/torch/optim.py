@@ -26,6 +26,7 @@ from gsgd_core.group import SKELETON_STATES
 
 from . import functional as F
 from .backward_sums import ChainSums
+from .ddp import find_ddp
 from .description import Description
 from .discovery import ChainLayers, unwrap
 from .fsdp import all_finite, check_chain, every_finite, is_sharded, row_ranges, row_shard
@@ -110,6 +111,7 @@ class ScaleInvariantOptimizer(Optimizer):
                  backward_sums: bool | None = False, fused: bool | None = False) -> None:
         self._validate(defaults, "")
         replicated = isinstance(params if model is None else model, nn.DataParallel)
+        ddp = find_ddp(params if model is None else model)
         model, groups = _user_groups(params, model)
         if chains is not None:
             chains = explicit_chains(model, chains)  # validated before any parameter is read
@@ -138,7 +140,7 @@ class ScaleInvariantOptimizer(Optimizer):
         if backward_sums is None:  # measured (docs/step_overhead_gpu.md): the hooks' own
             backward_sums = not self._fused  # launches cost a GPU more than W * grad's read
         self._sums = ChainSums(self._chains(), on=bool(
-            backward_sums and self.takes_column_sums and not replicated))
+            backward_sums and self.takes_column_sums and not replicated), ddp=ddp)
 
     def _chains(self) -> list[ChainPart]:
         return [p for p in self._parts if isinstance(p, ChainPart)]
@@ -157,6 +159,7 @@ class ScaleInvariantOptimizer(Optimizer):
                 loss = closure()
         with torch.no_grad():
             if self._unscale_amp():
+                self._sums.reduce()
                 if self._unchecked:
                     self._check_skeleton()
                 fused = self._fusable() if self._fused else ()
@@ -562,13 +565,14 @@ class GSGD(_SGDRules):
         Take each chain's column sums ``colsum(W_l * grad_l)`` from the backward pass
         (:mod:`.backward_sums`: hooks on the chain's layers), so that a step reads each
         weight and gradient once. Where the gradients are not exactly the accumulation of
-        the backward passes the sums saw (clipped, unscaled, reduced by DDP, replaced, ...)
-        the step reads ``W * grad`` instead, with the same result; ``describe()`` counts
-        both. Writes through ``.data`` are not detected: call ``zero_grad()`` after one.
-        ``None`` (the default): on, except with the fused step, where the hooks' own
-        kernels cost a GPU's training step more than the read of ``W * grad`` they save
-        (measured: docs/step_overhead_gpu.md); ``False`` removes their cost from the
-        backward pass.
+        the backward passes the sums saw (clipped, unscaled, replaced, ...) the step reads
+        ``W * grad`` instead, with the same result; ``describe()`` counts both. Given a DDP
+        module, the sums are averaged over its processes as DDP averages the gradients
+        (one all-reduce of vectors per step, :mod:`.ddp`). Writes through ``.data`` are not
+        detected: call ``zero_grad()`` after one. ``None`` (the default): on, except with
+        the fused step, where the hooks' own kernels cost a GPU's training step more than
+        the read of ``W * grad`` they save (measured: docs/step_overhead_gpu.md); ``False``
+        removes their cost from the backward pass.
     fused : bool, optional
         Step every chain of a param group in one fused step of three Triton launches
         (:mod:`gsgd_backends.fused`, DESIGN §14), the normalised weights in one more and the
@@ -593,7 +597,7 @@ class GSGD(_SGDRules):
 
     A model sharded by FSDP2 (``fully_shard``) is stepped on each process's rows, with one
     all-reduce of ``O(sum of widths)`` numbers per chain and step (:mod:`.fsdp`); DDP
-    models step their replicas.
+    models step their replicas, with the column sums averaged over the processes.
     """
 
     algorithm = "G-SGD"
