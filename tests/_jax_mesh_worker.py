@@ -4,12 +4,15 @@
 - ``errors[layout][what]``: the largest relative difference, over the leaves, between the
   params trained on the mesh and on one device (``what``: a transformation after several
   steps under ``jax.jit``, or ``init``: ``skeleton_init`` then ``random_rescale``);
-- ``state_bytes[layout][what]``: the most bytes of optimizer state on one device after an
-  eager ``opt.init``, next to the params' (``params``);
+- ``misplaced[layout][what]``: the key paths of the arrays of transformation ``what``'s
+  ``opt.init`` under ``jax.jit`` (no ``out_shardings``) placed otherwise than by its eager
+  ``opt.init`` (each buffer as the leaf it belongs to), or step counts not over the mesh;
+- ``state_bytes[layout][what]``: the most bytes of each transformation's state (made under
+  ``jit``) on one device, next to the params' (``params``);
 - ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none), and
   ``fsdp_eager`` the one the core's validation raised for an FSDP layout (none expected);
-- ``collectives[layout]``: the arrays G-SGD's update moves between devices, and how many
-  of them are weight-sized.
+- ``collectives[layout/transformation]``: the arrays an update moves between devices, and
+  how many of them are weight-sized.
 """
 
 from __future__ import annotations
@@ -81,40 +84,53 @@ def most_bytes(tree) -> int:
     return max(held.values())
 
 
+def misplaced(got, expected) -> list[str]:
+    """The key paths of ``got``'s arrays not placed as ``expected``'s (a step count: not
+    over all the devices)."""
+    def placed_as(a, b) -> bool:
+        if a.ndim == 0:
+            return len(a.sharding.device_set) == jax.device_count()
+        return a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+    return [jax.tree_util.keystr(path) for (path, a), b in
+            zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(expected))
+            if not placed_as(a, b)]
+
+
 def layouts(m):
-    errors, state_bytes, built = {}, {}, {}
+    errors, wrong, state_bytes, built = {}, {}, {}, {}
     for name, (kind, spec, batch) in LAYOUTS.items():
-        names = TRANSFORMS[name]
         if kind not in built:
             module, params, chains, x, y = model(kind)
-            every = sorted({n for k, v in TRANSFORMS.items() if LAYOUTS[k][0] == kind
-                            for n in v})
             built[kind] = (module, params, chains, x, y,
-                           trainer(module, chains, every)[0](params, x, y))
+                           trainer(module, chains, TRANSFORMS)[0](params, x, y))
         module, params, chains, x, y, reference = built[kind]
-        train, opts = trainer(module, chains, names)
+        train, opts = trainer(module, chains, TRANSFORMS)
         placed = place(params, spec, m)
         got = train(placed, jax.device_put(x, NamedSharding(m, batch)),
                     jax.device_put(y, NamedSharding(m, P(batch[0]))))
         errors[name] = {k: relative(got[k], reference[k]) for k in got}
-        state_bytes[name] = {"params": most_bytes(placed),
-                             "gsgd": most_bytes(opts["gsgd"].init(placed))}
-    return errors, state_bytes
+        # every init under one jit without out_shardings: XLA places what the inits tie
+        states = jax.jit(lambda p: {k: o.init(p) for k, o in opts.items()})(placed)
+        wrong[name] = {k: misplaced(states[k], o.init(placed)) for k, o in opts.items()}
+        state_bytes[name] = {"params": most_bytes(placed)}
+        state_bytes[name] |= {k: most_bytes(s) for k, s in states.items()}
+    return errors, wrong, state_bytes
 
 
 def weight_sized_moves(m) -> dict:
     """How many arrays larger than a layer's width (a weight, or a shard of one) the
-    collectives of G-SGD's update move, compiled alone with gradients placed like the params
+    collectives of an update move, compiled alone with gradients placed like the params
     (the gradient computation's own collectives are not in it)."""
     counts = {}
-    for name in COLLECTIVES:
+    for name, transform in COLLECTIVES:
         kind, spec, _ = LAYOUTS[name]
         _, params, chains, _, _ = model(kind)
-        placed, opt = place(params, spec, m), optimizers(chains)["gsgd"]
+        placed, opt = place(params, spec, m), optimizers(chains)[transform]
         hlo = jax.jit(opt.update).lower(placed, opt.init(placed), placed).compile().as_text()
         found = collectives(hlo)
-        counts[name] = {"arrays": len(found),
-                        "weight_sized": weight_sized(found, max(chains[0].chain.sizes))}
+        counts[f"{name}/{transform}"] = {
+            "arrays": len(found), "weight_sized": weight_sized(found, max(chains[0].chain.sizes))}
     return counts
 
 
@@ -167,8 +183,9 @@ def _error(fn):
 
 def main():
     m = mesh()
-    errors, state_bytes = layouts(m)
-    json.dump({"errors": errors, "state_bytes": state_bytes, "refused": refusals(m),
+    errors, wrong, state_bytes = layouts(m)
+    json.dump({"errors": errors, "misplaced": wrong, "state_bytes": state_bytes,
+               "refused": refusals(m),
                "collectives": weight_sized_moves(m)}, sys.stdout)
 
 
