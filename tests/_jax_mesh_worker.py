@@ -97,25 +97,34 @@ def misplaced(got, expected) -> list[str]:
             if not placed_as(a, b)]
 
 
-def layouts(m):
-    errors, wrong, state_bytes, built = {}, {}, {}, {}
+def layouts(m) -> dict:
+    errors, built = {}, {}
     for name, (kind, spec, batch) in LAYOUTS.items():
         if kind not in built:
             module, params, chains, x, y = model(kind)
             built[kind] = (module, params, chains, x, y,
                            trainer(module, chains, TRANSFORMS)[0](params, x, y))
         module, params, chains, x, y, reference = built[kind]
-        train, opts = trainer(module, chains, TRANSFORMS)
-        placed = place(params, spec, m)
-        got = train(placed, jax.device_put(x, NamedSharding(m, batch)),
-                    jax.device_put(y, NamedSharding(m, P(batch[0]))))
+        got = trainer(module, chains, TRANSFORMS)[0](
+            place(params, spec, m), jax.device_put(x, NamedSharding(m, batch)),
+            jax.device_put(y, NamedSharding(m, P(batch[0]))))
         errors[name] = {k: relative(got[k], reference[k]) for k in got}
-        # every init under one jit without out_shardings: XLA places what the inits tie
+    return errors
+
+
+def placements(m) -> tuple[dict, dict]:
+    """``misplaced`` and ``state_bytes`` of each layout: every transformation's ``init``
+    under one ``jit`` without ``out_shardings`` (XLA places what the inits tie to the
+    params; one compilation per layout)."""
+    wrong, state_bytes = {}, {}
+    for name, (kind, spec, _) in LAYOUTS.items():
+        _, params, chains, _, _ = model(kind)
+        placed, opts = place(params, spec, m), optimizers(chains)
         states = jax.jit(lambda p: {k: o.init(p) for k, o in opts.items()})(placed)
         wrong[name] = {k: misplaced(states[k], o.init(placed)) for k, o in opts.items()}
         state_bytes[name] = {"params": most_bytes(placed)}
         state_bytes[name] |= {k: most_bytes(s) for k, s in states.items()}
-    return errors, wrong, state_bytes
+    return wrong, state_bytes
 
 
 def weight_sized_moves(m) -> dict:
@@ -183,8 +192,8 @@ def _error(fn):
 
 def main():
     m = mesh()
-    errors, wrong, state_bytes = layouts(m)
-    json.dump({"errors": errors, "misplaced": wrong, "state_bytes": state_bytes,
+    wrong, state_bytes = placements(m)
+    json.dump({"errors": layouts(m), "misplaced": wrong, "state_bytes": state_bytes,
                "refused": refusals(m),
                "collectives": weight_sized_moves(m)}, sys.stdout)
 
