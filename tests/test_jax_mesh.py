@@ -17,7 +17,12 @@ import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from _jax_mesh import BUFFERS, COLLECTIVES, LAYOUTS, TRANSFORMS  # noqa: E402
+
+from gsgd_adapters.optax import chains_from_dict, gsgd  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 
@@ -96,3 +101,16 @@ def test_placements_the_step_cannot_follow_are_refused(mesh_run, case, leaf, pla
     assert message is not None and message.startswith(leaf), message
     for placement in placements:
         assert placement in message
+
+
+def test_state_made_under_jit_is_zero_where_a_param_is_not_finite():
+    """The buffers an ``init`` under ``jit`` ties to the params (to place them alike) hold
+    the init's zeros, also where a param holds an Inf or a NaN (one device)."""
+    params = {"l1": {"w": jnp.array([[1.0, jnp.inf], [jnp.nan, 2.0]]), "b": jnp.ones(2)},
+              "l2": {"w": jnp.array([[-jnp.inf, 1.0]]), "b": jnp.ones(1)},
+              "scale": jnp.array([jnp.nan, -jnp.inf])}     # outside the chain: SGD's buffer
+    state = jax.jit(gsgd(0.1, chains_from_dict(params, ["l1", "l2"]), momentum=0.9).init)(params)
+    buffers = jax.tree_util.tree_leaves(state)
+    assert len(buffers) == 7        # weights', biases', the other leaf's, two step counts
+    for buffer in buffers:
+        assert np.array_equal(np.asarray(buffer), np.zeros(buffer.shape)), buffer
