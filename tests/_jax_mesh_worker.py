@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -112,6 +113,10 @@ def layouts(m) -> dict:
     return errors
 
 
+def init_each(opts: dict, params) -> dict:
+    return {k: o.init(params) for k, o in opts.items()}
+
+
 def placements(m) -> tuple[dict, dict]:
     """``misplaced`` and ``state_bytes`` of each layout: every transformation's ``init``
     under one ``jit`` without ``out_shardings`` (XLA places what the inits tie to the
@@ -120,7 +125,7 @@ def placements(m) -> tuple[dict, dict]:
     for name, (kind, spec, _) in LAYOUTS.items():
         _, params, chains, _, _ = model(kind)
         placed, opts = place(params, spec, m), optimizers(chains)
-        states = jax.jit(lambda p: {k: o.init(p) for k, o in opts.items()})(placed)
+        states = jax.jit(functools.partial(init_each, opts))(placed)
         wrong[name] = {k: misplaced(states[k], o.init(placed)) for k, o in opts.items()}
         state_bytes[name] = {"params": most_bytes(placed)}
         state_bytes[name] |= {k: most_bytes(s) for k, s in states.items()}
