@@ -5,8 +5,9 @@
   params trained on the mesh and on one device (``what``: a transformation after several
   steps under ``jax.jit``, or ``init``: ``skeleton_init`` then ``random_rescale``);
 - ``misplaced[layout][what]``: the key paths of the arrays of transformation ``what``'s
-  ``opt.init`` under ``jax.jit`` (no ``out_shardings``) placed otherwise than by its eager
-  ``opt.init`` (each buffer as the leaf it belongs to), or step counts not over the mesh;
+  ``opt.init`` under ``jax.jit`` (no ``out_shardings``) placed otherwise than by an eager
+  ``init`` (each buffer as the leaf it belongs to), or step counts not over the mesh;
+  ``misplaced["eager G-Adam"]``: those of G-Adam's eager ``init`` on the FSDP layout;
 - ``state_bytes[layout][what]``: the most bytes of each transformation's state (made under
   ``jit``) on one device, next to the params' (``params``);
 - ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none), and
@@ -30,7 +31,7 @@ jax.config.update("jax_enable_x64", True)
 from gsgd_adapters.jax import random_rescale, skeleton_init  # noqa: E402
 from gsgd_adapters.jax.leaves import key_paths  # noqa: E402
 from gsgd_core.arrays import prepare  # noqa: E402
-from gsgd_adapters.optax import gsgd, in_path_space, path_sgd, psi_sgd  # noqa: E402
+from gsgd_adapters.optax import InPathSpaceState, gsgd, in_path_space, path_sgd, psi_sgd  # noqa: E402,E501
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS, loss_fn, mesh, model, place  # noqa: E402
 from benchmarks.jax_mesh import collectives, weight_sized  # noqa: E402
@@ -38,12 +39,15 @@ from benchmarks.jax_mesh import collectives, weight_sized  # noqa: E402
 STEPS = 3
 
 
+ADAM = optax.adam(1e-2)      # G-Adam's inner transformation
+
+
 def optimizers(chains):
     kernels = [w for c in chains for w in c.weights]
     return {"gsgd": gsgd(0.05, chains, momentum=0.9, weight_decay=1e-3),
             "psi_sgd": psi_sgd(0.05, kernels, momentum=0.9),
             "path_sgd": path_sgd(0.01, chains),
-            "in_path_space": in_path_space(optax.adam(1e-2), chains)}
+            "in_path_space": in_path_space(ADAM, chains)}
 
 
 def trainer(module, chains, names):
@@ -86,11 +90,11 @@ def most_bytes(tree) -> int:
 
 
 def misplaced(got, expected) -> list[str]:
-    """The key paths of ``got``'s arrays not placed as ``expected``'s (a step count: not
-    over all the devices)."""
+    """The key paths of ``got``'s arrays not placed as ``expected``'s (a step count:
+    committed to fewer than all the devices)."""
     def placed_as(a, b) -> bool:
         if a.ndim == 0:
-            return len(a.sharding.device_set) == jax.device_count()
+            return not a.committed or len(a.sharding.device_set) == jax.device_count()
         return a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
     return [jax.tree_util.keystr(path) for (path, a), b in
@@ -120,13 +124,20 @@ def init_each(opts: dict, params) -> dict:
 def placements(m) -> tuple[dict, dict]:
     """``misplaced`` and ``state_bytes`` of each layout: every transformation's ``init``
     under one ``jit`` without ``out_shardings`` (XLA places what the inits tie to the
-    params; one compilation per layout)."""
+    params; one compilation per layout), against the eager ``init`` (G-Adam's: Adam's own
+    of the params, which places each buffer like its leaf; the eager G-Adam ``init``, whose
+    every path value is an eager computation compiled anew per sharding, on FSDP alone)."""
     wrong, state_bytes = {}, {}
     for name, (kind, spec, _) in LAYOUTS.items():
         _, params, chains, _, _ = model(kind)
         placed, opts = place(params, spec, m), optimizers(chains)
         states = jax.jit(functools.partial(init_each, opts))(placed)
-        wrong[name] = {k: misplaced(states[k], o.init(placed)) for k, o in opts.items()}
+        eager = {k: o.init(placed) for k, o in opts.items() if k != "in_path_space"}
+        eager["in_path_space"] = InPathSpaceState(ADAM.init(placed))
+        wrong[name] = {k: misplaced(states[k], eager[k]) for k in opts}
+        if name == "fsdp":
+            wrong["eager G-Adam"] = misplaced(opts["in_path_space"].init(placed),
+                                              eager["in_path_space"])
         state_bytes[name] = {"params": most_bytes(placed)}
         state_bytes[name] |= {k: most_bytes(s) for k, s in states.items()}
     return wrong, state_bytes

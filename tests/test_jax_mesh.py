@@ -50,8 +50,14 @@ def test_each_layout_trains_as_one_device(mesh_run, layout):
 def test_init_under_jit_places_the_state_like_the_params(mesh_run, layout):
     """Under ``jax.jit`` without ``out_shardings``, each transformation's ``opt.init``
     places every buffer as an eager ``init`` does (like the leaf it belongs to) and its
-    step counts over the whole mesh."""
+    step counts over the whole mesh (or uncommitted, for the step to move)."""
     assert mesh_run["misplaced"][layout] == {k: [] for k in TRANSFORMS}
+
+
+def test_eager_init_places_inner_buffers_like_the_params(mesh_run):
+    """Outside ``jit`` too, G-Adam's Adam buffers are placed like the params' leaves, not
+    like the path values Adam is given (which eager operations shard otherwise on FSDP)."""
+    assert mesh_run["misplaced"]["eager G-Adam"] == []
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
