@@ -56,7 +56,7 @@ from gsgd_core import (Chain, allocate, gsgd_init, gsgd_update, icr, path_sgd_st
 from gsgd_core.arrays import is_off, is_real
 
 from .jax.leaves import ChainLeaves, key_paths, layouts_for, path_name, positions
-from .jax.placement import check_placement
+from .jax.placement import check_placement, follow
 
 __all__ = ["ChainLeaves", "chains_from_pairs", "chains_from_dict", "gsgd", "in_path_space",
            "path_sgd", "psi_sgd"]
@@ -140,8 +140,8 @@ def _transformation(learning_rate, chains, chain_init, chain_step, rest_hyper):
         claimed = positions(chains, index)
         check_placement(paths, leaves, claimed)
         states = tuple(chain_init(c, *c.arrays(index, leaves)) for c in chains)
-        bufs = tuple(None if (i in claimed or is_off(momentum)) else jnp.zeros_like(x)
-                     for i, x in enumerate(leaves))
+        bufs = tuple(None if (i in claimed or is_off(momentum))
+                     else follow(jnp.zeros_like(x), x) for i, x in enumerate(leaves))
         return ChainTransformState(jnp.zeros((), jnp.int32), states, bufs)
 
     def update(updates, state, params=None):
@@ -183,7 +183,9 @@ def gsgd(learning_rate: ScalarOrSchedule, chains: Sequence[ChainLeaves], *,
 
     def chain_init(c, W, b):
         # An array momentum (optax.inject_hyperparams) may be nonzero: it keeps a state.
-        return None if is_off(momentum) else gsgd_init(c.chain, W, b)
+        if is_off(momentum):
+            return None
+        return follow(follow(gsgd_init(c.chain, W, b), tuple(W)), tuple(b))
 
     def chain_step(c, cs, W, b, G, Gb, lr):
         return gsgd_update(c.chain, cs, W, b, G, Gb, lr=lr, **hyper)
@@ -213,7 +215,7 @@ def psi_sgd(learning_rate: ScalarOrSchedule, normalised, *, momentum: float = 0.
     groups = [leaves] if leaves.weights else []   # no chain: PSI acts row by row
 
     def chain_init(c, W, b):
-        return psi_init(W)
+        return follow(psi_init(W), tuple(W))
 
     def chain_step(c, cs, W, b, G, Gb, lr):
         W2, cs = psi_update(cs, W, G, lr=lr, momentum=momentum, max_norm=max_norm)
@@ -272,7 +274,7 @@ def in_path_space(inner: optax.GradientTransformation,
 
     def init(params):
         _, V, *_ = to_path_space(params, params)
-        return InPathSpaceState(inner.init(V))
+        return InPathSpaceState(follow(inner.init(V), params))
 
     def update(updates, state, params=None):
         if params is None:

@@ -61,13 +61,14 @@ LAYOUTS = {
     "conv": ("cnn", _cnn, P("data")),
 }
 
-# What each layout trains with: G-SGD (with skeleton_init and random_rescale) everywhere, the
-# other transformations where the layouts differ most (compiling each costs seconds).
-TRANSFORMS = {"replicated": ("gsgd",), "fsdp": ("gsgd",), "tensor": ("gsgd", "in_path_space"),
-              "mesh2d": ("gsgd", "path_sgd", "psi_sgd"), "conv": ("gsgd",)}
-# Where the collectives of G-SGD's update are read: units and inputs sharded (the tensor
-# layout holds both kernel shardings of FSDP's), both mesh axes, convolutions.
-COLLECTIVES = ("tensor", "mesh2d", "conv")
+# Every transformation trains in every layout (each from skeleton_init and random_rescale).
+TRANSFORMS = ("gsgd", "psi_sgd", "path_sgd", "in_path_space")
+# The buffers each transformation's state holds per number of the params (and step counts).
+BUFFERS = {"gsgd": 1, "psi_sgd": 1, "path_sgd": 0, "in_path_space": 2}
+# Where the collectives of an update are read: units and inputs sharded (the tensor layout
+# holds both kernel shardings of FSDP's), both mesh axes, convolutions.
+COLLECTIVES = (("tensor", "gsgd"), ("mesh2d", "gsgd"), ("conv", "gsgd"),
+               ("tensor", "in_path_space"))
 
 
 def mesh() -> Mesh:

@@ -4,16 +4,21 @@
 - ``errors[layout][what]``: the largest relative difference, over the leaves, between the
   params trained on the mesh and on one device (``what``: a transformation after several
   steps under ``jax.jit``, or ``init``: ``skeleton_init`` then ``random_rescale``);
-- ``state_bytes[layout][what]``: the most bytes of optimizer state on one device after an
-  eager ``opt.init``, next to the params' (``params``);
+- ``misplaced[layout][what]``: the key paths of the arrays of transformation ``what``'s
+  ``opt.init`` under ``jax.jit`` (no ``out_shardings``) placed otherwise than by an eager
+  ``init`` (each buffer as the leaf it belongs to), or step counts not over the mesh;
+  ``misplaced["eager G-Adam"]``: those of G-Adam's eager ``init`` on the FSDP layout;
+- ``state_bytes[layout][what]``: the most bytes of each transformation's state (made under
+  ``jit``) on one device, next to the params' (``params``);
 - ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none), and
   ``fsdp_eager`` the one the core's validation raised for an FSDP layout (none expected);
-- ``collectives[layout]``: the arrays G-SGD's update moves between devices, and how many
-  of them are weight-sized.
+- ``collectives[layout/transformation]``: the arrays an update moves between devices, and
+  how many of them are weight-sized.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -26,7 +31,7 @@ jax.config.update("jax_enable_x64", True)
 from gsgd_adapters.jax import random_rescale, skeleton_init  # noqa: E402
 from gsgd_adapters.jax.leaves import key_paths  # noqa: E402
 from gsgd_core.arrays import prepare  # noqa: E402
-from gsgd_adapters.optax import gsgd, in_path_space, path_sgd, psi_sgd  # noqa: E402
+from gsgd_adapters.optax import InPathSpaceState, gsgd, in_path_space, path_sgd, psi_sgd  # noqa: E402,E501
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS, loss_fn, mesh, model, place  # noqa: E402
 from benchmarks.jax_mesh import collectives, weight_sized  # noqa: E402
@@ -34,12 +39,15 @@ from benchmarks.jax_mesh import collectives, weight_sized  # noqa: E402
 STEPS = 3
 
 
+ADAM = optax.adam(1e-2)      # G-Adam's inner transformation
+
+
 def optimizers(chains):
     kernels = [w for c in chains for w in c.weights]
     return {"gsgd": gsgd(0.05, chains, momentum=0.9, weight_decay=1e-3),
             "psi_sgd": psi_sgd(0.05, kernels, momentum=0.9),
             "path_sgd": path_sgd(0.01, chains),
-            "in_path_space": in_path_space(optax.adam(1e-2), chains)}
+            "in_path_space": in_path_space(ADAM, chains)}
 
 
 def trainer(module, chains, names):
@@ -81,40 +89,73 @@ def most_bytes(tree) -> int:
     return max(held.values())
 
 
-def layouts(m):
-    errors, state_bytes, built = {}, {}, {}
+def misplaced(got, expected) -> list[str]:
+    """The key paths of ``got``'s arrays not placed as ``expected``'s (a step count:
+    committed to fewer than all the devices)."""
+    def placed_as(a, b) -> bool:
+        if a.ndim == 0:
+            return not a.committed or len(a.sharding.device_set) == jax.device_count()
+        return a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+    return [jax.tree_util.keystr(path) for (path, a), b in
+            zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves(expected))
+            if not placed_as(a, b)]
+
+
+def layouts(m) -> dict:
+    errors, built = {}, {}
     for name, (kind, spec, batch) in LAYOUTS.items():
-        names = TRANSFORMS[name]
         if kind not in built:
             module, params, chains, x, y = model(kind)
-            every = sorted({n for k, v in TRANSFORMS.items() if LAYOUTS[k][0] == kind
-                            for n in v})
             built[kind] = (module, params, chains, x, y,
-                           trainer(module, chains, every)[0](params, x, y))
+                           trainer(module, chains, TRANSFORMS)[0](params, x, y))
         module, params, chains, x, y, reference = built[kind]
-        train, opts = trainer(module, chains, names)
-        placed = place(params, spec, m)
-        got = train(placed, jax.device_put(x, NamedSharding(m, batch)),
-                    jax.device_put(y, NamedSharding(m, P(batch[0]))))
+        got = trainer(module, chains, TRANSFORMS)[0](
+            place(params, spec, m), jax.device_put(x, NamedSharding(m, batch)),
+            jax.device_put(y, NamedSharding(m, P(batch[0]))))
         errors[name] = {k: relative(got[k], reference[k]) for k in got}
-        state_bytes[name] = {"params": most_bytes(placed),
-                             "gsgd": most_bytes(opts["gsgd"].init(placed))}
-    return errors, state_bytes
+    return errors
+
+
+def init_each(opts: dict, params) -> dict:
+    return {k: o.init(params) for k, o in opts.items()}
+
+
+def placements(m) -> tuple[dict, dict]:
+    """``misplaced`` and ``state_bytes`` of each layout: every transformation's ``init``
+    under one ``jit`` without ``out_shardings`` (XLA places what the inits tie to the
+    params; one compilation per layout), against the eager ``init`` (G-Adam's: Adam's own
+    of the params, which places each buffer like its leaf; the eager G-Adam ``init``, whose
+    every path value is an eager computation compiled anew per sharding, on FSDP alone)."""
+    wrong, state_bytes = {}, {}
+    for name, (kind, spec, _) in LAYOUTS.items():
+        _, params, chains, _, _ = model(kind)
+        placed, opts = place(params, spec, m), optimizers(chains)
+        states = jax.jit(functools.partial(init_each, opts))(placed)
+        eager = {k: o.init(placed) for k, o in opts.items() if k != "in_path_space"}
+        eager["in_path_space"] = InPathSpaceState(ADAM.init(placed))
+        wrong[name] = {k: misplaced(states[k], eager[k]) for k in opts}
+        if name == "fsdp":
+            wrong["eager G-Adam"] = misplaced(opts["in_path_space"].init(placed),
+                                              eager["in_path_space"])
+        state_bytes[name] = {"params": most_bytes(placed)}
+        state_bytes[name] |= {k: most_bytes(s) for k, s in states.items()}
+    return wrong, state_bytes
 
 
 def weight_sized_moves(m) -> dict:
     """How many arrays larger than a layer's width (a weight, or a shard of one) the
-    collectives of G-SGD's update move, compiled alone with gradients placed like the params
+    collectives of an update move, compiled alone with gradients placed like the params
     (the gradient computation's own collectives are not in it)."""
     counts = {}
-    for name in COLLECTIVES:
+    for name, transform in COLLECTIVES:
         kind, spec, _ = LAYOUTS[name]
         _, params, chains, _, _ = model(kind)
-        placed, opt = place(params, spec, m), optimizers(chains)["gsgd"]
+        placed, opt = place(params, spec, m), optimizers(chains)[transform]
         hlo = jax.jit(opt.update).lower(placed, opt.init(placed), placed).compile().as_text()
         found = collectives(hlo)
-        counts[name] = {"arrays": len(found),
-                        "weight_sized": weight_sized(found, max(chains[0].chain.sizes))}
+        counts[f"{name}/{transform}"] = {
+            "arrays": len(found), "weight_sized": weight_sized(found, max(chains[0].chain.sizes))}
     return counts
 
 
@@ -167,8 +208,9 @@ def _error(fn):
 
 def main():
     m = mesh()
-    errors, state_bytes = layouts(m)
-    json.dump({"errors": errors, "state_bytes": state_bytes, "refused": refusals(m),
+    wrong, state_bytes = placements(m)
+    json.dump({"errors": layouts(m), "misplaced": wrong, "state_bytes": state_bytes,
+               "refused": refusals(m),
                "collectives": weight_sized_moves(m)}, sys.stdout)
 
 

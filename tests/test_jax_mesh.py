@@ -17,7 +17,12 @@ import pytest
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
-from _jax_mesh import COLLECTIVES, LAYOUTS, TRANSFORMS  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _jax_mesh import BUFFERS, COLLECTIVES, LAYOUTS, TRANSFORMS  # noqa: E402
+
+from gsgd_adapters.optax import chains_from_dict, gsgd  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 
@@ -37,16 +42,31 @@ def test_each_layout_trains_as_one_device(mesh_run, layout):
     """skeleton_init, random_rescale and 3 steps of each transformation (momentum where it
     has one), float64 under jax.jit: the mesh's params equal one device's to 1e-12."""
     errors = mesh_run["errors"][layout]
-    assert set(errors) == {"init", *TRANSFORMS[layout]}
+    assert set(errors) == {"init", *TRANSFORMS}
     assert max(errors.values()) <= 1e-12, errors
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_init_under_jit_places_the_state_like_the_params(mesh_run, layout):
+    """Under ``jax.jit`` without ``out_shardings``, each transformation's ``opt.init``
+    places every buffer as an eager ``init`` does (like the leaf it belongs to) and its
+    step counts over the whole mesh (or uncommitted, for the step to move)."""
+    assert mesh_run["misplaced"][layout] == {k: [] for k in TRANSFORMS}
+
+
+def test_eager_init_places_inner_buffers_like_the_params(mesh_run):
+    """Outside ``jit`` too, G-Adam's Adam buffers are placed like the params' leaves, not
+    like the path values Adam is given (which eager operations shard otherwise on FSDP)."""
+    assert mesh_run["misplaced"]["eager G-Adam"] == []
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_optimizer_state_is_placed_like_the_params(mesh_run, layout):
-    """An eager ``opt.init`` holds on each device the momentum of the params' shards there
-    (and two step counts): sharded params get sharded state, not a replicated copy."""
+    """A state made under ``jit`` holds on each device the buffers of the params' shards
+    there (and step counts): sharded params get sharded state, not a copy on one device."""
     held = mesh_run["state_bytes"][layout]
-    assert held["params"] <= held["gsgd"] <= held["params"] + 8
+    for name, buffers in BUFFERS.items():
+        assert buffers * held["params"] <= held[name] <= buffers * held["params"] + 16, name
 
 
 def test_sharded_layouts_hold_less_per_device(mesh_run):
@@ -57,11 +77,11 @@ def test_sharded_layouts_hold_less_per_device(mesh_run):
         assert held[layout]["params"] < held["replicated"]["params"]
 
 
-@pytest.mark.parametrize("layout", COLLECTIVES)
-def test_update_moves_no_weight_between_devices(mesh_run, layout):
+@pytest.mark.parametrize("layout, transform", COLLECTIVES)
+def test_update_moves_no_weight_between_devices(mesh_run, layout, transform):
     """The compiled update's collectives move vectors of units (column sums, skeleton
     edges, path ratios), never a weight or a shard of one."""
-    moved = mesh_run["collectives"][layout]
+    moved = mesh_run["collectives"][f"{layout}/{transform}"]
     assert moved["arrays"] > 0          # sharded chains do need their vectors reduced
     assert moved["weight_sized"] == 0, moved
 
@@ -87,3 +107,16 @@ def test_placements_the_step_cannot_follow_are_refused(mesh_run, case, leaf, pla
     assert message is not None and message.startswith(leaf), message
     for placement in placements:
         assert placement in message
+
+
+def test_state_made_under_jit_is_zero_where_a_param_is_not_finite():
+    """The buffers an ``init`` under ``jit`` ties to the params (to place them alike) hold
+    the init's zeros, also where a param holds an Inf or a NaN (one device)."""
+    params = {"l1": {"w": jnp.array([[1.0, jnp.inf], [jnp.nan, 2.0]]), "b": jnp.ones(2)},
+              "l2": {"w": jnp.array([[-jnp.inf, 1.0]]), "b": jnp.ones(1)},
+              "scale": jnp.array([jnp.nan, -jnp.inf])}     # outside the chain: SGD's buffer
+    state = jax.jit(gsgd(0.1, chains_from_dict(params, ["l1", "l2"]), momentum=0.9).init)(params)
+    buffers = jax.tree_util.tree_leaves(state)
+    assert len(buffers) == 7        # weights', biases', the other leaf's, two step counts
+    for buffer in buffers:
+        assert np.array_equal(np.asarray(buffer), np.zeros(buffer.shape)), buffer

@@ -10,6 +10,8 @@ here with the leaf's key path and both placements:
   cannot compute with them together;
 - a chain leaf sharded over an ``Explicit`` mesh axis (sharding in types): JAX then asks each
   gather of the step for its output sharding, which an Array API step cannot name.
+
+:func:`follow` places optimizer state made under ``jax.jit`` like the params it belongs to.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 
 from .leaves import Path, path_name
@@ -74,3 +77,44 @@ def check_placement(paths: Sequence[Path], leaves: Sequence, claimed=frozenset()
                 f"{what} leaf {path_name(path)} is sharded over the Explicit mesh axes "
                 f"{axes} ({_where(x)}): G-SGD's step follows shardings over Auto axes "
                 f"(jax.make_mesh(..., axis_types=(AxisType.Auto, ...)))")
+
+
+def _tied(new, like):
+    """``new`` placed as ``like`` (an array of its shape; else ``new`` as it is).
+
+    Traced: ``new`` plus a zero computed from ``like``, the same numbers (up to the sign of
+    a zero), which XLA then places as ``like``, since its sharding propagation follows
+    data. Concrete: ``new`` put on ``like``'s sharding where ``like`` is committed to one.
+    """
+    if getattr(new, "shape", None) != getattr(like, "shape", None):
+        return new
+    if not isinstance(like, jax.core.Tracer):
+        return jax.device_put(new, like.sharding) if getattr(like, "committed", False) else new
+    if not (jnp.issubdtype(new.dtype, jnp.inexact) and jnp.issubdtype(like.dtype, jnp.inexact)):
+        return new
+    # like * 0 is NaN where like is not finite, so XLA keeps the product (a constant zero
+    # would depend on no input, and jit would put it on one device)
+    zero = jnp.where(jnp.isfinite(like), like * 0, 0)
+    return new + zero.astype(new.dtype)
+
+
+def follow(state, like):
+    """``state`` with each subtree structured as ``like`` (``state`` itself included) tied
+    leaf by leaf to ``like``'s arrays of the same shape, so that under ``jax.jit`` XLA
+    places each like its array: an optimizer's buffers sharded as the params they belong
+    to, as an eager ``zeros_like`` places them.
+
+    Without it, arrays of an ``init`` under ``jit`` depend on no input, and JAX makes them
+    on one device (the whole state there, optax's own transformations' too); outside
+    ``jit`` an inner transformation's buffers would be placed like the path values it is
+    given, which XLA may shard otherwise. Scalars (step counts) are left as made: JAX
+    replicates them over the devices the computation runs on.
+    """
+    structure = jax.tree_util.tree_structure(like)
+
+    def shaped_like(node) -> bool:
+        return jax.tree_util.tree_structure(node) == structure
+
+    return jax.tree_util.tree_map(
+        lambda node: jax.tree_util.tree_map(_tied, node, like) if shaped_like(node) else node,
+        state, is_leaf=shaped_like)
