@@ -224,9 +224,7 @@ def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number():
     jax = pytest.importorskip("jax")
     chain = gc.Chain.mlp([3, 4, 2])
     pb = Problem(chain, 2)
-    G, Gb = pb.grads()
-    W, b, G, Gb = ([None if a is None else jax.numpy.asarray(a) for a in part]
-                   for part in (pb.W, pb.b, G, Gb))
+    W, b, G, Gb = pb.in_jax()
 
     def step(lr):
         return gc.gsgd_step(chain, W, b, G, Gb, lr)
