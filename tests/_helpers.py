@@ -80,6 +80,12 @@ class Problem:
                                   self.b if b is None else b, self.x, self.y)
         return G, Gb
 
+    def in_jax(self):
+        """The weights, biases and gradients as JAX arrays (``None`` stays)."""
+        jnp = pytest.importorskip("jax.numpy")
+        return ([None if a is None else jnp.asarray(a) for a in part]
+                for part in (self.W, self.b, *self.grads()))
+
 
 @contextlib.contextmanager
 def process_group(backend: str = "gloo", store=None, rank: int = 0, world_size: int = 1):

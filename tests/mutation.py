@@ -389,15 +389,27 @@ def _results(kind: str) -> dict[str, dict]:
     return {r["module"]: r for r in (json.loads(p.read_text()) for p in found)}
 
 
-def _pass_cell(r: dict | None, why: dict[str, str]) -> str:
-    """A module's result in one pass, in one cell of the page's table."""
+def _score_cells(r: dict | None, why: dict[str, str]) -> list[str]:
+    """A module's score in one pass, as the cells of the page's table: mutants, killed
+    (of which timeouts), equivalent, score of the others, open survivors."""
     if r is None:
-        return "not run"
+        return ["not run", "", "", "", ""]
     killed, counted = score(r)
     same = sum(name in why for name in r["survivors"])
-    return (f"{counted} mutants, {killed} killed, {same} equivalent: "
-            f"{100 * killed / max(counted - same, 1):.1f}% of the others, "
-            f"{len(r['survivors']) - same} open; {run_time(r)}")
+    timeouts = counts(r)["timeout"]
+    return [str(counted), f"{killed} ({timeouts})" if timeouts else str(killed), str(same),
+            f"{100 * killed / max(counted - same, 1):.1f}%", str(len(r["survivors"]) - same)]
+
+
+def _run_times(results: dict[str, dict], conditions: dict[str, dict]) -> list[str]:
+    """Each module's run times in each pass, one item a module (kept out of the table,
+    whose cells they would widen past the page)."""
+    out = []
+    for module in sorted(set(results) | set(conditions)):
+        runs = [f"{title}: {run_time(r[module])}" for title, r in (
+            ("mutmut", results), ("condition-level", conditions)) if module in r]
+        out.append(f"- `{module}`: " + "; ".join(runs))
+    return out
 
 
 def _survivors(results: dict[str, dict], why: dict[str, str], title: str) -> list[str]:
@@ -435,31 +447,26 @@ def report(conf: dict) -> str:
            "\"GPU only\"). mutmut runs on the CPU; the GPU-only mutants were planted one at a",
            "time on a GPU against the CUDA tests ([Testing](testing.md#on-a-gpu)), and each",
            "reason says whether they killed it or why it is equivalent there too.", "",
-           "Two passes: mutmut's own operators (the columns up to its run time), and the",
-           "condition-level ones (`--pass conditions`, its column last): a condition made",
-           "`True` or `False`, a guard deleted, an operand of `and`/`or` or a `not` dropped,",
-           "a term of `+ - * /` dropped, a keyword argument dropped, a branch's `return`",
-           "made `return None`, a public default made its type's zero.", "",
-           "| module | mutants | killed | of which timeouts | score | equivalent or GPU only "
-           "| score of the others | open survivors | run time | condition-level pass |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "Two passes: mutmut's own operators (the first five columns after the module),",
+           "and the condition-level ones (`--pass conditions`, the last five): a condition",
+           "made `True` or `False`, a guard deleted, an operand of `and`/`or` or a `not`",
+           "dropped, a term of `+ - * /` dropped, a keyword argument dropped, a branch's",
+           "`return` made `return None`, a public default made its type's zero. Each pass's",
+           "columns: its mutants, those killed (the timeouts among them in parentheses), the",
+           "equivalent or GPU-only survivors, the score of the others (killed over the",
+           "mutants less the equivalent ones), the open survivors. The run times follow the",
+           "table.", "",
+           "| module | mutants | killed | equivalent | score | open "
+           "| condition-level mutants | killed | equivalent | score | open |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for module in sorted(set(results) | set(conditions)):
-        cell = _pass_cell(conditions.get(module), why_conditions)
-        r = results.get(module)
-        if r is None:
-            out.append(f"| `{module}` | | | | | | | | not run | {cell} |")
-            continue
-        killed, counted = score(r)
-        same = sum(name in why for name in r["survivors"])
-        timeouts = counts(r)["timeout"]
-        out.append(f"| `{r['module']}` | {counted} | {killed} | {timeouts} "
-                   f"| {100 * killed / counted:.1f}% | {same} "
-                   f"| {100 * killed / max(counted - same, 1):.1f}% "
-                   f"| {len(r['survivors']) - same} "
-                   f"| {run_time(r)} | {cell} |")
+        cells = _score_cells(results.get(module), why) + _score_cells(
+            conditions.get(module), why_conditions)
+        out.append(f"| `{module}` | " + " | ".join(cells) + " |")
     out += ["", f"Not run yet: {_not_run(conf, results)}.",
             f"Condition-level pass, not run yet: {_not_run(conf, conditions)}.",
-            "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + "."]
+            "GPU only, excluded: " + ", ".join(f"`{m}`" for m in conf["gpu_only"]) + ".",
+            "", "## Run times", ""] + _run_times(results, conditions)
     return "\n".join(out + _survivors(results, why, "Survivors") + _survivors(
         conditions, why_conditions, "Condition-level survivors")) + "\n"
 

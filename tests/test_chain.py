@@ -110,6 +110,7 @@ def test_he_skeleton_scale_counts_skeleton_edges_per_row():
     ("ab", "skeleton_scale must be a sequence of 2 floats"),
     (0.5, "skeleton_scale must be a sequence"),
     ((1.0, True), r"skeleton_scale\[1\] must be a number"),
+    (("2", 1.0, 1.0), r"skeleton_scale\[0\] must be a number"),
     ((1.0, "2"), r"skeleton_scale\[1\] must be a number"),
     ((1.0, 0.0), "layer 2: skeleton scale must be finite and > 0, got 0.0"),
     ((-1.0, 1.0), "layer 1: skeleton scale must be finite and > 0"),
@@ -168,6 +169,8 @@ def test_tau_and_free_indices_of_boundary_layers_are_empty():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sizes=(2, 3, 4), slots=(1, "a")), "slots[1] must be an int, got 'a'"),
+    (dict(sizes=(2, True, 4)), "sizes[1] must be an int, got True"),
+    (dict(sizes=(2, 3, 4), slots=(1,)), "slots has 1 entries for 2 layers (sizes=[2, 3, 4])"),
     (dict(sizes=(2, 3, 4), slots=(2, 2), skeleton_slots=(1, "x")),
      "skeleton_slots[1] must be an int, got 'x'"),
     (dict(sizes=(2, 3, 4), slots=(2, 2), skeleton_slots=(1,)),
@@ -213,3 +216,15 @@ def test_tau_masks_hold_one_edge_per_unit_at_its_tau_and_skeleton_slot():
         assert mask.dtype == bool and mask.sum() == chain.sizes[l]
         assert all(mask[j, tau[l - 1][j], sk[l - 1]] for j in range(chain.sizes[l]))
     assert not chain.tau_mask(3).any()
+
+
+def test_free_masks_hold_one_edge_per_unit_below_at_its_sigma_and_skeleton_slot():
+    """Each unit ``a`` of layer ``l-1`` has its free edge ``(sigma(a), a, s_l)`` in layer
+    ``l``: at the skeleton slot of that layer, which G-SGD never changes."""
+    sigma, sk = ((1, 3, 0), (0, 1, 0, 1)), (2, 1, 0)
+    chain = Chain((2, 3, 4, 2), slots=(3, 2, 2), sigma=sigma, skeleton_slots=sk)
+    for l in (2, 3):
+        mask = chain.free_mask(l)
+        assert mask.dtype == bool and mask.sum() == chain.sizes[l - 1]
+        assert all(mask[sigma[l - 2][a], a, sk[l - 1]] for a in range(chain.sizes[l - 1]))
+    assert not chain.free_mask(1).any()

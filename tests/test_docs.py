@@ -309,3 +309,15 @@ def test_grouped_parameters_get_an_entry_each():
         "Step.\n\nParameters\n----------\nlr\n    As SGD.\nmomentum\n    As SGD.\n"
         "x : float\n    Two.\n\ny : float\n    Two.\n\nReturns\n-------\na, b\n    arrays\n\n"
         "Notes\n-----\nc, d : e\n")
+
+
+def test_the_mutation_tables_fit_the_page(site):
+    """The results page of the mutation runs has a row per module: its cells are short
+    (numbers and the module's path), so that the table fits the page's width, and the
+    run times are listed after it."""
+    page = (site / "mutation" / "index.html").read_text()
+    tables = re.findall(r"<table>.*?</table>", page, re.S)
+    cells = [text_of(c).strip() for t in tables
+             for c in re.findall(r"<t[hd]\b[^>]*>(.*?)</t[hd]>", t, re.S)]
+    assert tables and cells
+    assert max(map(len, cells)) <= 32, max(cells, key=len)

@@ -234,3 +234,12 @@ def test_gradients_of_the_wrong_shape_or_count_are_refused_by_name(step, change,
     W, b, G, Gb = _params()
     with pytest.raises(ValueError, match=f"^{message}$"):
         step(CHAIN, W, b, *change(G, Gb))
+
+
+def test_psi_refuses_integer_weights_even_with_integer_gradients_of_their_dtype():
+    """PSI-SGD moves weights by real steps: integer weights are refused with the dtypes
+    named, also where the gradients share their dtype."""
+    W = [np.ones((2, 3), dtype=np.int64)]
+    with pytest.raises(ValueError, match="^weights and grads must share one real floating "
+                                         "dtype, got int64 and int64$"):
+        gc.psi_update(gc.psi_init(W), W, W, lr=0.1)

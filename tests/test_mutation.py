@@ -81,8 +81,8 @@ def test_the_page_gives_every_score_and_every_survivor_with_its_reason(tmp_path,
     conf = {"tests": {"backends/plan.py": [], "adapters/optax.py": []},
             "gpu_only": ["backends/cupy.py"], "equivalent": {"m2": "no dtype lies between."}}
     page = mutation.report(conf)
-    assert ("| `backends/plan.py` | 4 | 2 | 1 | 50.0% | 1 | 66.7% | 1 "
-            "| 1.5 min, 2 jobs, 2026-11-25 |") in page
+    assert "| `backends/plan.py` | 4 | 2 (1) | 1 | 66.7% | 1 | not run |" in page
+    assert "- `backends/plan.py`: mutmut: 1.5 min, 2 jobs, 2026-11-25\n" in page
     assert "**`m2`**: no dtype lies between." in page
     assert "**`m3`**: open" in page and "+x <= 1" in page
     assert "Not run yet: `adapters/optax.py`." in page
@@ -113,8 +113,8 @@ def test_the_page_gives_each_run_of_the_survivors_again(tmp_path, monkeypatch):
     r["again"] = [{"seconds": 30.0, "jobs": 1, "date": "2026-11-26", "survivors": 5}]
     (tmp_path / "backends.plan.py.json").write_text(json.dumps(r))
     page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": []})
-    assert ("| 1.5 min, 2 jobs, 2026-11-25; 5 survivors again: 0.5 min, 1 job, 2026-11-26 |"
-            in page)
+    assert ("`backends/plan.py`: mutmut: 1.5 min, 2 jobs, 2026-11-25; 5 survivors again: "
+            "0.5 min, 1 job, 2026-11-26\n" in page)
 
 
 def test_again_after_a_stopped_run_runs_only_what_it_left(tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_a_stopped_run_is_saved_with_what_it_reached_and_again_goes_on(tmp_path,
     assert mutation.run_time(r) == f"stopped before its end, 2 mutants not run, {r['date']}"
     assert mutation.run_time(r | {"stopped": 0}).startswith("stopped before its end, 0 mutants")
     page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": []})
-    assert "| `backends/plan.py` | 2 | 1 | 0 | 50.0% |" in page
+    assert "| `backends/plan.py` | 2 | 1 | 0 | 50.0% | 1 |" in page
     runs = []
     monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
                         runs.append(list(names)))
@@ -251,7 +251,8 @@ def test_a_result_kept_as_counts_scores_and_reruns_as_one_kept_by_mutant(tmp_pat
     for r in (by_mutant, as_counts):
         mutation._save(r)
         pages.append(mutation.report(conf))
-    assert pages[0] == pages[1] and "| `backends/plan.py` | 3 | 2 | 1 | 66.7% |" in pages[1]
+    assert pages[0] == pages[1]
+    assert "| `backends/plan.py` | 3 | 2 (1) | 0 | 66.7% | 1 |" in pages[1]
     runs = []
     monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
                         runs.append(list(names)))
@@ -560,9 +561,11 @@ def test_the_page_gives_each_pass_a_column_and_its_survivors(tmp_path, monkeypat
             "gpu_only": [], "equivalent": {"m2": "no dtype lies between."},
             "conditions": {"equivalent": {"m3": "x is never falsy here."}}}
     page = mutation.report(conf)
-    assert ("| 1.5 min, 2 jobs, 2026-11-25 | 5 mutants, 3 killed, 1 equivalent: 75.0% of "
-            "the others, 1 open; 1.5 min, 2 jobs, 2026-11-25 |") in page
-    assert "| `adapters/cupy.py` | | | | | | | | not run | 1 mutants, 1 killed" in page
+    assert "| `backends/plan.py` | 2 | 1 | 1 | 100.0% | 0 | 5 | 3 (1) | 1 | 75.0% | 1 |" in page
+    assert "| `adapters/cupy.py` | not run |  |  |  |  | 1 | 1 | 0 | 100.0% | 0 |" in page
+    assert ("- `backends/plan.py`: mutmut: 1.5 min, 2 jobs, 2026-11-25; condition-level: "
+            "1.5 min, 2 jobs, 2026-11-25\n") in page
+    assert "- `adapters/cupy.py`: condition-level: 1.5 min, 2 jobs, 2026-11-25\n" in page
     assert "Not run yet: `adapters/cupy.py`, `gsgd_core/chain.py`." in page
     assert "Condition-level pass, not run yet: `gsgd_core/chain.py`." in page
     conditions = page.split("## Condition-level survivors in `backends/plan.py`")[1]

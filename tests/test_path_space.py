@@ -517,10 +517,7 @@ def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number(make):
     """A schedule's ``lr`` under ``jax.jit`` is a tracer: the rule takes it as an array."""
     jax = pytest.importorskip("jax")
     chain = gc.Chain.mlp([4, 5, 3])
-    pb = Problem(chain, 2)
-    G, Gb = pb.grads()
-    W, b, G, Gb = ([None if a is None else jax.numpy.asarray(a) for a in part]
-                   for part in (pb.W, pb.b, G, Gb))
+    W, b, G, Gb = Problem(chain, 2).in_jax()
 
     def step(lr):
         rule = make(lr)

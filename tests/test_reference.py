@@ -86,6 +86,15 @@ def test_odot_real_exponents_need_positive_entries():
             ref.odot(np.array(w), A)
 
 
+def test_odot_of_float32_entries_is_taken_in_float64():
+    """The dense reference reads float32 weights as float64: a real power of a float32
+    entry is the float64 power of its value, not one rounded to float32 first."""
+    w = np.array([3.0, 2.0], dtype=np.float32)
+    got = ref.odot(w, [[1 / 3], [0.5]])
+    assert got.dtype == np.float64
+    assert_close(got, [3.0 ** (1 / 3) * 2.0 ** 0.5], 1e-15)
+
+
 def test_odot_takes_python_integers_with_negative_exponents():
     """Entries and exponents given as lists of ints are read as float64: ``2**-1`` is
     ``0.5``, where integer arrays would refuse a negative power."""
@@ -151,3 +160,15 @@ def test_flatten_reads_weights_of_any_dtype_as_float64_and_biases_may_be_left_ou
     assert flat.dtype == np.float64
     assert np.array_equal(flat, np.concatenate([w.reshape(-1) for w in W]))
     assert np.array_equal(ref.path_values(chain, W32), ref.path_values(chain, W, [None, None]))
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).bits == 64, reason="long double is float64 here")
+def test_flatten_reads_biases_of_a_wider_dtype_as_float64():
+    """Biases of any dtype are read as float64 as the weights are: extended-precision
+    biases do not widen the edge vector."""
+    chain = gc.Chain.mlp([2, 3, 2])
+    W = [np.ones((3, 2)), np.ones((2, 3))]
+    b = [np.full(3, 0.1, dtype=np.longdouble), np.full(2, 0.2, dtype=np.longdouble)]
+    flat = ref.flatten(chain, W, b)
+    assert flat.dtype == np.float64
+    assert np.array_equal(flat[6:9], np.full(3, 0.1))

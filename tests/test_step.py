@@ -216,3 +216,19 @@ def test_weight_decay_without_momentum_decays_path_values():
     V1, Vb1 = gc.path_values(chain, W1, b1)
     for new, v, d in zip(V1 + Vb1, V + Vb, D + Db):
         np.testing.assert_allclose(new, v - lr * (d + wd * v), rtol=1e-12, atol=1e-15)
+
+
+def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number():
+    """A schedule's ``lr`` under ``jax.jit`` is a tracer (optax passes one): the G-SGD step
+    takes it as an array and moves the weights as the number does."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 2)
+    W, b, G, Gb = pb.in_jax()
+
+    def step(lr):
+        return gc.gsgd_step(chain, W, b, G, Gb, lr)
+
+    got, want = jax.jit(step)(0.5), gc.gsgd_step(chain, pb.W, pb.b, *pb.grads(), 0.5)
+    for a, e in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=1e-6)
