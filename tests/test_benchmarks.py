@@ -166,7 +166,8 @@ def test_cupy_digits_loop_trains_with_numpy_arrays():
 def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.step_overhead", "--quick",
-                           "--no-compile", "--out", str(tmp_path)], cwd=ROOT,
+                           "--no-compile", "--only", "MLP 64-64-64-10", "CNN c=32",
+                           "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (tmp_path / "step_overhead.md").read_text()
