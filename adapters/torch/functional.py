@@ -217,12 +217,12 @@ def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight
 
     W, b, G, Gb = (list(x) for x in zip(*chains))
     states = None
-    if momentum or weight_decay:
-        states = [momentum_state(state, w, x, [False] * len(w)) if momentum else
-                  GSGDState(tuple(_no_buffer(t) for t in w),
-                            tuple(None if t is None else _no_buffer(t) for t in x),
-                            torch.zeros((), dtype=torch.int32, device=w[0].device))
-                  for w, x in zip(W, b)]
+    if momentum:
+        states = [momentum_state(state, w, x, [False] * len(w)) for w, x in zip(W, b)]
+    elif weight_decay:  # a count the kernels keep and weight decay alone never reads: made
+        states = plan.cached("_counts", len(W), lambda: [  # once, not once per step
+            GSGDState((), (), torch.zeros((), dtype=torch.int32, device=plan.device))
+            for _ in W])
     given = {} if sums is None else dict(column_sums=[s["column_sums"] for s in sums],
                                          gradient_check=[s["gradient_check"] for s in sums])
     fused_step_(plan, W, b, G, Gb, _on(lr, plan.device), states, momentum=momentum,
@@ -245,11 +245,6 @@ def fused_gadam(plan, state, chains, *, rule, maximize: bool, sums: list | None,
     fused_adam_step_(plan, W, b, G, Gb, _on(rule.lr, plan.device), states, betas=rule.betas,
                      eps=rule.eps, weight_decay=rule.weight_decay, decoupled=rule.decoupled,
                      amsgrad=rule.amsgrad, maximize=maximize, found_inf=found_inf, **given)
-
-
-def _no_buffer(t: torch.Tensor) -> torch.Tensor:
-    """A zero that takes no memory, for a buffer a step does not read."""
-    return t.new_zeros(()).expand_as(t)
 
 
 def _on(lr, device):

@@ -11,6 +11,7 @@ tensors and hyperparameters (:mod:`.functional`), as ``torch.optim.SGD`` steps t
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections import defaultdict
 
@@ -78,7 +79,7 @@ def _hyper_names(step) -> tuple[str, ...]:
     return F.hyperparameters(step)
 
 
-class ScaleInvariantOptimizer(Optimizer):
+class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
     """User param groups, stepped part by part (:mod:`.parts`): chains (each subclass's
     ``functional`` chain step, on the state its ``_chain_state`` gathers), PSI weights and
     the rest (each subclass's ``_rest``)."""
@@ -425,9 +426,9 @@ class ScaleInvariantOptimizer(Optimizer):
             return []
         return params
 
+    @abc.abstractmethod
     def _rest(self, params, group: dict, state) -> None:
         """The update of ``params`` outside chains (those with a gradient): each family's."""
-        raise NotImplementedError
 
     def _count_skip(self, what: str) -> None:
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
