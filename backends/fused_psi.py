@@ -81,6 +81,13 @@ class FusedPSIPlan(DeviceValues):
         return self.cached("_ptrs", key, lambda: torch.tensor(key, dtype=torch.int64,
                                                                device=self.device))
 
+    def idle_state(self) -> PSIState:
+        """The state PSI-SGD steps with (it keeps no buffer and the kernel reads none):
+        views of one zero in the weights' shapes, made once."""
+        return self.cached("_idle", self.shapes, lambda: PSIState(tuple(
+            torch.zeros((), dtype=self.dtype, device=self.device).expand(s)
+            for s in self.shapes)))
+
     def hyperparameters(self, momentum: float, max_norm: float) -> torch.Tensor:
         """``(momentum, max_norm)`` as a device tensor, made when they change."""
         key = (float(momentum), float(max_norm))

@@ -174,32 +174,34 @@ def test_chains_in_one_fused_step_are_skipped_one_by_one_and_all_by_found_inf():
 
 class _Counting(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts ATen operations, except inside the Triton launches (the interpreter's own
-    copies of the launch's arguments, which a GPU launch does not make)."""
+    copies of the launch's arguments, which a GPU launch does not make) and the profiler's
+    markers (``torch.optim``'s step records one; it launches nothing)."""
 
     def __init__(self):
         super().__init__()
         self.aten, self.launches, self.inside = [], [], False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.inside:
+        if not self.inside and func.namespace != "profiler":
             self.aten.append(str(func))
         return func(*args, **(kwargs or {}))
 
 
-def _counted_launches(monkeypatch, module):
-    """A _Counting mode that also records ``module``'s launches (the interpreter's own
-    ATen work inside them not counted)."""
+def _counted_launches(monkeypatch, *modules):
+    """A _Counting mode that also records the launches of ``modules`` (the interpreter's
+    own ATen work inside them not counted)."""
     counting = _Counting()
-    real = module.launch
+    for module in modules:
+        real = module.launch
 
-    def launch(kernel, grid, *args, **meta):
-        counting.launches.append(kernel.fn.__name__)
-        counting.inside = True
-        try:
-            real(kernel, grid, *args, **meta)
-        finally:
-            counting.inside = False
-    monkeypatch.setattr(module, "launch", launch)
+        def launch(kernel, grid, *args, real=real, **meta):
+            counting.launches.append(kernel.fn.__name__)
+            counting.inside = True
+            try:
+                real(kernel, grid, *args, **meta)
+            finally:
+                counting.inside = False
+        monkeypatch.setattr(module, "launch", launch)
     return counting
 
 

@@ -5,12 +5,13 @@ sets it, for the same reasons); where the kernels were already imported the othe
 this process, these tests skip.
 """
 
+import collections
 import copy
 import importlib
 
 import pytest
 
-from _helpers import triton_interpreting
+from _helpers import DEFAULT_INIT, from_repository, triton_interpreting
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -24,6 +25,9 @@ with triton_interpreting(CUDA):
     fused_psi = importlib.import_module("gsgd_backends.fused_psi")
 
 from gsgd_adapters.torch import GAdam, GAdamW, GSGD, PSISGD, skeleton_init_  # noqa: E402
+from test_fused import _counted_launches, _NoHostReads  # noqa: E402
+
+resnet = from_repository("benchmarks.resnet")
 
 if fused.interpreted() == CUDA:
     pytest.skip("gsgd_backends.fused was imported the other way (interpreted or compiled) in "
@@ -62,6 +66,24 @@ def _bn():
                           nn.Linear(3 * 6 * 6, 4)).double().to(DEVICE)
     skeleton_init_(model)
     return model
+
+
+def _resnet(blocks):
+    """A small ResNet with batch norm (ResNet-18's basic blocks, ``blocks`` of
+    ``(channels, stride)``): every convolution a PSI weight, the batch norms' and the
+    classifier's parameters outside chains."""
+    torch.manual_seed(4)
+    layers, cin = [nn.Conv2d(2, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU()], 4
+    for cout, stride in blocks:
+        layers.append(resnet.BasicBlock(cin, cout, stride))
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(cin, 3)).double().to(DEVICE)
+
+
+#: The ResNets' depths: one basic block (three convolutions), and three with a
+#: downsampling one (nine).
+RESNETS = (((4, 1),), ((4, 1), (8, 2), (8, 1)))
 
 
 def _input(model):
@@ -145,6 +167,81 @@ def test_the_fused_psi_sgd_step_equals_the_unfused_one(monkeypatch):
 
 
 @pytest.mark.parametrize("opt_class, hyper", [
+    (PSISGD, dict(lr=0.05, weight_decay=0.01)), (GSGD, dict(lr=0.05, nesterov=True,
+                                                            momentum=0.9, weight_decay=0.01))],
+    ids=["psi-sgd", "psi-sgdm-nesterov-wd"])
+def test_the_fused_psi_step_of_a_resnet_equals_the_unfused_one(opt_class, hyper):
+    """PSI-SGD (no buffers: the kernel reads none) and PSI-SGDM on a ResNet with batch norm,
+    the rest by torch's fused SGD: equal to the unfused steps over three steps."""
+    _assert_twins_step_alike(lambda: _resnet(RESNETS[0]), opt_class, hyper)
+
+
+def _counted_steps(counting, opt, model, x, steps=2):
+    """``steps`` steps of ``opt`` on ``model`` at input ``x``; the last one counted (the
+    first makes the buffers, plans and tables)."""
+    for _ in range(steps):
+        _backward(model, opt, x)
+        counting.aten, counting.launches = [], []
+        with counting:
+            opt.step()
+    return collections.Counter(counting.aten + counting.launches)
+
+
+def _within_budget(counts: list) -> None:
+    """Every step at most 8 launches and ATen kernels, and the same ones at every depth but
+    the pointer table's copy (``lift_fresh``: made again when the allocator moved a
+    gradient)."""
+    for c in counts:
+        assert sum(c.values()) <= 8, c
+    assert len({frozenset((k, v) for k, v in c.items() if "lift_fresh" not in k)
+                for c in counts}) == 1, counts
+
+
+@pytest.mark.parametrize("opt_class, hyper", [
+    (PSISGD, dict()), (PSISGD, dict(momentum=0.9, weight_decay=0.01)),
+    (GSGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01))],
+    ids=["psi-sgd", "psi-sgdm-wd", "gsgd-nesterov-wd"])
+def test_a_fused_psi_step_of_a_resnet_is_at_most_8_launches_whatever_its_depth(
+        opt_class, hyper, monkeypatch):
+    """PSI-SGD(M) on ResNets with batch norm of three and nine convolutions, at a device
+    learning rate: after the first step, one step launches the PSI kernel once and at
+    most 7 ATen kernels (the rest's flag cleared and torch's check of its gradients into
+    it, torch's fused SGD of the rest, the learning rate in its dtype, the pointer table
+    where a gradient moved), the same at both depths."""
+    counting = _counted_launches(monkeypatch, fused, fused_psi)
+    counts = []
+    for blocks in RESNETS:
+        model = _resnet(blocks)
+        lr = torch.tensor(0.05, dtype=torch.float64, device=DEVICE)
+        counts.append(_counted_steps(counting, opt_class(model, lr=lr, fused=True, **hyper),
+                                     model, _input(model)))
+        assert counting.launches == ["psi_rows"]
+    _within_budget(counts)
+
+
+@DEFAULT_INIT
+@pytest.mark.parametrize("opt_class, hyper", [
+    (GSGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    (GAdamW, dict(lr=0.01, amsgrad=True))], ids=["gsgd-nesterov-wd", "gadamw-amsgrad"])
+def test_a_fused_chain_step_is_at_most_8_launches_for_any_depth_and_number_of_chains(
+        opt_class, hyper, monkeypatch):
+    """One chain of 2 layers, then chains of 12 and 2 layers, in one optimizer: after the
+    first step, one step is the three launches of the fused step and at most 5 ATen
+    kernels, the same for both (no launch per chain or layer)."""
+    counting = _counted_launches(monkeypatch, fused)
+    counts = []
+    for depths in ((2,), (12, 2)):
+        torch.manual_seed(5)
+        layers = [[nn.Linear(3, 3).double().to(DEVICE) for _ in range(d)] for d in depths]
+        model = nn.Sequential(*[nn.Sequential(*chain) for chain in layers])
+        opt = opt_class(list(model.parameters()), chains=layers, fused=True, **hyper)
+        model.forward = lambda x, model=model: sum(torch.relu(m(x)) for m in model)
+        counts.append(_counted_steps(counting, opt, model, _input(model[0])))
+        assert counting.launches == ["read_pass", "vector_stage", "write_pass"]
+    _within_budget(counts)
+
+
+@pytest.mark.parametrize("opt_class, hyper", [
     (GAdam, dict(lr=0.01, weight_decay=0.1)),
     (GAdamW, dict(lr=0.01, amsgrad=True, maximize=True))],
     ids=["gadam-l2", "gadamw-amsgrad-maximize"])
@@ -221,6 +318,27 @@ def test_a_fused_step_reads_nothing_back_to_the_host():
     with Recording():
         opt.step()
     assert ops and "aten._local_scalar_dense.default" not in ops
+
+
+def test_a_fused_psi_step_of_a_resnet_reads_nothing_back_to_the_host(monkeypatch):
+    """PSI-SGDM on a ResNet with batch norm, with a device learning rate and GradScaler's
+    ``found_inf`` and ``grad_scale``: ``item``, ``bool``, ``tolist``, ``cpu``, ``numpy``,
+    ``float``, ``int`` of any tensor raise during a step, no
+    ``aten._local_scalar_dense`` runs, and the step takes place."""
+    model = _resnet(RESNETS[1])
+    x = _input(model)
+    opt = PSISGD(model, lr=torch.tensor(0.05, dtype=torch.float64, device=DEVICE),
+                 momentum=0.9, fused=True)
+    counting = _counted_launches(monkeypatch, fused, fused_psi)
+    for _ in range(2):
+        _backward(model, opt, x)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.found_inf = torch.zeros((), device=DEVICE)
+        opt.grad_scale = torch.full((), 4.0, device=DEVICE)
+        with counting, _NoHostReads():
+            opt.step()
+        assert "aten._local_scalar_dense.default" not in counting.aten
+        assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def test_fused_true_on_cpu_tensors_outside_the_interpreter_is_refused(monkeypatch):

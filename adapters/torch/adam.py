@@ -155,8 +155,7 @@ class GAdam(ScaleInvariantOptimizer):
             if group.get("check_finite"):
                 params = self._live(params, group)
             if params:
-                F.adam(params, state, group, self.decoupled,
-                       F.nonfinite_flag([p.grad for p in params], self._found_inf))
+                F.adam(params, state, group, self.decoupled, self._nonfinite_flag(params))
             return
         params = self._live(params, group)
         if params:

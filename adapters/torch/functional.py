@@ -120,9 +120,12 @@ def _buffers(state, W, b, fixed, name: str, zeros) -> tuple[tuple, tuple]:
 
 
 def _step_count(state, W) -> torch.Tensor:
-    """The chain's step count, kept in its first weight's state (int32, on its device)."""
+    """The chain's step count, kept in its first weight's state (int32, on its device),
+    made on its first step only (``setdefault`` would fill a new tensor every step: on a
+    GPU a launch per chain)."""
     first = state[W[0]]
-    first.setdefault("step", torch.zeros((), dtype=torch.int32, device=W[0].device))
+    if "step" not in first:
+        first["step"] = torch.zeros((), dtype=torch.int32, device=W[0].device)
     return first["step"]
 
 
@@ -256,29 +259,43 @@ def _on(lr, device):
 def psi(U, W, G, *, lr, momentum, max_norm, plan, found_inf=None) -> None:
     """PSI-SGD(M) (Yi et al., Algorithm 1) per row ``i`` of each weight:
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u``, rows of norm above
-    ``max_norm`` renormalised; ``U`` the momentum buffers. ``plan``: a compiled
-    :class:`~gsgd_backends.psi.PSIPlan`, or a fused one (one launch, skipped on the device
-    while ``found_inf`` is set)."""
+    ``max_norm`` renormalised; ``U`` the momentum buffers (``None`` for PSI-SGD, which
+    keeps none). ``plan``: a compiled :class:`~gsgd_backends.psi.PSIPlan`, or a fused one
+    (one launch, skipped on the device while ``found_inf`` is set)."""
     if type(plan).__name__ == "FusedPSIPlan":
         from gsgd_backends.fused_psi import fused_psi_step_
 
-        fused_psi_step_(plan, PSIState(tuple(U)), W, G, _on(lr, plan.device),
+        state = plan.idle_state() if U is None else PSIState(tuple(U))
+        fused_psi_step_(plan, state, W, G, _on(lr, plan.device),
                         momentum=momentum, max_norm=max_norm, found_inf=found_inf)
         return
+    if U is None:  # zeros that take no memory stand for the buffers PSI-SGD does not keep
+        U = [w.new_zeros(()).expand_as(w) for w in W]
     psi_update_(PSIState(tuple(U)), W, G, lr=lr, momentum=momentum, max_norm=max_norm,
                 plan=plan)
 
 
 # ---------------------------------------------------------------------- the rest: torch's
-def nonfinite_flag(grads, found_inf=None) -> torch.Tensor:
+def nonfinite_flag(grads, found_inf=None, held: dict | None = None) -> torch.Tensor:
     """A one-element float32 tensor on the gradients' device, non-zero where ``found_inf``
-    is or a gradient holds NaN or Inf; nothing is read back to the host."""
-    flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-    if found_inf is not None:
-        flag.add_(found_inf.reshape(1).to(flag.device, torch.float32))
-    torch._amp_foreach_non_finite_check_and_unscale_(
-        [g.detach() for g in grads], flag, torch.ones(1, dtype=torch.float32,
-                                                      device=flag.device))
+    is or a gradient holds NaN or Inf; nothing is read back to the host. ``held`` keeps the
+    flag (and the unit scale of torch's check) per device between steps: a step then makes
+    no tensor and costs two launches, the flag set from ``found_inf`` (or cleared) and
+    torch's multi-tensor check of every gradient."""
+    device = grads[0].device
+    made = None if held is None else held.get(device)
+    if made is None:
+        made = (torch.zeros(1, dtype=torch.float32, device=device),
+                torch.ones(1, dtype=torch.float32, device=device))
+        if held is not None:
+            held[device] = made
+    flag, one = made
+    if found_inf is None:
+        flag.zero_()
+    else:
+        flag.copy_(found_inf.reshape(1))
+    with torch.no_grad():  # the check writes the gradients (times one) in place
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), flag, one)
     return flag
 
 

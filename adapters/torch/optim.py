@@ -134,7 +134,7 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         # chain -> its skeleton's state when training began (the first step, after any
         # load_state_dict; saved in the state dict): once stepped, weights may not tell
         self._began: dict[int, str] = {}
-        self._unchecked = self.reads_skeleton
+        self._unchecked = self.reads_skeleton and bool(self._chains())  # none: no read
         self._fused = F.use_fused(
             fused, [p for g in self.param_groups for p in g["params"]], self.algorithm,
             self.fused_rest and (self.fused_functional is not None or not self._chains()))
@@ -430,6 +430,12 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
     def _rest(self, params, group: dict, state) -> None:
         """The update of ``params`` outside chains (those with a gradient): each family's."""
 
+    def _nonfinite_flag(self, params) -> torch.Tensor:
+        """The fused step's skip flag of ``params``' gradients (with ``found_inf``), on the
+        device (:func:`.functional.nonfinite_flag`), in a tensor kept per device."""
+        return F.nonfinite_flag([p.grad for p in params], self._found_inf,
+                                self.__dict__.setdefault("_flags", {}))
+
     def _count_skip(self, what: str) -> None:
         """Count a part's step skipped for a non-finite gradient; warn the first time."""
         self._skipped += 1
@@ -457,8 +463,7 @@ class _SGDRules(ScaleInvariantOptimizer):
             if group.get("check_finite"):
                 params = self._live(params, group)
             if params:
-                F.sgd(params, state, group, F.nonfinite_flag([p.grad for p in params],
-                                                             self._found_inf))
+                F.sgd(params, state, group, self._nonfinite_flag(params))
             return
         params = self._live(params, group)
         if params:

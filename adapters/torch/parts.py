@@ -200,10 +200,8 @@ class PSIPart(Part):
         W = [local(p) for p, _ in live]
         G = [local(opt._grad(p, group, f"{n}.weight")) for p, n in live]
         momentum = hyper_value(group["momentum"], "momentum")
-        # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state): a zero that
-        # takes no memory stands for a buffer the state does not have.
-        U = [local(F.momentum_buffer(opt.state[p], p)) if momentum
-             else w.new_zeros(()).expand_as(w) for (p, _), w in zip(live, W)]
+        # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state)
+        U = [local(F.momentum_buffer(opt.state[p], p)) for p, _ in live] if momentum else None
         F.psi(U, W, G, lr=opt._value(group, "lr"), momentum=momentum,
               max_norm=group["max_norm"], plan=opt._psi_plan(self, W),
               found_inf=opt._found_inf)
