@@ -11,7 +11,8 @@ chain (``data_ptr()``s and sizes, as ``_foreach`` and fused Adam take them):
   the device (weights, biases, buffers and step counter unchanged), as fused Adam skips;
 - the learning rate may be a 0-d device tensor and the step counters are the states' own
   device tensors, so nothing is read back to the host and the step can be captured in a
-  CUDA graph (the tables are rebuilt only when a tensor's address changes);
+  CUDA graph (the tables are rebuilt only when a tensor's address changes, and copied
+  to the device from pinned memory, so that the host does not wait);
 - every entry follows :mod:`gsgd_core.rules` (the kernels write each rule once more);
   float16 and bfloat16 are computed in float32.
 
@@ -117,6 +118,16 @@ class DeviceValues:
             setattr(self, slot, held)
         return held[1]
 
+    def on_device(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` (numbers) as a tensor on the plan's device, copied without a host
+        synchronisation: a CUDA copy from pageable memory makes the host wait for the
+        stream, one from pinned memory does not (torch's caching host allocator keeps the
+        pinned block until the copy is done)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
     def learning_rate(self, lr) -> torch.Tensor:
         """``lr`` as the kernels read it: a 0-d device tensor as given, a number as a
         tensor made when it changes."""
@@ -220,22 +231,19 @@ class FusedPlan(DeviceValues):
         """The pointer table of the tensors in ``lists`` (one row of ``fk.PTRS``
         addresses per layer), rebuilt only when an address changes."""
         key = tuple(0 if a is None else a.data_ptr() for a in lists)
-        return self.cached("_ptrs", key, lambda: torch.tensor(key, dtype=torch.int64,
-                                                              device=self.device))
+        return self.cached("_ptrs", key, lambda: self.on_device(key, torch.int64))
 
     def step_pointers(self, steps, checks) -> torch.Tensor:
         """The table of the chains' step counters' and gradient checks' addresses (0 where
         none; cached as :meth:`pointers`)."""
         key = tuple(0 if t is None else t.data_ptr() for pair in zip(steps, checks)
                     for t in pair)
-        return self.cached("_steps", key, lambda: torch.tensor(key, dtype=torch.int64,
-                                                               device=self.device))
+        return self.cached("_steps", key, lambda: self.on_device(key, torch.int64))
 
     def hyperparameters(self, values: tuple) -> torch.Tensor:
         """The rule's hyperparameters (:mod:`.fused_kernels`' ``_direction``, ``_adam``) as
         a device tensor, made when they change."""
-        return self.cached("_hyper", values, lambda: torch.tensor(
-            values, dtype=self.compute, device=self.device))
+        return self.cached("_hyper", values, lambda: self.on_device(values, self.compute))
 
 
 def _has_bias(chain, l: int) -> bool:

@@ -78,21 +78,21 @@ class FusedPSIPlan(DeviceValues):
         """The pointer table (weight, gradient, buffer per weight; 0 where no buffer)."""
         key = tuple(0 if a is None else a.data_ptr()
                     for row in zip(weights, grads, buffers) for a in row)
-        return self.cached("_ptrs", key, lambda: torch.tensor(key, dtype=torch.int64,
-                                                               device=self.device))
+        return self.cached("_ptrs", key, lambda: self.on_device(key, torch.int64))
 
     def idle_state(self) -> PSIState:
         """The state PSI-SGD steps with (it keeps no buffer and the kernel reads none):
         views of one zero in the weights' shapes, made once."""
-        return self.cached("_idle", self.shapes, lambda: PSIState(tuple(
-            torch.zeros((), dtype=self.dtype, device=self.device).expand(s)
-            for s in self.shapes)))
+        def make():
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            return PSIState(tuple(zero.expand(s) for s in self.shapes))
+
+        return self.cached("_idle", self.shapes, make)
 
     def hyperparameters(self, momentum: float, max_norm: float) -> torch.Tensor:
         """``(momentum, max_norm)`` as a device tensor, made when they change."""
         key = (float(momentum), float(max_norm))
-        return self.cached("_hyper", key, lambda: torch.tensor(key, dtype=self.compute,
-                                                                device=self.device))
+        return self.cached("_hyper", key, lambda: self.on_device(key, self.compute))
 
 
 def _check(plan: FusedPSIPlan, state, weights, grads, lr, momentum, max_norm,

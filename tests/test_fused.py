@@ -480,3 +480,26 @@ def test_a_fused_step_never_synchronises_and_replays_from_a_cuda_graph():
         for x, y in zip(a, b):
             assert x is None or torch.equal(x, y)
     assert [int(p[5].step) for p in eager] == [4, 4]
+
+
+@pytest.mark.skipif(not CUDA, reason="stream synchronisation needs a GPU")
+def test_a_step_whose_gradients_moved_copies_its_pointer_table_without_synchronising():
+    """Gradients at new addresses (as after ``zero_grad()`` where the allocator moved
+    them): the step copies its new pointer table to the device from pinned memory, under
+    torch's sync debug mode "error" (a copy from pageable memory would wait for the
+    stream), and steps as the step on the old addresses does."""
+    moved, kept = _setup(MANY), _setup(MANY)
+    plans = _plan(MANY, moved[0][1][0]), _plan(MANY, kept[0][1][0])
+    for plan, parts in zip(plans, (moved, kept)):
+        _step_all(plan, parts, momentum=0.9)  # compiles the kernels, makes the tables
+    for p in moved:
+        p[3][:] = [g.clone() for g in p[3]]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step_all(plans[0], moved, momentum=0.9)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    _step_all(plans[1], kept, momentum=0.9)
+    for a, b in zip(_snapshot(moved), _snapshot(kept)):
+        for x, y in zip(a, b):
+            assert x is None or torch.equal(x, y)
