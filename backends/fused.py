@@ -9,6 +9,9 @@ chain (``data_ptr()``s and sizes, as ``_foreach`` and fused Adam take them):
 
 - a chain with a non-finite gradient, or a set ``found_inf`` (GradScaler's), is skipped on
   the device (weights, biases, buffers and step counter unchanged), as fused Adam skips;
+- GradScaler's ``grad_scale`` is read on the device too: the kernels read the gradients
+  unscaled and write them back so, as torch's fused optimizers do, with no launch of its
+  own;
 - the learning rate may be a 0-d device tensor and the step counters are the states' own
   device tensors, so nothing is read back to the host and the step can be captured in a
   CUDA graph (the tables are rebuilt only when a tensor's address changes, and copied
@@ -315,7 +318,7 @@ def _flat_lists(plan: FusedPlan, weights, biases, grads, bias_grads, buffers, su
     return out
 
 
-def _check_device(plan: FusedPlan, lr, counters, found_inf, checks) -> None:
+def _check_device(plan: FusedPlan, lr, counters, found_inf, grad_scale, checks) -> None:
     """``ValueError`` for a CPU step outside the interpreter and for device tensors that
     are not where the parameters are or not of the kernels' kinds (``counters``: the
     states' step counters, ``(name, tensor)``)."""
@@ -323,7 +326,8 @@ def _check_device(plan: FusedPlan, lr, counters, found_inf, checks) -> None:
         raise ValueError("the fused step runs on CPU tensors only under Triton's interpreter "
                          "(TRITON_INTERPRET=1 set before gsgd_backends.fused is imported, "
                          "for tests); step CPU parameters with fused=False")
-    named = [("lr", lr), ("found_inf", found_inf)] + list(counters or []) + [
+    named = [("lr", lr), ("found_inf", found_inf), ("grad_scale", grad_scale)] + list(
+        counters or []) + [
         (f"gradient_check[{c}]", t) for c, t in enumerate(checks or [])]
     for name, t in named:
         if isinstance(t, torch.Tensor) and (t.device != plan.device or t.numel() != 1):
@@ -345,7 +349,7 @@ def check_lengths(plan: FusedPlan, **lists) -> None:
 
 
 def checked_tensors(plan: FusedPlan, weights, biases, grads, bias_grads, lr, *, counters,
-                    buffers, buffer_dtype, found_inf, sums, checks) -> list:
+                    buffers, buffer_dtype, found_inf, sums, checks, grad_scale=None) -> list:
     """Check a step's arguments (``ValueError`` before anything runs) and list its tensors
     in the pointer table's order: per chain the lists :func:`fused_step_` takes, the
     rule's :class:`Buffers` (``buffers[c]``, of ``buffer_dtype``) and step counter
@@ -360,14 +364,16 @@ def checked_tensors(plan: FusedPlan, weights, biases, grads, bias_grads, lr, *, 
     tensors = _flat_lists(plan, weights, biases if biases is not None else [None] * n, grads,
                           bias_grads if bias_grads is not None else [None] * n, buffers, sums,
                           buffer_dtype)
-    _check_device(plan, lr, counters, found_inf, checks)
+    _check_device(plan, lr, counters, found_inf, grad_scale, checks)
     return tensors
 
 
 def launch_step(plan: FusedPlan, tensors: list, lr, *, counters, checks, found_inf,
-                rule: int, hyper: tuple, maximize: bool, buffer_dtype) -> None:
+                rule: int, hyper: tuple, maximize: bool, buffer_dtype,
+                grad_scale=None) -> None:
     """The three launches of a checked step (:func:`checked_tensors`): ``rule``, the
-    kernels' ``RULE`` flags, and ``hyper``, their hyperparameter vector."""
+    kernels' ``RULE`` flags, and ``hyper``, their hyperparameter vector; ``grad_scale``
+    (GradScaler's, or ``None``) the scale the gradients are read unscaled by."""
     n = len(plan.plans)
     given = checks is not None
     ptrs = plan.pointers(tensors)
@@ -379,19 +385,20 @@ def launch_step(plan: FusedPlan, tensors: list, lr, *, counters, checks, found_i
     hyper_t = plan.hyperparameters(tuple(float(h) for h in hyper))
     bl = plan.blocks
     flags = dict(ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
-                 MAXIMIZE=bool(maximize))
+                 MAXIMIZE=bool(maximize), UNSCALE=grad_scale is not None)
+    scale = plan.flag if grad_scale is None else grad_scale  # read only to unscale
     rule_flags = dict(BT=TRITON_DTYPES[buffer_dtype], RULE=int(rule), **flags)
     tiles = plan.bias_tiles if given else plan.read_tiles
     if tiles.shape[0]:
         launch(fk.read_pass, tiles.shape[0] // 4, tiles, plan.layers, ptrs, plan.part,
-               plan.flag, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
+               plan.flag, scale, ROWS_PER=bl.chunk, BR=bl.rows, BC=bl.cols, **flags)
     launch(fk.vector_stage, n, plan.chains, plan.layers, ptrs, table, plan.idx, plan.scale,
            plan.part, plan.ws, plan.flag, plan.ok,
-           plan.flag if found_inf is None else found_inf, lr_t, hyper_t, plan.coefs,
+           plan.flag if found_inf is None else found_inf, scale, lr_t, hyper_t, plan.coefs,
            float(torch.finfo(plan.compute).eps), HAS_STEP=counters is not None,
            HAS_FOUND=found_inf is not None, GIVEN=given, BLOCK=bl.nodes, **rule_flags)
     launch(fk.write_pass, plan.write_tiles.shape[0] // 3, plan.write_tiles, plan.chains,
-           plan.layers, ptrs, plan.coefs, plan.idx, plan.ws, plan.ok, lr_t, hyper_t,
+           plan.layers, ptrs, plan.coefs, plan.idx, plan.ws, plan.ok, lr_t, hyper_t, scale,
            BR=bl.rows, BC=bl.cols, **rule_flags)
 
 
@@ -399,7 +406,7 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
                 momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
                 weight_decay: float = 0.0, maximize: bool = False,
                 found_inf: torch.Tensor | None = None, column_sums=None,
-                gradient_check=None) -> None:
+                gradient_check=None, grad_scale: torch.Tensor | None = None) -> None:
     """One G-SGD step of every chain of ``plan``, in place, in three kernel launches.
 
     ``weights``, ``biases``, ``grads``, ``bias_grads``: one list per chain, as
@@ -409,8 +416,11 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
     :func:`gsgd_core.gsgd_update`'s (to rounding), ``maximize`` being the step on the
     negated gradients: a chain with a non-finite gradient is skipped whole, and every chain
     is skipped while ``found_inf`` (a one-element device tensor, GradScaler's) is non-zero.
-    ``lr`` is a number or a one-element device tensor (read on the device). Nothing is read
-    back to the host; bad input raises the core's ``ValueError`` before any launch.
+    ``lr`` is a number or a one-element device tensor (read on the device). Given
+    ``grad_scale`` (a one-element device tensor, GradScaler's), the gradients are read as
+    ``grad * float32(1 / grad_scale)``, as ``scaler.unscale_`` leaves them, and written back
+    so where a chain steps (as torch's fused optimizers leave them). Nothing is read back
+    to the host; bad input raises the core's ``ValueError`` before any launch.
 
     ``column_sums`` and ``gradient_check``: per chain, ``colsum(W_l * grad_l)``,
     ``l = 2..L``, taken from the backward pass (DESIGN §12), and a 0-d tensor that is
@@ -429,9 +439,9 @@ def fused_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr, states=
                                             for c, s in enumerate(states)]
     tensors = checked_tensors(plan, weights, biases, grads, bias_grads, lr, counters=counters,
                               buffers=buffers, buffer_dtype=plan.dtype, found_inf=found_inf,
-                              sums=column_sums, checks=gradient_check)
+                              sums=column_sums, checks=gradient_check, grad_scale=grad_scale)
     rule = ((fk.R_WD.value if weight_decay else 0) | (fk.R_M.value if momentum else 0)
             | (fk.R_NESTEROV.value if nesterov else 0))
     launch_step(plan, tensors, lr, counters=counters, checks=gradient_check,
                 found_inf=found_inf, rule=rule, hyper=(momentum, dampening, weight_decay),
-                maximize=maximize, buffer_dtype=plan.dtype)
+                maximize=maximize, buffer_dtype=plan.dtype, grad_scale=grad_scale)

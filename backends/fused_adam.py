@@ -51,7 +51,7 @@ def fused_adam_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr,
                      weight_decay: float = 0.0, decoupled: bool = False,
                      amsgrad: bool = False, maximize: bool = False,
                      found_inf: torch.Tensor | None = None, column_sums=None,
-                     gradient_check=None) -> None:
+                     gradient_check=None, grad_scale: torch.Tensor | None = None) -> None:
     """One G-Adam step of every chain of ``plan``, in place, in three kernel launches.
 
     Each chain's result is :func:`gsgd_core.path_update`'s with
@@ -63,7 +63,7 @@ def fused_adam_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr,
         Delta <- Delta + lr * weight_decay * V   (decoupled: G-AdamW)
 
     ``weights``, ``biases``, ``grads``, ``bias_grads``, ``lr``, ``maximize``,
-    ``found_inf``, ``column_sums`` and ``gradient_check`` as :func:`~.fused.fused_step_`
+    ``found_inf``, ``column_sums``, ``gradient_check`` and ``grad_scale`` as :func:`~.fused.fused_step_`
     takes them; ``states``: one :class:`gsgd_core.RuleState` per chain
     (:func:`gsgd_core.path_init`'s, buffers in the compute dtype: float32 for half
     parameters), whose moments and ``count`` are updated in place, ``t = count + 1`` read
@@ -80,7 +80,7 @@ def fused_adam_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr,
     counters = [(f"states[{c}].count", s.count) for c, s in enumerate(states)]
     tensors = checked_tensors(plan, weights, biases, grads, bias_grads, lr, counters=counters,
                               buffers=buffers, buffer_dtype=plan.compute, found_inf=found_inf,
-                              sums=column_sums, checks=gradient_check)
+                              sums=column_sums, checks=gradient_check, grad_scale=grad_scale)
     flags = fk.R_ADAM.value | (fk.R_AMSGRAD.value if amsgrad else 0)
     if weight_decay:
         flags |= fk.R_DECOUPLED.value if decoupled else fk.R_WD.value
@@ -88,4 +88,4 @@ def fused_adam_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr,
     launch_step(plan, tensors, lr, counters=counters, checks=gradient_check,
                 found_inf=found_inf, rule=flags,
                 hyper=(b1, 1.0 - b1, b2, 1.0 - b2, eps, weight_decay), maximize=maximize,
-                buffer_dtype=plan.compute)
+                buffer_dtype=plan.compute, grad_scale=grad_scale)

@@ -255,21 +255,42 @@ def _and(mask, flag):
 
 
 @device_function
-def _grad(ptr, offs, mask, DT: tl.constexpr, MAXIMIZE: tl.constexpr):
-    g = tl.load(ptr + offs, mask=mask, other=0.0).to(DT)
+def unscaling(scale, DT: tl.constexpr, UNSCALE: tl.constexpr):
+    """The factor the gradients are read with: 1, or with ``UNSCALE`` the inverse of
+    GradScaler's ``scale``, rounded as its unscaling rounds it (the reciprocal in float64,
+    then float32), so that a gradient reads as ``scaler.unscale_`` would leave it."""
+    inv = 1.0
+    if UNSCALE:
+        inv = (1.0 / tl.load(scale).to(tl.float64)).to(tl.float32).to(DT)
+    return inv
+
+
+@device_function
+def _grad(ptr, offs, mask, inv, DT: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """A gradient as the step reads it: unscaled (times ``inv``), negated to maximise."""
+    g = tl.load(ptr + offs, mask=mask, other=0.0).to(DT) * inv
     if MAXIMIZE:
         g = -g
     return g
 
 
+@device_function
+def store_unscaled(ptr, offs, mask, g, ST: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """The unscaled gradient ``g`` (as :func:`_grad` read it) written back in place, as
+    torch's fused optimizers leave GradScaler's gradients."""
+    if MAXIMIZE:
+        g = -g
+    tl.store(ptr + offs, g.to(ST), mask=mask)
+
+
 @triton.jit
-def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexpr,
-              MAXIMIZE: tl.constexpr, ROWS_PER: tl.constexpr, BR: tl.constexpr,
-              BC: tl.constexpr):
+def read_pass(tiles, layers, ptrs, part, flag, scale, ST: tl.constexpr, DT: tl.constexpr,
+              MAXIMIZE: tl.constexpr, UNSCALE: tl.constexpr, ROWS_PER: tl.constexpr,
+              BR: tl.constexpr, BC: tl.constexpr):
     """One tile ``(layer, kind, row chunk, first column)``: the columns' partial sums of
     ``W * grad`` over the chunk's rows into ``part`` (where the layer has a ``PART``
     offset), and the chain's flag set if a gradient entry (weight, or bias for ``kind``
-    1) is not finite."""
+    1) is not finite; gradients read unscaled by GradScaler's ``scale`` (``UNSCALE``)."""
     t = tl.program_id(0)
     li = tl.load(tiles + t * 4)
     kind = tl.load(tiles + t * 4 + 1)
@@ -289,11 +310,12 @@ def read_pass(tiles, layers, ptrs, part, flag, ST: tl.constexpr, DT: tl.constexp
     acc = tl.zeros((BC,), DT)
     bad = tl.zeros((BC,), tl.int1)
     r_end = tl.minimum(n, (chunk + 1) * ROWS_PER)
+    inv = unscaling(scale, DT, UNSCALE)
     for r0 in range(chunk * ROWS_PER, r_end, BR):
         rows = r0 + tl.arange(0, BR)
         m = (rows < r_end)[:, None] & cm[None, :]
         offs = rows[:, None] * width + cols[None, :]
-        g = _grad(g_ptr, offs, m, DT, MAXIMIZE)
+        g = _grad(g_ptr, offs, m, inv, DT, MAXIMIZE)
         bad = bad | tl.max((~finite(g) & m).to(tl.int32), axis=0).to(tl.int1)
         if poff >= 0:
             w = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
@@ -351,8 +373,9 @@ def _factors(layers, ptrs, idx, scale, vec, li, COUNT: tl.constexpr, EDGE: tl.co
 
 
 @device_function
-def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl.constexpr,
-                   MAXIMIZE: tl.constexpr, GIVEN: tl.constexpr, BLOCK: tl.constexpr):
+def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, inv, ST: tl.constexpr,
+                   DT: tl.constexpr, MAXIMIZE: tl.constexpr, GIVEN: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """ICR's backward sweep (fast.backward_sums, layer by layer from the top)::
 
         T_{l-1} = colsum(W_l * grad_l) - P_l[free edges] + sum of T_l over the nodes whose
@@ -377,7 +400,7 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
             a = a0 + tl.arange(0, BLOCK)
             m = a < p
             if GIVEN:
-                acc = _grad(_ptr(ptrs, li, P_S, ST), a, m, DT, MAXIMIZE)
+                acc = _grad(_ptr(ptrs, li, P_S, ST), a, m, inv, DT, MAXIMIZE)
             else:
                 acc = tl.zeros((BLOCK,), DT)
                 for ch in range(0, chunks):
@@ -385,7 +408,7 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
                         acc += tl.load(part + poff + ch * width + a * k + s, mask=m, other=0.0)
             fi = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=m, other=0)
             w = tl.load(w_ptr + fi, mask=m, other=0.0).to(DT)
-            T = acc - w * _grad(g_ptr, fi, m, DT, MAXIMIZE)
+            T = acc - w * _grad(g_ptr, fi, m, inv, DT, MAXIMIZE)
             start = tl.load(idx + cptr + a, mask=m, other=0)
             end = tl.load(idx + cptr + a + 1, mask=m, other=0)
             for c in range(0, _field(layers, li, CARRY_MAX, FIELDS)):
@@ -398,7 +421,7 @@ def _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST: tl.constexpr, DT: tl
 
 @device_function
 def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, hyper, step_size,
-               sqrt_bc2, eps, ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
+               sqrt_bc2, eps, inv, ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr,
                RULE: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
     """Weight allocation's forward sweep on the tau edges (sweeps.allocate3): ``D = (w g -
     T) / V``, the rule's step, ``R = 1 - step / V`` (0 -> eps), the tau edge ``w R /
@@ -419,7 +442,7 @@ def _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, hyper, 
             src = tl.load(idx + _field(layers, li, TAU_SRC, FIELDS) + j, mask=m, other=0)
             free = tl.load(idx + _field(layers, li, TAU_FREE, FIELDS) + j, mask=m, other=1) != 0
             w = tl.load(w_ptr + ti, mask=m, other=0.0).to(DT)
-            g = _grad(g_ptr, ti, m, DT, MAXIMIZE)
+            g = _grad(g_ptr, ti, m, inv, DT, MAXIMIZE)
             V = (tl.load(Fw + out_node + j, mask=m, other=0.0)
                  * tl.load(Bw + in_node + src, mask=m, other=0.0)) * w
             D = _path_gradient(w * g - tl.load(Tw + out_node + j, mask=m, other=0.0), V, g)
@@ -458,11 +481,12 @@ def _free_buffers(layers, ptrs, idx, li0, L, ok, first, lr, hyper, step_size, sq
 
 
 @device_function
-def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
+def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2, inv,
             ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, RULE: tl.constexpr,
-            MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+            MAXIMIZE: tl.constexpr, UNSCALE: tl.constexpr, BLOCK: tl.constexpr):
     """The core's bias rule: ``Db = grad_b / F`` (frozen on overflow), the rule's step with
-    ``Vb = b F``, ``b' = b - step / F``, kept where not finite."""
+    ``Vb = b F``, ``b' = b - step / F``, kept where not finite; with ``UNSCALE`` the
+    unscaled gradient written back where the step is taken."""
     for l in range(1, L + 1):
         li = li0 + l - 1
         if _field(layers, li, HAS_BIAS, FIELDS) != 0:
@@ -475,21 +499,23 @@ def _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
                 m = j < n
                 F = tl.load(Fw + out_node + j, mask=m, other=1.0)
                 b = tl.load(b_ptr + j, mask=m, other=0.0).to(DT)
-                g = _grad(gb_ptr, j, m, DT, MAXIMIZE)
+                g = _grad(gb_ptr, j, m, inv, DT, MAXIMIZE)
                 M, S, X = _buffers(ptrs, li, j, m, tl.zeros((BLOCK,), DT), P_MB, RULE, BT, DT)
                 step, Mn, Sn, Xn = _rule(_path_gradient(g, F, g), b * F, M, S, X, first, lr,
                                          hyper, step_size, sqrt_bc2, RULE, DT)
                 tl.store(b_ptr + j, _kept(b - _over(step, F, lr, RULE), b).to(ST),
                          mask=_and(m, ok))
                 _store_buffers(ptrs, li, j, _and(m, ok), Mn, Sn, Xn, M, S, X, P_MB, RULE, BT)
+                if UNSCALE:
+                    store_unscaled(gb_ptr, j, _and(m, ok), g, ST, MAXIMIZE)
 
 
 @triton.jit
 def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf, found,
-                 lr_ptr, hyper, coefs, eps, ST: tl.constexpr, DT: tl.constexpr,
+                 grad_scale, lr_ptr, hyper, coefs, eps, ST: tl.constexpr, DT: tl.constexpr,
                  BT: tl.constexpr, RULE: tl.constexpr, MAXIMIZE: tl.constexpr,
                  HAS_STEP: tl.constexpr, HAS_FOUND: tl.constexpr, GIVEN: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 UNSCALE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per chain: the read pass's flag (and ``found_inf``) decide the step,
     handed to the write pass in ``okbuf`` (the flag is cleared for the next step; with
     ``GIVEN`` column sums, the caller's gradient check must be finite too); the step's
@@ -512,6 +538,7 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
     tl.store(okbuf + c, ok.to(tl.int32))
     tl.store(flag + c, 0)
     lr = tl.load(lr_ptr).to(DT)
+    inv = unscaling(grad_scale, DT, UNSCALE)
     first = False
     step_size = lr
     sqrt_bc2 = lr
@@ -527,27 +554,30 @@ def vector_stage(chains, layers, ptrs, steps, idx, scale, part, ws, flag, okbuf,
         tl.store(row + K_STEP, step_size)
         tl.store(row + K_BC2, sqrt_bc2)
     _products(layers, ptrs, idx, scale, Bw, Fw, Rw, li0, L, ST, DT, BLOCK)
-    _backward_sums(layers, ptrs, idx, part, Tw, li0, L, ST, DT, MAXIMIZE, GIVEN, BLOCK)
+    _backward_sums(layers, ptrs, idx, part, Tw, li0, L, inv, ST, DT, MAXIMIZE, GIVEN, BLOCK)
     _tau_edges(layers, ptrs, idx, Bw, Fw, Rw, Tw, li0, L, ok, first, lr, hyper, step_size,
-               sqrt_bc2, eps, ST, DT, BT, RULE, MAXIMIZE, BLOCK)
+               sqrt_bc2, eps, inv, ST, DT, BT, RULE, MAXIMIZE, BLOCK)
     if (R_M | R_ADAM) & RULE:
         _free_buffers(layers, ptrs, idx, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2,
                       DT, BT, RULE, BLOCK)
-    _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2, ST, DT, BT,
-            RULE, MAXIMIZE, BLOCK)
+    _biases(layers, ptrs, Fw, li0, L, ok, first, lr, hyper, step_size, sqrt_bc2, inv, ST, DT,
+            BT, RULE, MAXIMIZE, UNSCALE, BLOCK)
     if HAS_STEP:
         tl.store(step_ptr, count + 1, mask=ok)
 
 
 @triton.jit
-def write_pass(tiles, chains, layers, ptrs, coefs, idx, ws, okbuf, lr_ptr, hyper,
+def write_pass(tiles, chains, layers, ptrs, coefs, idx, ws, okbuf, lr_ptr, hyper, grad_scale,
                ST: tl.constexpr, DT: tl.constexpr, BT: tl.constexpr, RULE: tl.constexpr,
-               MAXIMIZE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+               MAXIMIZE: tl.constexpr, UNSCALE: tl.constexpr, BR: tl.constexpr,
+               BC: tl.constexpr):
     """One tile ``(layer, first row, first column)`` of a layer seen as ``(n, p*k)``: the
     bulk update (fast.rows_by_rules, rule_step.rule_bulk_) ``W' = (W - step / (F B)) /
     rho`` with ``D = grad / (F B)``, ``V = F B W`` and the rule's step and buffers, every
     entry by the core's rules; tau and free edges (found by their flat indices) are the
-    vector stage's and are not written."""
+    vector stage's and are not written. With ``UNSCALE`` the gradients are read unscaled
+    by GradScaler's ``grad_scale`` and, every entry of the tile (the vector stage has read
+    the special edges'), written back so, as torch's fused optimizers leave them."""
     t = tl.program_id(0)
     li = tl.load(tiles + t * 3)
     r0 = tl.load(tiles + t * 3 + 1)
@@ -576,10 +606,12 @@ def write_pass(tiles, chains, layers, ptrs, coefs, idx, ws, okbuf, lr_ptr, hyper
         free = tl.load(idx + _field(layers, li, FREE_IDX, FIELDS) + a, mask=_and(cm, pos > 1),
                        other=-1)
         offs = rows[:, None] * width + cols[None, :]
-        m = (rm[:, None] & cm[None, :]) & (offs != tau[:, None]) & (offs != free[None, :])
+        tile = rm[:, None] & cm[None, :]
+        m = tile & (offs != tau[:, None]) & (offs != free[None, :])
         w_ptr = _ptr(ptrs, li, P_W, ST)
         W = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
-        G = _grad(_ptr(ptrs, li, P_G, ST), offs, m, DT, MAXIMIZE)
+        g_ptr = _ptr(ptrs, li, P_G, ST)
+        G = _grad(g_ptr, offs, tile, unscaling(grad_scale, DT, UNSCALE), DT, MAXIMIZE)
         M, S, X = _buffers(ptrs, li, offs, m, tl.zeros((BR, BC), DT), P_M, RULE, BT, DT)
         lr = tl.load(lr_ptr).to(DT)
         first = False
@@ -596,3 +628,5 @@ def write_pass(tiles, chains, layers, ptrs, coefs, idx, ws, okbuf, lr_ptr, hyper
         new = (W - _over(step, fb, lr, RULE)) / rho[None, :]
         tl.store(w_ptr + offs, _kept(new, W).to(ST), mask=m)
         _store_buffers(ptrs, li, offs, m, Mn, Sn, Xn, M, S, X, P_M, RULE, BT)
+        if UNSCALE:
+            store_unscaled(g_ptr, offs, tile, G, ST, MAXIMIZE)

@@ -96,7 +96,7 @@ class FusedPSIPlan(DeviceValues):
 
 
 def _check(plan: FusedPSIPlan, state, weights, grads, lr, momentum, max_norm,
-           found_inf) -> list:
+           found_inf, grad_scale) -> list:
     """The core's ``ValueError``s (:func:`gsgd_core.psi.check_psi_arguments`), then the
     plan's: shapes, device, dtype, contiguity, device tensors. Returns the buffers the
     kernel reads (``None`` each for PSI-SGD)."""
@@ -122,7 +122,7 @@ def _check(plan: FusedPSIPlan, state, weights, grads, lr, momentum, max_norm,
                                  f"of {plan.dtype} on {plan.device}; the {what} of shape "
                                  f"{tuple(a.shape)} is {a.dtype} on {a.device}"
                                  f"{'' if a.is_contiguous() else ', not contiguous'}")
-    for name, t in (("lr", lr), ("found_inf", found_inf)):
+    for name, t in (("lr", lr), ("found_inf", found_inf), ("grad_scale", grad_scale)):
         if isinstance(t, torch.Tensor) and (t.device != plan.device or t.numel() != 1):
             raise ValueError(f"{name} must be a one-element tensor on {plan.device}, got "
                              f"shape {tuple(t.shape)} on {t.device}")
@@ -131,20 +131,25 @@ def _check(plan: FusedPSIPlan, state, weights, grads, lr, momentum, max_norm,
 
 def fused_psi_step_(plan: FusedPSIPlan, state: PSIState, weights, grads, lr, *,
                     momentum: float = 0.0, max_norm: float = 1e4,
-                    found_inf: torch.Tensor | None = None) -> None:
+                    found_inf: torch.Tensor | None = None,
+                    grad_scale: torch.Tensor | None = None) -> None:
     """One PSI-SGD(M) step of ``weights`` and ``state``'s buffers, in place, in one kernel
     launch: :func:`gsgd_core.psi_update`'s result (to rounding), nothing written while
     ``found_inf`` (a one-element device tensor) is non-zero. ``lr`` is a number or a
     one-element device tensor; ``momentum = 0`` (PSI-SGD) neither reads nor writes the
-    buffers. Nothing is read back to the host; bad input raises the core's ``ValueError``
+    buffers. Given ``grad_scale`` (a one-element device tensor, GradScaler's), the
+    gradients are read unscaled (:func:`~.fused.fused_step_`) and written back so in the rows
+    written. Nothing is read back to the host; bad input raises the core's ``ValueError``
     (or the plan's) before the launch."""
-    buffers = _check(plan, state, weights, grads, lr, momentum, max_norm, found_inf)
+    buffers = _check(plan, state, weights, grads, lr, momentum, max_norm, found_inf,
+                     grad_scale)
     if not plan.tiles.numel():
         return
     ptrs = plan.pointers(weights, grads, buffers)
     hyper = plan.hyperparameters(momentum, max_norm)
     launch(fk.psi_rows, plan.tiles.shape[0] // 2, plan.tiles, plan.sizes, ptrs,
            plan.learning_rate(lr), hyper, hyper if found_inf is None else found_inf,
+           hyper if grad_scale is None else grad_scale,
            ST=TRITON_DTYPES[plan.dtype], DT=TRITON_DTYPES[plan.compute],
-           HAS_M=not is_off(momentum),
-           HAS_FOUND=found_inf is not None, BR=plan.blocks.rows, BC=plan.blocks.cols)
+           HAS_M=not is_off(momentum), HAS_FOUND=found_inf is not None,
+           UNSCALE=grad_scale is not None, BR=plan.blocks.rows, BC=plan.blocks.cols)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fused_kernels import device_function, finite
+from .fused_kernels import store_unscaled, unscaling, device_function, finite
 
 # Fields of a row of the weight table (int64), built by gsgd_backends.fused_psi.
 W_ROWS, W_REST, WFIELDS = map(tl.constexpr, range(3))
@@ -23,12 +23,13 @@ Q_W, Q_G, Q_U, QPTRS = map(tl.constexpr, range(4))
 
 
 @device_function
-def _new_rows(w_ptr, g_ptr, u_ptr, offs, m, sq, lr, mu, DT: tl.constexpr,
+def _new_rows(w_ptr, g_ptr, u_ptr, offs, m, sq, lr, mu, inv, DT: tl.constexpr,
               HAS_M: tl.constexpr):
     """``u' = mu u + ||w||^2 g`` and ``w' = w - lr u'`` of a block of rows (the old ``w``
-    too): PSI-SGD (no ``HAS_M``) reads no buffer, as the core keeps none."""
+    too), ``g`` read unscaled (times ``inv``): PSI-SGD (no ``HAS_M``) reads no buffer, as
+    the core keeps none."""
     W = tl.load(w_ptr + offs, mask=m, other=0.0).to(DT)
-    G = tl.load(g_ptr + offs, mask=m, other=0.0).to(DT)
+    G = tl.load(g_ptr + offs, mask=m, other=0.0).to(DT) * inv
     U = sq[:, None] * G
     if HAS_M:
         U = mu * tl.load(u_ptr + offs, mask=m, other=0.0).to(DT) + U
@@ -36,14 +37,16 @@ def _new_rows(w_ptr, g_ptr, u_ptr, offs, m, sq, lr, mu, DT: tl.constexpr,
 
 
 @triton.jit
-def psi_rows(tiles, sizes, ptrs, lr_ptr, hyper, found, ST: tl.constexpr, DT: tl.constexpr,
-             HAS_M: tl.constexpr, HAS_FOUND: tl.constexpr, BR: tl.constexpr,
-             BC: tl.constexpr):
+def psi_rows(tiles, sizes, ptrs, lr_ptr, hyper, found, grad_scale, ST: tl.constexpr,
+             DT: tl.constexpr, HAS_M: tl.constexpr, HAS_FOUND: tl.constexpr,
+             UNSCALE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """One tile ``(weight, first row)``: ``BR`` rows of a weight updated in place by
     psi_update's rules (``hyper`` holds ``momentum, max_norm``): a row whose new norm passes
     ``max_norm`` is divided by it, its buffer too; a row with a non-finite gradient or new
     value keeps its old values. Nothing is written while ``found`` (GradScaler's
-    ``found_inf``) is set."""
+    ``found_inf``) is set. With ``UNSCALE`` the gradients are read unscaled by GradScaler's
+    ``grad_scale`` and written back so in the rows that are written, as torch's fused
+    optimizers leave them."""
     t = tl.program_id(0)
     i = tl.load(tiles + t * 2)
     r0 = tl.load(tiles + t * 2 + 1)
@@ -59,6 +62,7 @@ def psi_rows(tiles, sizes, ptrs, lr_ptr, hyper, found, ST: tl.constexpr, DT: tl.
         lr = tl.load(lr_ptr).to(DT)
         mu = tl.load(hyper)
         max_norm = tl.load(hyper + 1)
+        inv = unscaling(grad_scale, DT, UNSCALE)
         rows = r0 + tl.arange(0, BR)
         rm = rows < n
         sq = tl.zeros((BR,), DT)
@@ -73,7 +77,7 @@ def psi_rows(tiles, sizes, ptrs, lr_ptr, hyper, found, ST: tl.constexpr, DT: tl.
             cols = c0 + tl.arange(0, BC)
             m = rm[:, None] & (cols < width)[None, :]
             _, G, U, Wn = _new_rows(w_ptr, g_ptr, u_ptr, rows[:, None] * width + cols[None, :],
-                                    m, sq, lr, mu, DT, HAS_M)
+                                    m, sq, lr, mu, inv, DT, HAS_M)
             norm2 += tl.sum(Wn * Wn, axis=1)
             fine = finite(G) & finite(U) & finite(Wn)
             bad = tl.maximum(bad, tl.max(tl.where(m, ~fine, False).to(tl.int32), axis=1))
@@ -85,7 +89,9 @@ def psi_rows(tiles, sizes, ptrs, lr_ptr, hyper, found, ST: tl.constexpr, DT: tl.
             cols = c0 + tl.arange(0, BC)
             offs = rows[:, None] * width + cols[None, :]
             m = keep[:, None] & (cols < width)[None, :]
-            _, _, U, Wn = _new_rows(w_ptr, g_ptr, u_ptr, offs, m, sq, lr, mu, DT, HAS_M)
+            _, G, U, Wn = _new_rows(w_ptr, g_ptr, u_ptr, offs, m, sq, lr, mu, inv, DT, HAS_M)
             tl.store(w_ptr + offs, (Wn / scale[:, None]).to(ST), mask=m)
+            if UNSCALE:
+                store_unscaled(g_ptr, offs, m, G, ST, False)
             if HAS_M:
                 tl.store(u_ptr + offs, (U / scale[:, None]).to(ST), mask=m)

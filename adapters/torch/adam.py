@@ -155,7 +155,8 @@ class GAdam(ScaleInvariantOptimizer):
             if group.get("check_finite"):
                 params = self._live(params, group)
             if params:
-                F.adam(params, state, group, self.decoupled, self._nonfinite_flag(params))
+                F.adam(params, state, group, self.decoupled, self._nonfinite_flag(params),
+                       self._grad_scale)
             return
         params = self._live(params, group)
         if params:

@@ -209,13 +209,14 @@ def fused_plan(step_plans):
 
 
 def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight_decay,
-               maximize: bool, sums: list | None, found_inf) -> None:
+               maximize: bool, sums: list | None, found_inf, grad_scale=None) -> None:
     """One G-SGD(M) step of every chain of ``plan`` (a :class:`gsgd_backends.fused.FusedPlan`)
     in three launches, no host read: ``chains``, their ``(W, b, G, Gb)`` (gradients as
     they are: the kernels negate them to maximise, and ``sums``, the column sums per chain
     or ``None``, with them); states gathered from ``state`` (momentum buffers; with weight
     decay alone, a step count the rule never reads). Skipped on the device while
-    ``found_inf`` is set, as a chain with a non-finite gradient is."""
+    ``found_inf`` is set, as a chain with a non-finite gradient is; the gradients read
+    unscaled by ``grad_scale`` where given (GradScaler's)."""
     from gsgd_backends.fused import fused_step_
 
     W, b, G, Gb = (list(x) for x in zip(*chains))
@@ -230,11 +231,11 @@ def fused_gsgd(plan, state, chains, *, lr, momentum, dampening, nesterov, weight
                                          gradient_check=[s["gradient_check"] for s in sums])
     fused_step_(plan, W, b, G, Gb, _on(lr, plan.device), states, momentum=momentum,
                 dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
-                maximize=maximize, found_inf=found_inf, **given)
+                maximize=maximize, found_inf=found_inf, grad_scale=grad_scale, **given)
 
 
 def fused_gadam(plan, state, chains, *, rule, maximize: bool, sums: list | None,
-                found_inf) -> None:
+                found_inf, grad_scale=None) -> None:
     """One step of ``rule`` (G-Adam's, :class:`gsgd_core.AdamRule`) on every chain of
     ``plan`` in three launches, no host read, as :func:`fused_gsgd` (the moments and step
     count gathered from ``state``; ``rule.lr`` may be a one-element tensor, read on the
@@ -247,7 +248,8 @@ def fused_gadam(plan, state, chains, *, rule, maximize: bool, sums: list | None,
                                          gradient_check=[s["gradient_check"] for s in sums])
     fused_adam_step_(plan, W, b, G, Gb, _on(rule.lr, plan.device), states, betas=rule.betas,
                      eps=rule.eps, weight_decay=rule.weight_decay, decoupled=rule.decoupled,
-                     amsgrad=rule.amsgrad, maximize=maximize, found_inf=found_inf, **given)
+                     amsgrad=rule.amsgrad, maximize=maximize, found_inf=found_inf,
+                     grad_scale=grad_scale, **given)
 
 
 def _on(lr, device):
@@ -256,18 +258,20 @@ def _on(lr, device):
     return lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
 
 
-def psi(U, W, G, *, lr, momentum, max_norm, plan, found_inf=None) -> None:
+def psi(U, W, G, *, lr, momentum, max_norm, plan, found_inf=None, grad_scale=None) -> None:
     """PSI-SGD(M) (Yi et al., Algorithm 1) per row ``i`` of each weight:
     ``u <- momentum*u + ||w_i||^2 g_i; w_i <- w_i - lr*u``, rows of norm above
     ``max_norm`` renormalised; ``U`` the momentum buffers (``None`` for PSI-SGD, which
     keeps none). ``plan``: a compiled :class:`~gsgd_backends.psi.PSIPlan`, or a fused one
-    (one launch, skipped on the device while ``found_inf`` is set)."""
+    (one launch, skipped on the device while ``found_inf`` is set, the gradients read
+    unscaled by ``grad_scale`` where given)."""
     if type(plan).__name__ == "FusedPSIPlan":
         from gsgd_backends.fused_psi import fused_psi_step_
 
         state = plan.idle_state() if U is None else PSIState(tuple(U))
         fused_psi_step_(plan, state, W, G, _on(lr, plan.device),
-                        momentum=momentum, max_norm=max_norm, found_inf=found_inf)
+                        momentum=momentum, max_norm=max_norm, found_inf=found_inf,
+                        grad_scale=grad_scale)
         return
     if U is None:  # zeros that take no memory stand for the buffers PSI-SGD does not keep
         U = [w.new_zeros(()).expand_as(w) for w in W]
@@ -308,13 +312,14 @@ def _torch_lr(lr, params, found_inf):
     return lr.to(device=params[0].device, dtype=torch.float32)
 
 
-def sgd(params, state, group: dict, found_inf=None) -> None:
+def sgd(params, state, group: dict, found_inf=None, grad_scale=None) -> None:
     """``torch.optim.SGD``'s update of ``params`` with the group's hyperparameters; given
-    ``found_inf`` (:func:`nonfinite_flag`), torch's fused update, skipped on the device
-    while it is set."""
+    ``found_inf`` (:func:`nonfinite_flag`, or GradScaler's), torch's fused update, skipped
+    on the device while it is set, which unscales the gradients by ``grad_scale`` in place
+    where given."""
     bufs = [state[p].get("momentum_buffer") for p in params]
     how = dict(foreach=group.get("foreach")) if found_inf is None else dict(
-        fused=True, found_inf=found_inf)
+        fused=True, found_inf=found_inf, grad_scale=grad_scale)
     torch_sgd(params, [p.grad for p in params], bufs, weight_decay=group["weight_decay"],
               momentum=group["momentum"], lr=_torch_lr(group["lr"], params, found_inf),
               dampening=group["dampening"],
@@ -324,14 +329,17 @@ def sgd(params, state, group: dict, found_inf=None) -> None:
             state[p]["momentum_buffer"] = buf
 
 
-def adam(params, state, group: dict, decoupled: bool, found_inf=None) -> None:
+def adam(params, state, group: dict, decoupled: bool, found_inf=None,
+         grad_scale=None) -> None:
     """``torch.optim.Adam``'s (``AdamW``'s: ``decoupled``) update of ``params``; given
-    ``found_inf`` (:func:`nonfinite_flag`), torch's fused update (its step counts on the
-    parameters' device), skipped on the device while it is set."""
+    ``found_inf`` (:func:`nonfinite_flag`, or GradScaler's), torch's fused update (its step
+    counts on the parameters' device), skipped on the device while it is set, which
+    unscales the gradients by ``grad_scale`` in place where given."""
     names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
     sts = [state[p] for p in params]
     how = dict(foreach=group.get("foreach")) if found_inf is None else dict(
-        fused=True, found_inf=found_inf.reshape(()))  # 0-d, as its step counts are
+        fused=True, found_inf=found_inf.reshape(()),  # 0-d, as its step counts are
+        grad_scale=grad_scale)
     for p, st in zip(params, sts):
         if "step" not in st:
             st["step"] = torch.tensor(0.0, device=None if found_inf is None else p.device)

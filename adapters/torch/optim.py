@@ -159,11 +159,11 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            if self._unscale_amp():
+            fused = self._fusable() if self._fused else ()
+            if self._unscale_amp(len(fused) == len(self._chains())):
                 self._sums.reduce()
                 if self._unchecked:
                     self._check_skeleton()
-                fused = self._fusable() if self._fused else ()
                 for part in self._parts:
                     if part not in fused:
                         part.step(self, self.param_groups[part.group])
@@ -171,7 +171,7 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
                     self._step_fused(fused)
         return loss
 
-    def _unscale_amp(self) -> bool:
+    def _unscale_amp(self, in_kernels: bool) -> bool:
         """``GradScaler``'s part of a step called by ``scaler.step(opt)``: ``False`` (no step)
         if it found a non-finite gradient, as it skips other optimizers' steps; else the
         gradients unscaled as ``scaler.unscale_`` would, and the chains' column sums with them
@@ -179,28 +179,37 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         already unscaled (no ``grad_scale`` then) refuse the sums. Under ``fused`` nothing is
         read: ``found_inf`` goes to the fused steps, which skip on the device, and the sums
         are refused (their rescaling is exact only for a power of two, which only a read
-        could tell)."""
+        could tell); where every chain steps fused (``in_kernels``), ``grad_scale`` goes to
+        the fused steps too, which read the gradients unscaled and write them back so, as
+        torch's fused optimizers do, instead of a pass of their own."""
         found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
         self._found_inf = found if self._fused else None  # the fused steps skip on the device
+        self._grad_scale = scale if self._fused and in_kernels else None
         if found is None and scale is None:
             return True
         if not self._fused and found is not None and bool(found):
             return False
-        inv = None if scale is None else scale.double().reciprocal().float()
-        if inv is not None:
-            grads: dict = {}
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-            for (device, _), gs in grads.items():
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
-        if self._fused and inv is not None:  # its factor cannot be read without a host sync
+        if scale is not None and self._grad_scale is None:
+            self._unscale(scale)
+        if self._fused and scale is not None:  # its factor cannot be read without a host sync
             self._sums.unscaled(None, "the fused step unscaled the gradients on the device")
         else:
-            self._sums.unscaled(None if inv is None else float(inv))
+            self._sums.unscaled(None if scale is None else float(
+                scale.double().reciprocal().float()))
         return True
+
+    def _unscale(self, scale: torch.Tensor) -> None:
+        """Every gradient times ``1 / scale`` (in float64, rounded to float32), in place, as
+        ``scaler.unscale_`` unscales them."""
+        inv = scale.double().reciprocal().float()
+        grads: dict = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), gs in grads.items():
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; the chains' column sums restart with the gradients."""
@@ -355,7 +364,8 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
                                     [None if x is None else x.grad for x in p.biases])
                                    for p in ps],
                 maximize=bool(group["maximize"]), found_inf=self._found_inf,
-                sums=sums if all(sums) else None, **self._hyper(group))
+                grad_scale=self._grad_scale, sums=sums if all(sums) else None,
+                **self._hyper(group))
 
     # ------------------------------------------------------------------ what parts call
     def _hyper(self, group: dict) -> dict:
@@ -431,9 +441,13 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         """The update of ``params`` outside chains (those with a gradient): each family's."""
 
     def _nonfinite_flag(self, params) -> torch.Tensor:
-        """The fused step's skip flag of ``params``' gradients (with ``found_inf``), on the
-        device (:func:`.functional.nonfinite_flag`), in a tensor kept per device."""
-        return F.nonfinite_flag([p.grad for p in params], self._found_inf,
+        """The fused step's skip flag of ``params``' gradients: ``GradScaler``'s
+        ``found_inf`` where given (it has checked every gradient of the optimizer), else
+        the gradients' check on the device (:func:`.functional.nonfinite_flag`), in a
+        tensor kept per device."""
+        if self._found_inf is not None:
+            return self._found_inf
+        return F.nonfinite_flag([p.grad for p in params], None,
                                 self.__dict__.setdefault("_flags", {}))
 
     def _count_skip(self, what: str) -> None:
@@ -463,7 +477,7 @@ class _SGDRules(ScaleInvariantOptimizer):
             if group.get("check_finite"):
                 params = self._live(params, group)
             if params:
-                F.sgd(params, state, group, self._nonfinite_flag(params))
+                F.sgd(params, state, group, self._nonfinite_flag(params), self._grad_scale)
             return
         params = self._live(params, group)
         if params:

@@ -204,7 +204,7 @@ class PSIPart(Part):
         U = [local(F.momentum_buffer(opt.state[p], p)) for p, _ in live] if momentum else None
         F.psi(U, W, G, lr=opt._value(group, "lr"), momentum=momentum,
               max_norm=group["max_norm"], plan=opt._psi_plan(self, W),
-              found_inf=opt._found_inf)
+              found_inf=opt._found_inf, grad_scale=opt._grad_scale)
 
 
 @dataclass(eq=False)
