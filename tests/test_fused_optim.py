@@ -176,11 +176,18 @@ def test_the_fused_psi_step_of_a_resnet_equals_the_unfused_one(opt_class, hyper)
     _assert_twins_step_alike(lambda: _resnet(RESNETS[0]), opt_class, hyper)
 
 
-def _counted_steps(counting, opt, model, x, steps=2):
+def _counted_steps(counting, opt, model, x, steps=2, scale=None):
     """``steps`` steps of ``opt`` on ``model`` at input ``x``; the last one counted (the
-    first makes the buffers, plans and tables)."""
+    first makes the buffers, plans and tables). With a ``scale``, each step as
+    ``GradScaler.step`` hands it to the optimizer: the gradients times ``scale``, which
+    ``grad_scale`` holds, and a clear ``found_inf``."""
     for _ in range(steps):
         _backward(model, opt, x)
+        if scale is not None:
+            for p in model.parameters():
+                p.grad.mul_(scale)
+            opt.grad_scale = torch.full((1,), scale, device=DEVICE)
+            opt.found_inf = torch.zeros(1, device=DEVICE)
         counting.aten, counting.launches = [], []
         with counting:
             opt.step()
@@ -197,37 +204,45 @@ def _within_budget(counts: list) -> None:
                 for c in counts}) == 1, counts
 
 
+#: A step with or without GradScaler (its ``grad_scale`` and ``found_inf``).
+AMP = pytest.mark.parametrize("scale", [None, 1024.0], ids=["", "grad-scaler"])
+
+
+@AMP
 @pytest.mark.parametrize("opt_class, hyper", [
     (PSISGD, dict()), (PSISGD, dict(momentum=0.9, weight_decay=0.01)),
     (GSGD, dict(momentum=0.9, nesterov=True, weight_decay=0.01))],
     ids=["psi-sgd", "psi-sgdm-wd", "gsgd-nesterov-wd"])
 def test_a_fused_psi_step_of_a_resnet_is_at_most_8_launches_whatever_its_depth(
-        opt_class, hyper, monkeypatch):
+        opt_class, hyper, scale, monkeypatch):
     """PSI-SGD(M) on ResNets with batch norm of three and nine convolutions, at a device
     learning rate: after the first step, one step launches the PSI kernel once and at
     most 7 ATen kernels (the rest's flag cleared and torch's check of its gradients into
     it, torch's fused SGD of the rest, the learning rate in its dtype, the pointer table
-    where a gradient moved), the same at both depths."""
+    where a gradient moved), the same at both depths; with GradScaler too (the kernels
+    and torch's fused SGD unscale as they read, the rest skips on its ``found_inf``)."""
     counting = _counted_launches(monkeypatch, fused, fused_psi)
     counts = []
     for blocks in RESNETS:
         model = _resnet(blocks)
         lr = torch.tensor(0.05, dtype=torch.float64, device=DEVICE)
         counts.append(_counted_steps(counting, opt_class(model, lr=lr, fused=True, **hyper),
-                                     model, _input(model)))
+                                     model, _input(model), scale=scale))
         assert counting.launches == ["psi_rows"]
     _within_budget(counts)
 
 
 @DEFAULT_INIT
+@AMP
 @pytest.mark.parametrize("opt_class, hyper", [
     (GSGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     (GAdamW, dict(lr=0.01, amsgrad=True))], ids=["gsgd-nesterov-wd", "gadamw-amsgrad"])
 def test_a_fused_chain_step_is_at_most_8_launches_for_any_depth_and_number_of_chains(
-        opt_class, hyper, monkeypatch):
+        opt_class, hyper, scale, monkeypatch):
     """One chain of 2 layers, then chains of 12 and 2 layers, in one optimizer: after the
     first step, one step is the three launches of the fused step and at most 5 ATen
-    kernels, the same for both (no launch per chain or layer)."""
+    kernels, the same for both (no launch per chain or layer); with GradScaler too (the
+    kernels unscale the gradients as they read them)."""
     counting = _counted_launches(monkeypatch, fused)
     counts = []
     for depths in ((2,), (12, 2)):
@@ -236,7 +251,7 @@ def test_a_fused_chain_step_is_at_most_8_launches_for_any_depth_and_number_of_ch
         model = nn.Sequential(*[nn.Sequential(*chain) for chain in layers])
         opt = opt_class(list(model.parameters()), chains=layers, fused=True, **hyper)
         model.forward = lambda x, model=model: sum(torch.relu(m(x)) for m in model)
-        counts.append(_counted_steps(counting, opt, model, _input(model[0])))
+        counts.append(_counted_steps(counting, opt, model, _input(model[0]), scale=scale))
         assert counting.launches == ["read_pass", "vector_stage", "write_pass"]
     _within_budget(counts)
 
@@ -292,6 +307,53 @@ def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it(opt_class, 
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12,
                                    atol=ADAM_ATOL if opt_class is GAdam else 1e-12)
+
+
+def _scaled_steps(model, opt, scaler, x, inf_at):
+    """Three steps of ``opt`` driven by ``scaler`` (``torch.amp.GradScaler``), a gradient
+    made infinite before step ``inf_at``; the gradients after each step."""
+    grads = []
+    for i in range(3):
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        if i == inf_at:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.parametrize("make, opt_class, hyper, scale", [
+    (_bn, GSGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01), 2.0 ** 10),
+    (_bn, GAdamW, dict(lr=0.01, amsgrad=True), 2.0 ** 10),
+    (lambda: _resnet(RESNETS[0]), PSISGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01),
+     2.0 ** 10),
+    (_mlp, GSGD, dict(lr=0.05, momentum=0.5, dampening=0.3, maximize=True), 3.0)],
+    ids=["gsgd-nesterov-wd", "gadamw-amsgrad", "psi-sgdm-wd", "gsgd-maximize-scale-3"])
+def test_the_fused_step_under_grad_scaler_equals_the_unfused_one(make, opt_class, hyper,
+                                                                 scale):
+    """Twins stepped by ``GradScaler`` (one skipped step: an infinite gradient, the scale
+    backed off), ``fused=True`` and ``fused=False``: parameters, states and the gradients
+    left after each step (unscaled, as ``scaler.unscale_`` and torch's fused optimizers
+    leave them; scaled where the step is skipped) equal to 1e-12. The chains of an MLP at a scale of 3 (no parameter outside
+    them) read the gradients times ``1 / 3`` rounded to float32, as ``scaler.unscale_``
+    multiplies them."""
+    model = make()
+    twin = copy.deepcopy(model)
+    x = _input(model)
+    a, b = opt_class(model, fused=True, **hyper), opt_class(twin, fused=False, **hyper)
+    got, want = (_scaled_steps(m, o, torch.amp.GradScaler(DEVICE.type, init_scale=scale), x,
+                               inf_at=1) for m, o in ((model, a), (twin, b)))
+    atol = ADAM_ATOL if opt_class is GAdamW else 1e-12
+    for g, w in zip(got, want):  # the skipped step leaves them scaled
+        for p, q in zip(g, w):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=atol)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=atol)
+        for k, v in b.state[q].items():
+            torch.testing.assert_close(a.state[p][k], v, rtol=1e-12, atol=atol,
+                                       check_device=False)
 
 
 def test_a_fused_step_reads_nothing_back_to_the_host():
