@@ -256,6 +256,23 @@ def test_a_fused_chain_step_is_at_most_8_launches_for_any_depth_and_number_of_ch
     _within_budget(counts)
 
 
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)], ids=["float", "float32-tensor"])
+def test_a_fused_gadamw_step_with_the_rest_under_grad_scaler_is_at_most_8_launches(
+        lr, monkeypatch):
+    """G-AdamW (AMSGrad) on a chain and parameters outside it, under GradScaler: after the
+    first step, one step is the three launches of the fused step and torch's fused AdamW of
+    the rest (its step counts incremented, the update, the skipped step's counts taken
+    back, and a 0-d view of ``found_inf``), which reads the gradients unscaled and skips on
+    GradScaler's ``found_inf`` itself: at most 8."""
+    counting = _counted_launches(monkeypatch, fused)
+    model = _bn()
+    opt = GAdamW(model, lr=lr.to(DEVICE) if isinstance(lr, torch.Tensor) else lr,
+                 amsgrad=True, fused=True)
+    count = _counted_steps(counting, opt, model, _input(model), scale=1024.0)
+    assert counting.launches == ["read_pass", "vector_stage", "write_pass"]
+    assert sum(count.values()) <= 8, count
+
+
 @pytest.mark.parametrize("opt_class, hyper", [
     (GAdam, dict(lr=0.01, weight_decay=0.1)),
     (GAdamW, dict(lr=0.01, amsgrad=True, maximize=True))],
