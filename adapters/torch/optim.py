@@ -598,7 +598,9 @@ class GSGD(_SGDRules):
         (:mod:`gsgd_backends.fused`, DESIGN §14), the normalised weights in one more and the
         other parameters by ``torch.optim.SGD``'s fused update, with nothing read back to
         the host: ``lr`` may be a device tensor, ``GradScaler``'s ``found_inf`` skips the
-        step on the device, and so does a non-finite gradient (not counted in
+        step on the device (its ``grad_scale`` read there too: the kernels and torch's
+        fused update read the gradients unscaled and leave them so, as torch's fused
+        optimizers do), and so does a non-finite gradient (not counted in
         ``describe()``: counting would read the device). ``None`` (the default): on for
         CUDA parameters where Triton imports, off otherwise; ``True`` on CPU parameters
         is refused (``ValueError``) unless the kernels run under Triton's interpreter. A
