@@ -189,18 +189,16 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
             return True
         if not self._fused and found is not None and bool(found):
             return False
-        if scale is not None and self._grad_scale is None:
-            self._unscale(scale)
+        inv = None if scale is None or self._grad_scale is not None else self._unscale(scale)
         if self._fused and scale is not None:  # its factor cannot be read without a host sync
             self._sums.unscaled(None, "the fused step unscaled the gradients on the device")
         else:
-            self._sums.unscaled(None if scale is None else float(
-                scale.double().reciprocal().float()))
+            self._sums.unscaled(None if inv is None else float(inv))
         return True
 
-    def _unscale(self, scale: torch.Tensor) -> None:
+    def _unscale(self, scale: torch.Tensor) -> torch.Tensor:
         """Every gradient times ``1 / scale`` (in float64, rounded to float32), in place, as
-        ``scaler.unscale_`` unscales them."""
+        ``scaler.unscale_`` unscales them; returns that factor."""
         inv = scale.double().reciprocal().float()
         grads: dict = {}
         for g in self.param_groups:
@@ -210,6 +208,7 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         for (device, _), gs in grads.items():
             torch._amp_foreach_non_finite_check_and_unscale_(
                 gs, torch.zeros(1, device=device, dtype=torch.float32), inv.to(device))
+        return inv
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; the chains' column sums restart with the gradients."""
