@@ -266,6 +266,16 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
         _step_all(plan, parts, momentum=0.9)
 
 
+def test_a_grad_scale_of_two_elements_is_refused_before_any_launch(monkeypatch):
+    """GradScaler's ``grad_scale``, read on the device, is one element: another is a
+    ``ValueError`` before any kernel runs."""
+    parts = _setup(MANY[:1])
+    plan = _plan(MANY[:1], parts[0][1][0])
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match="grad_scale must be a one-element tensor"):
+        _step_all(plan, parts, momentum=0.9, grad_scale=torch.ones(2, device=DEVICE))
+
+
 def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     parts = _setup(MANY[:1], device=torch.device("cpu"))
     plan = _plan(MANY[:1], parts[0][1][0])
@@ -393,6 +403,8 @@ def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(m
     (lambda W, G, U: W.__setitem__(1, W[1].t().contiguous().t()), "not contiguous"),
     (lambda W, G, U: W.append(torch.zeros(2, 2, device=DEVICE)), "shapes"),
     (lambda W, G, U: dict(momentum=torch.tensor(0.9)), "momentum as a Python number"),
+    (lambda W, G, U: dict(grad_scale=torch.ones(2, device=DEVICE)),
+     "grad_scale must be a one-element tensor"),
 ])
 def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message):
     """The core's errors naming the weight and the shapes, and the plan's (dtype, layout,
