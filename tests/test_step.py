@@ -218,6 +218,27 @@ def test_weight_decay_without_momentum_decays_path_values():
         np.testing.assert_allclose(new, v - lr * (d + wd * v), rtol=1e-12, atol=1e-15)
 
 
+def test_momentum_and_dampening_traced_under_jax_jit_take_nesterov():
+    """``optax.inject_hyperparams`` hands momentum and dampening in as tracers: Nesterov's
+    check cannot read them and leaves them to the user, and the step moves the weights as
+    the numbers do (the first momentum step: ``V' = V - lr (D + momentum D)``)."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 2)
+    W, b, G, Gb = pb.in_jax()
+
+    def step(W, b, G, Gb, momentum, dampening):
+        state = gc.gsgd_init(chain, W, b)
+        return gc.gsgd_update(chain, state, W, b, G, Gb, lr=0.5, momentum=momentum,
+                              dampening=dampening, nesterov=True)[:2]
+
+    got = jax.jit(step)(W, b, G, Gb, 0.9, 0.0)
+    want = gc.gsgd_update(chain, gc.gsgd_init(chain, pb.W, pb.b), pb.W, pb.b, *pb.grads(),
+                          lr=0.5, momentum=0.9, nesterov=True)[:2]
+    for a, e in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=1e-6)
+
+
 def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number():
     """A schedule's ``lr`` under ``jax.jit`` is a tracer (optax passes one): the G-SGD step
     takes it as an array and moves the weights as the number does."""
