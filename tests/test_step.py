@@ -188,6 +188,25 @@ def test_momentum_state_of_a_chain_without_biases():
         np.testing.assert_array_equal(a, c)
 
 
+def test_the_first_momentum_buffer_is_the_path_gradient_where_path_values_overflow():
+    """torch.optim.SGD's convention, the first buffer is the gradient, holds on float32
+    weights of 1e20 whose path values overflow to Inf: weight decay being off, no
+    ``0 * V`` enters the path gradients."""
+    chain = gc.Chain.mlp([2, 3, 2])
+    rng = np.random.default_rng(0)
+    W = [(rng.standard_normal(s) * 1e20).astype(np.float32) for s in ((3, 2), (2, 3))]
+    b = [np.zeros(3, np.float32), np.zeros(2, np.float32)]
+    G, Gb = [np.full_like(w, 1e-3) for w in W], [np.full_like(x, 1e-3) for x in b]
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(gc.path_values(chain, W, b)[0][1]).all()
+        D, Db = gc.icr(chain, W, b, G, Gb)
+        _, _, state = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1,
+                                     momentum=0.9)
+    assert all(np.abs(d).max() > 0 for d in D)
+    for m, d in zip(state.momentum + state.bias_momentum, D + Db):
+        np.testing.assert_array_equal(m, d)
+
+
 def test_step_count_advances_without_momentum_and_not_on_a_skipped_step():
     chain = gc.Chain.mlp([3, 4, 2])
     pb = Problem(chain, 5)
