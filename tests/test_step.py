@@ -188,6 +188,25 @@ def test_momentum_state_of_a_chain_without_biases():
         np.testing.assert_array_equal(a, c)
 
 
+def test_the_first_momentum_buffer_is_the_path_gradient_where_path_values_overflow():
+    """torch.optim.SGD's convention, the first buffer is the gradient, holds on float32
+    weights of 1e20 whose path values overflow to Inf: weight decay being off, no
+    ``0 * V`` enters the path gradients."""
+    chain = gc.Chain.mlp([2, 3, 2])
+    rng = np.random.default_rng(0)
+    W = [(rng.standard_normal(s) * 1e20).astype(np.float32) for s in ((3, 2), (2, 3))]
+    b = [np.zeros(3, np.float32), np.zeros(2, np.float32)]
+    G, Gb = [np.full_like(w, 1e-3) for w in W], [np.full_like(x, 1e-3) for x in b]
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(gc.path_values(chain, W, b)[0][1]).all()
+        D, Db = gc.icr(chain, W, b, G, Gb)
+        _, _, state = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1,
+                                     momentum=0.9)
+    assert all(np.abs(d).max() > 0 for d in D)
+    for m, d in zip(state.momentum + state.bias_momentum, D + Db):
+        np.testing.assert_array_equal(m, d)
+
+
 def test_step_count_advances_without_momentum_and_not_on_a_skipped_step():
     chain = gc.Chain.mlp([3, 4, 2])
     pb = Problem(chain, 5)
@@ -216,6 +235,27 @@ def test_weight_decay_without_momentum_decays_path_values():
     V1, Vb1 = gc.path_values(chain, W1, b1)
     for new, v, d in zip(V1 + Vb1, V + Vb, D + Db):
         np.testing.assert_allclose(new, v - lr * (d + wd * v), rtol=1e-12, atol=1e-15)
+
+
+def test_momentum_and_dampening_traced_under_jax_jit_take_nesterov():
+    """``optax.inject_hyperparams`` hands momentum and dampening in as tracers: Nesterov's
+    check cannot read them and leaves them to the user, and the step moves the weights as
+    the numbers do (the first momentum step: ``V' = V - lr (D + momentum D)``)."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 2)
+    W, b, G, Gb = pb.in_jax()
+
+    def step(W, b, G, Gb, momentum, dampening):
+        state = gc.gsgd_init(chain, W, b)
+        return gc.gsgd_update(chain, state, W, b, G, Gb, lr=0.5, momentum=momentum,
+                              dampening=dampening, nesterov=True)[:2]
+
+    got = jax.jit(step)(W, b, G, Gb, 0.9, 0.0)
+    want = gc.gsgd_update(chain, gc.gsgd_init(chain, pb.W, pb.b), pb.W, pb.b, *pb.grads(),
+                          lr=0.5, momentum=0.9, nesterov=True)[:2]
+    for a, e in zip(got[0] + got[1], want[0] + want[1]):
+        np.testing.assert_allclose(np.asarray(a), e, rtol=1e-5, atol=1e-6)
 
 
 def test_a_learning_rate_traced_under_jax_jit_steps_as_the_number():

@@ -720,7 +720,13 @@ class Untraceable(nn.Module):
     (mlp(), dict(lr=torch.tensor([0.1, 0.2])), "lr as a tensor must have one element"),
     (mlp(), dict(lr=-0.1), "^lr must be a finite number >= 0, got -0.1$"),
     (mlp(), dict(momentum=-1.0), "^momentum must be a finite number >= 0, got -1.0$"),
+    (mlp(), dict(lr=float("nan")), "^lr must be a finite number >= 0, got nan$"),
+    (mlp(), dict(weight_decay=math.inf), "^weight_decay must be a finite number >= 0, got inf$"),
+    (mlp(), dict(lr=True), "^lr must be a finite number >= 0, got True$"),
+    (mlp(), dict(lr="0.1"), "^lr must be a finite number >= 0, got '0.1'$"),
     (mlp(), dict(nesterov=True), "^nesterov needs momentum > 0 and dampening = 0$"),
+    (mlp(), dict(nesterov=True, momentum=0.9, dampening=0.5),
+     "^nesterov needs momentum > 0 and dampening = 0$"),
     (mlp(), dict(bn="exact"), "bn must be .psi., .sgd. or .paper."),
     (mlp(), dict(skeleton="xavier"), r"^skeleton must be one of \('he', 'paper'\), got 'xavier'$"),
 ])
@@ -1117,6 +1123,30 @@ def test_step_time_warnings_point_at_the_users_step_call():
         "warning"]
 
 
+def test_a_step_called_from_native_code_still_warns():
+    """A step run by native code (a thread with no Python caller, as a C++ loop's callback
+    runs it) has no frame of the user's to point at: it warns all the same, pointed past the
+    stack, instead of failing."""
+    import _thread
+    import collections
+    import operator
+
+    model = mlp()
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.1)
+    x, y = data(model)
+    loss_of(model, x, y).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    done = _thread.allocate_lock()
+    done.acquire()
+    # the thread calls `opt.step()` then `done.release()` from C: no Python frame of its own
+    calls = map(operator.call, [opt.step, done.release])
+    with pytest.warns(SkippedStepWarning, match="the step was skipped"):
+        _thread.start_new_thread(collections.deque, (calls, 0))
+        assert done.acquire(timeout=10), "the step failed in its thread"
+    assert opt.describe().skipped == 1
+
+
 def test_a_run_of_a_chains_layers_is_the_chain_of_those_layers():
     """The chain a run of layers steps as (some layers without a weight gradient) has those
     layers' shapes, slots, biases and skeleton scales, here of a conv chain with a layer
@@ -1178,7 +1208,8 @@ def test_describe_sees_any_skeleton_edge_off_its_scale(layer):
 
 
 def test_a_description_prints_every_part_reason_skip_and_source_of_column_sums():
-    """``print(opt.describe())`` whole: the totals, a chain with its skeleton state and
+    """``print(opt.describe())`` whole: the totals, chains with their skeleton states (as
+    found by the step, or read from whether the weights look initialised) and
     hyperparameters, the PSI weights, the other parameters under the rest rule with why
     each is in no chain (a parameter of a chain or PSI part has no such line), the skipped
     steps and where the chain steps got their column sums."""
@@ -1190,16 +1221,18 @@ def test_a_description_prints_every_part_reason_skip_and_source_of_column_sums()
     d = Description(
         [PartInfo("chain", ["a", "b"], hyper, chain, False),
          PartInfo("chain", ["c", "e"], dict(lr=0.5), chain, True),
+         PartInfo("chain", ["i", "j"], dict(lr=0.5), chain, True, "trained"),
          PartInfo("psi", ["f", "g"], hyper), PartInfo("sgd", ["h.weight", "h.bias"], hyper)],
         "G-SGD", reasons={"h.weight": "followed by BatchNorm2d", "h.bias": "why not",
                           "f.weight": "normalised"},
         skipped=2, skeleton="he", rest_rule="SGD(M)",
         column_sums={"backward": 3, "clipped": 1, "hooks off": 2})
     assert str(d) == "\n".join([
-        "G-SGD: 2 chain(s), m=52, H=8, G-space dim=44, invariant ratio H/m=0.1538",
+        "G-SGD: 3 chain(s), m=78, H=12, G-space dim=66, invariant ratio H/m=0.1538",
         f"  chain a -> b: {chain}; skeleton NOT initialised for skeleton='he' (call "
         "skeleton_init_(model)); lr=0.1, momentum=0.9, weight_decay=0",
         f"  chain c -> e: {chain}; skeleton initialised (he); lr=0.5",
+        f"  chain i -> j: {chain}; skeleton initialised (he), then trained; lr=0.5",
         "  PSI-SGD (normalised rows) f.weight, g.weight; lr=0.1, momentum=0.9, weight_decay=0",
         "  SGD(M) h.weight, h.bias; lr=0.1, momentum=0.9, weight_decay=0",
         "    h.weight: not in a chain: followed by BatchNorm2d",
