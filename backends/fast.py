@@ -140,17 +140,36 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper,
         scalar(hyper.dampening, W[0].dtype, plan.step_device), hyper.nesterov,
         steps[0] == 0 if M is not None else None)
     lr = scalar(float(lr), W[0].dtype, plan.step_device)
+    if not kernels.one_graph:
+        return _two_stages(plan, W, G, M, C, b, Gb, Mb, lr, h)
+    # Read after the graph, not between stages: it wrote the step unless a flag is down.
+    ok, *tame = plan.stage(one_graph_stage_)(
+        kernels, chain, plan.stack, plan.marks, W=_rows(xp, W), G=_rows(xp, G),
+        M=_rows(xp, M), C=C, b=b, Gb=Gb, Mb=Mb, lr=lr, device=plan.step_device, h=h).tolist()
+    if ok and not all(tame):  # nothing written: layers of extreme scale take the exact rules
+        return _two_stages(plan, W, G, M, C, b, Gb, Mb, lr, h)
+    return bool(ok)
+
+
+def _rows(xp, A):
+    """Each ``(n, p, k)`` layer of ``A`` as ``(n, p*k)`` (``None`` stays): a compiled loop then
+    runs over contiguous columns and writes its input itself (mutating a view of an input,
+    inductor stages a copy)."""
+    return None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
+
+
+def _two_stages(plan: StepPlan, W, G, M, C, b, Gb, Mb, lr, h) -> bool:
+    """The step as the vector stage, its flags read, then the bulk stage and the special
+    edges and biases written (traced kernels compile each stage whole)."""
+    chain, kernels = plan.chain, plan.kernels
     v = plan.stage(vector_stage)(kernels, chain, plan.stack, W=W, G=G, C=C, b=b,
                                  Gb=Gb, lr=lr, device=plan.step_device, M=M, Mb=Mb, h=h)
     flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
         return False
-    tame = tuple(flags[1:]) or (False,) * L
-    # The bulk sees each layer as (n, p*k): a compiled loop then runs over contiguous columns
-    # and writes its input itself (mutating a view of an input, inductor stages a copy).
-    rows = [None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
-            for A in (W, G, M)]
-    plan.stage(bulk_stage_)(plan.layer_kernels, *rows, v=v, lr=lr, tame=tame, h=h,
+    tame = tuple(flags[1:]) or (False,) * chain.L
+    plan.stage(bulk_stage_)(plan.layer_kernels, *(_rows(plan.xp, A) for A in (W, G, M)),
+                            v=v, lr=lr, tame=tame, h=h,
                             scratch=None if kernels.traced else plan.scratch)
     for l, spec in enumerate(plan.stack.spec):
         kernels.put_(W[l], spec, v.special[l])
@@ -273,6 +292,51 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     return Vectors(B, F, rho, recips, squares, columns, split(special, st.edges),
                    None if special_m is None else split(special_m, st.edges), bias, bias_m,
                    xp.stack([ok] + tame))
+
+
+def one_graph_stage_(kernels, chain, st, marks, *, W, G, M, C, b, Gb, Mb, lr, device,
+                     h):
+    """The whole step of traced kernels as one function, compiled as one graph: the vector
+    stage (:func:`vector_stage`), then every layer's bulk with its special edges
+    (:func:`marked`), and the biases, each written in place where the step goes through
+    (``W``, ``G``, ``M`` as ``(n, p*k)``; else every entry keeps its value). Returns the
+    flags ``[ok, tame_1..tame_L]``: the step went through where all are set. A plain step
+    takes :func:`recip_rows` on every layer, so a layer that is not tame stops it (the caller
+    then takes the two stages, whose bulk gives such a layer the per-entry rules); weight
+    decay and momentum take :func:`rows_by_rules` (no ``tame`` flags)."""
+    xp = kernels.xp
+    v = vector_stage(kernels, chain, st, W=W, G=G, C=C, b=b, Gb=Gb, lr=lr, device=device,
+                     M=M, Mb=Mb, h=h)
+    go = xp.all(v.flags)
+    for l in range(chain.L, 0, -1):  # the column sums ended on the top layers' first rows
+        if h is None:
+            new, new_m = recip_rows(xp, W[l - 1], G[l - 1], v.recips[l - 1], lr), None
+        else:
+            B_cols, rho_cols = v.columns[l - 1]
+            new, new_m = rows_by_rules(xp, W[l - 1], G[l - 1], None if M is None else M[l - 1],
+                                       F=v.F[l], B_cols=B_cols, rho_cols=rho_cols, lr=lr,
+                                       rule=h)
+        W[l - 1].copy_(xp.where(go, marked(xp, new, v.special[l - 1], marks[l - 1]), W[l - 1]))
+        if M is not None:
+            M[l - 1].copy_(xp.where(go, marked(xp, new_m, v.special_m[l - 1], marks[l - 1]),
+                                    M[l - 1]))
+    for dst, new in zip(b + Mb, v.bias + v.bias_m):
+        if dst is not None:
+            dst.copy_(xp.where(go, new, dst))
+    return v.flags
+
+
+def marked(xp, bulk, special, marks):
+    """A ``(n, p*k)`` layer's new values: ``bulk`` with the new values of its special edges
+    ``special`` (in their order) at their places (``marks``, a
+    :class:`~gsgd_backends.plan.Marks`): free edges, then tau edges, as the two stages write
+    them (a tau edge that is free keeps its value)."""
+    rows = xp.arange(bulk.shape[0], device=device(bulk))[:, None]
+    cols = xp.arange(bulk.shape[1], device=device(bulk))[None, :]
+    at_tau = cols == marks.tau_col[:, None]
+    at_free = rows == marks.free_row[None, :]
+    new = xp.where(at_tau, xp.take(special, marks.tau_at)[:, None], bulk)
+    return xp.where(at_free, xp.take(special, marks.free_at)[None, :], new)
 
 
 def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> None:

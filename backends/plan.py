@@ -25,8 +25,8 @@ import numpy as np
 from gsgd_core import Chain
 from gsgd_core.arrays import Prepared, layer_meta, prepare
 
-__all__ = ["Scratch", "Stack", "StepPlan", "check_column_sums", "special_edges", "stack_in",
-           "stack_plan"]
+__all__ = ["Marks", "Scratch", "Stack", "StepPlan", "check_column_sums", "marks_of",
+           "special_edges", "stack_in", "stack_plan"]
 
 
 def special_edges(chain: Chain, l: int) -> np.ndarray:
@@ -138,6 +138,38 @@ def stack_plan(chain: Chain) -> Stack:
                  f_path.reshape(-1), rho_from, node, moved, *units)
 
 
+class Marks(NamedTuple):
+    """Where a layer's special edges lie, seen as ``(n, p*k)``, for a pass that writes them
+    with the bulk (:func:`gsgd_backends.fast.marked`): each row holds at most one tau edge
+    (its node's) and each column at most one free edge (out of its source node), so two
+    compares of a row and a column index against short vectors find them all, with no
+    full-size mask and no scatter."""
+
+    tau_col: Any    # per row: the column of its tau edge (-1: none, layer L)
+    tau_at: Any     # per row: that edge's position among the layer's special edges (0: none)
+    free_row: Any   # per column: the row of its free edge (-1: none, layer 1, other slots)
+    free_at: Any    # per column: that edge's position among the layer's special edges
+
+
+def marks_of(chain: Chain, stack: Stack) -> tuple:
+    """Every layer's :class:`Marks` as NumPy arrays (from ``stack``, :func:`stack_plan`'s)."""
+    first, marks = stack.nodes[1], []
+    for l in range(1, chain.L + 1):
+        n, p, k = chain.layer_shape(l)
+        spec, start = stack.spec[l - 1], stack.edges[l - 1]
+        tau_at, free_at = np.zeros(n, np.int64), np.zeros(p * k, np.int64)
+        tau_col, free_row = np.full(n, -1, np.int64), np.full(p * k, -1, np.int64)
+        if l < chain.L:  # the tau edges of layer l's nodes
+            tau_at = stack.tau[stack.nodes[l] - first:stack.nodes[l + 1] - first] - start
+            tau_col = spec[tau_at] - np.arange(n) * (p * k)
+        if l > 1:  # the free edges out of layer l-1's nodes
+            at = stack.free[stack.nodes[l - 1] - first:stack.nodes[l] - first] - start
+            rows, cols = np.divmod(spec[at], p * k)
+            free_row[cols], free_at[cols] = rows, at
+        marks.append(Marks(tau_col, tau_at, free_row, free_at))
+    return tuple(marks)
+
+
 def stack_in(stack: Stack, xp, device, dtype) -> Stack:
     """``stack`` in namespace ``xp`` on ``device`` (the skeleton scales in ``dtype``)."""
     def arr(a, dt=None):
@@ -213,8 +245,10 @@ class StepPlan:
         self.step_device = device if step_device is None else step_device
         self.layer_kernels = tuple(layer_kernels)
         self.view = view
-        self.stack = stack_in(stack_plan(chain), xp, self.step_device,
+        self._host_stack = stack_plan(chain)
+        self.stack = stack_in(self._host_stack, xp, self.step_device,
                               dtype if step_dtype is None else step_dtype)
+        self._marks: tuple | None = None
         self.shapes = tuple(chain.layer_shape(l) for l in range(1, chain.L + 1))
         self.scratch = Scratch()
         self._stages: dict = {}
@@ -225,6 +259,15 @@ class StepPlan:
     def __repr__(self) -> str:
         return (f"StepPlan({self.chain}, {type(self.kernels).__name__}, device={self.device}, "
                 f"dtype={self.dtype})")
+
+    @property
+    def marks(self) -> tuple:
+        """Every layer's :class:`Marks` in the step's namespace and device (built on first
+        use: only a step that writes the special edges with the bulk reads them)."""
+        if self._marks is None:
+            self._marks = tuple(Marks(*(self.xp.asarray(a, device=self.step_device) for a in m))
+                                for m in marks_of(self.chain, self._host_stack))
+        return self._marks
 
     def fits(self, chain: Chain, array) -> bool:
         """Whether this plan steps ``chain`` for arrays like ``array`` (same chain, device

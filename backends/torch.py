@@ -12,12 +12,15 @@ per-entry rules without reading anything back: the step's one host synchronisati
 the vector stage's flags.
 
 ``COMPILED``: the column sum stays eager (inductor's reductions over rows stride across
-them); the vector stage and the bulk stage of :mod:`.fast` are each compiled whole by
-``torch.compile``, per plan and specialised to its shapes, so a step is two compiled calls
-and a few eager ops. The bulk is one loop per layer: :func:`.fast.recip_rows` (no division
-per entry) where the layer's node vectors are tame, :func:`.fast.exact_rows` elsewhere. The
-learning rate enters as a tensor, so a schedule never recompiles. The first step of a new
-chain compiles for some seconds.
+them; with the sums from the backward pass there is none); the rest of the step is one
+``torch.compile`` graph per plan, specialised to its shapes (:func:`.fast.one_graph_stage_`):
+the vector stage, then one loop per layer that writes the bulk, the special edges and the
+biases in place, with nothing read back until it ends. The plain bulk is
+:func:`.fast.recip_rows` (no division per entry); a step in which a layer's node vectors are
+not tame writes nothing and is taken again by the two stages of :mod:`.fast`, each compiled
+whole, whose bulk gives such a layer :func:`.fast.exact_rows`. The learning rate enters as a
+tensor, so a schedule never recompiles. The first step of a new chain compiles for some
+seconds.
 """
 
 from __future__ import annotations
@@ -65,8 +68,11 @@ class TorchKernels:
     mod = torch
 
     def __init__(self, chunk: int, *, compiled: bool = False, host: bool = True,
-                 checked: bool = True) -> None:
+                 checked: bool = True, one_graph: bool = True) -> None:
         self.chunk, self.traced = chunk, compiled
+        #: Compiled: the whole step is one graph (:func:`.fast.one_graph_stage_`), else
+        #: the two stages.
+        self.one_graph = compiled and one_graph
         #: Eager CPU plans compute on NumPy views; layers up to ``small`` weights take
         #: NumPy's kernels.
         self.host, self.small = host and not compiled, SMALL
