@@ -40,6 +40,7 @@ ones through :func:`recip_rows` on layers whose node vectors are tame.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -50,7 +51,7 @@ from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finit
                              path_gradient, safe_div, scaled, scaled_div, tau_ratio,
                              written_ratio)
 
-from .plan import StepPlan
+from .plan import StepPlan, split
 
 
 def gathered(xp, arrays, spec) -> list:
@@ -186,12 +187,6 @@ def stacked(xp, parts: list):
     return parts[0] if len(parts) == 1 else xp.concat(parts)
 
 
-def split(v, starts) -> list:
-    """A stacked vector back into its per-layer parts, ``starts`` the first entry of each
-    and the end (views)."""
-    return [v[a:e] for a, e in zip(starts[:-1], starts[1:])]
-
-
 def backward_sums(kernels, st, ws, gs, C):
     """``T`` of every inner node (``T_1..T_{L-1}`` stacked) from the stacked special edges
     ``ws``, ``gs`` and the column sums ``C[l-2] = colsum(W_l * grad_l)``, ``l = 2..L``: the
@@ -303,40 +298,56 @@ def one_graph_stage_(kernels, chain, st, marks, *, W, G, M, C, b, Gb, Mb, lr, de
     flags ``[ok, tame_1..tame_L]``: the step went through where all are set. A plain step
     takes :func:`recip_rows` on every layer, so a layer that is not tame stops it (the caller
     then takes the two stages, whose bulk gives such a layer the per-entry rules); weight
-    decay and momentum take :func:`rows_by_rules` (no ``tame`` flags)."""
+    decay and momentum take :func:`rows_by_rules` (no ``tame`` flags).
+
+    The node vectors each layer's loop reads (per row and per column) are computed first,
+    all at once, into one array (``kernels.realized``): left to the compiler, they would be
+    recomputed, gathers and all, for every entry of the layer."""
     xp = kernels.xp
     v = vector_stage(kernels, chain, st, W=W, G=G, C=C, b=b, Gb=Gb, lr=lr, device=device,
                      M=M, Mb=Mb, h=h)
     go = xp.all(v.flags)
+    marks = [marks.layer(l) for l in range(1, chain.L + 1)]
+    parts = [_layer_vectors(xp, v, l, marks[l - 1], h) for l in range(1, chain.L + 1)]
+    ends = list(itertools.accumulate(x.shape[0] for p in parts for x in p))
+    flat = split(kernels.realized(xp.concat([x for p in parts for x in p])), [0] + ends)
+    per_layer = [flat[i:i + len(p)] for i, p in zip(
+        itertools.accumulate((len(p) for p in parts), initial=0), parts)]
     for l in range(chain.L, 0, -1):  # the column sums ended on the top layers' first rows
+        factors, new_at = per_layer[l - 1][:3], per_layer[l - 1][3:]
         if h is None:
-            new, new_m = recip_rows(xp, W[l - 1], G[l - 1], v.recips[l - 1], lr), None
+            new = recip_rows(xp, W[l - 1], G[l - 1], factors, lr)
         else:
-            B_cols, rho_cols = v.columns[l - 1]
+            F, B_cols, rho_cols = factors
             new, new_m = rows_by_rules(xp, W[l - 1], G[l - 1], None if M is None else M[l - 1],
-                                       F=v.F[l], B_cols=B_cols, rho_cols=rho_cols, lr=lr,
-                                       rule=h)
-        W[l - 1].copy_(xp.where(go, marked(xp, new, v.special[l - 1], marks[l - 1]), W[l - 1]))
+                                       F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr, rule=h)
+        W[l - 1].copy_(xp.where(go, marked(xp, new, *new_at[:2], marks[l - 1]), W[l - 1]))
         if M is not None:
-            M[l - 1].copy_(xp.where(go, marked(xp, new_m, v.special_m[l - 1], marks[l - 1]),
-                                    M[l - 1]))
+            M[l - 1].copy_(xp.where(go, marked(xp, new_m, *new_at[2:], marks[l - 1]), M[l - 1]))
     for dst, new in zip(b + Mb, v.bias + v.bias_m):
         if dst is not None:
             dst.copy_(xp.where(go, new, dst))
     return v.flags
 
 
-def marked(xp, bulk, special, marks):
-    """A ``(n, p*k)`` layer's new values: ``bulk`` with the new values of its special edges
-    ``special`` (in their order) at their places (``marks``, a
-    :class:`~gsgd_backends.plan.Marks`): free edges, then tau edges, as the two stages write
-    them (a tau edge that is free keeps its value)."""
-    rows = xp.arange(bulk.shape[0], device=device(bulk))[:, None]
-    cols = xp.arange(bulk.shape[1], device=device(bulk))[None, :]
-    at_tau = cols == marks.tau_col[:, None]
-    at_free = rows == marks.free_row[None, :]
-    new = xp.where(at_tau, xp.take(special, marks.tau_at)[:, None], bulk)
-    return xp.where(at_free, xp.take(special, marks.free_at)[None, :], new)
+def _layer_vectors(xp, v: Vectors, l: int, marks, h) -> tuple:
+    """What layer ``l``'s loop in :func:`one_graph_stage_` reads besides its own arrays:
+    three factors (:func:`reciprocals`, or ``F`` and ``B``, ``rho`` per column under weight
+    decay and momentum), then the new special edges' values at each row's tau edge and at
+    each column's free edge (:class:`~gsgd_backends.plan.LayerMarks`), then, with momentum, the
+    buffers' there."""
+    factors = v.recips[l - 1] if h is None else (v.F[l],) + v.columns[l - 1]
+    new = [v.special[l - 1]] + ([] if v.special_m is None else [v.special_m[l - 1]])
+    return tuple(factors) + tuple(xp.take(s, at) for s in new
+                                  for at in (marks.tau_at, marks.free_at))
+
+
+def marked(xp, bulk, at_rows, at_cols, marks):
+    """A ``(n, p*k)`` layer's new values: ``bulk``, with ``at_cols[c]`` at column ``c``'s free
+    edge and ``at_rows[r]`` at row ``r``'s tau edge where that edge is not free
+    (``marks``, a :class:`~gsgd_backends.plan.LayerMarks`), as the two stages write them."""
+    new = xp.where(marks.col[None, :] == marks.tau_col[:, None], at_rows[:, None], bulk)
+    return xp.where(marks.row[:, None] == marks.free_row[None, :], at_cols[None, :], new)
 
 
 def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> None:

@@ -40,6 +40,10 @@ from .rule_step import rule_bulk_
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
+#: Compiled loops over fewer than twice this many entries run on one thread (inductor's
+#: ``cpp.min_chunk_size``): the vector stage's dozens of loops over node vectors would
+#: each end on a barrier of the threads, which costs more than the loop.
+SERIAL = 1 << 15
 #: CPU layers up to this size take NumPy's kernels: below it, the cost of an ATen call
 #: outweighs its second thread (chosen by timing layer updates on both sides of it).
 SMALL = 1 << 17
@@ -59,6 +63,27 @@ NAMESPACE = namespace(compat, take=_take)
 def _numpy_views(tensors) -> list:
     """NumPy arrays sharing the CPU tensors' memory (``None`` stays)."""
     return [None if t is None else t.detach().numpy() for t in tensors]
+
+
+def _realized(array: torch.Tensor) -> torch.Tensor:
+    """A copy of ``array``: the body of the operator ``gsgd::realized``, which a compiled
+    graph calls as it is, so that ``array`` is computed, and stored, before it (a compiler
+    inlines what it can into the loops that read it, and would recompute short vectors,
+    gathers and all, for every entry of a layer). On the CPU the copy takes one thread
+    (NumPy's): it is short, and ATen's threads would wait on one another for longer."""
+    if array.device.type == "cpu" and array.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(array.numpy().copy())
+    return array.clone()
+
+
+# A plain operator, not torch.library.custom_op: a call skips the autograd wrapper, which
+# costs the step more than the copy.
+_LIBRARY = torch.library.Library("gsgd", "DEF")
+_LIBRARY.define("realized(Tensor array) -> Tensor")
+_LIBRARY.impl("realized", _realized, "CompositeExplicitAutograd")
+torch.library.register_fake("gsgd::realized", lambda array: torch.empty_like(array),
+                            lib=_LIBRARY)
+realized = torch.ops.gsgd.realized
 
 
 class TorchKernels:
@@ -110,7 +135,12 @@ class TorchKernels:
         copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                   fn.__defaults__, fn.__closure__)
         copy.__kwdefaults__ = fn.__kwdefaults__
-        return torch.compile(copy, dynamic=False)
+        return torch.compile(copy, dynamic=False, options={"cpp.min_chunk_size": SERIAL})
+
+    def realized(self, array):
+        """``array``, computed and stored before anything reads it (traced: through
+        :func:`realized`)."""
+        return realized(array) if self.traced else array
 
     def scalar(self, value: float, dtype, device):
         """``value`` as the stages take it: compiled stages get a 0-d tensor, since dynamo

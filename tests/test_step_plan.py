@@ -808,3 +808,48 @@ def test_a_plans_tables_are_on_its_arrays_device():
     chain, Wm, *_ = _plan_arrays("meta")
     plan = gbt.ON_DEVICE.plan(chain, Wm[0])
     assert plan.stack.tau.device.type == "meta" and plan.stack.b_path.device.type == "meta"
+
+
+# Conv slots, a flatten, a custom skeleton: rows holding no free edge and rows holding two,
+# tau edges in other slots than the centre, a free tau edge.
+MARKED = gc.Chain((3, 4, 2, 3), slots=(9, 4, 1), bias=[True, False, True],
+                  tau=[[2, 2, 1, 0], [3, 3]], sigma=[[1, 1, 0, 0], [2, 2]],
+                  skeleton_slots=(4, 1, 0))
+
+
+@pytest.mark.parametrize("chain", [CHAIN, MARKED], ids=["default skeleton", "custom skeleton"])
+def test_marks_find_each_layers_special_edges_and_their_places_in_the_stack(chain):
+    """A layer seen as ``(n, p*k)``: each row's tau edge (``tau_col``) and each column's free
+    edge (``free_row``) are the layer's tau and free edges, no more, and each points at its
+    own entry among the layer's special edges (``tau_at``, ``free_at``), which the
+    one-graph step writes there."""
+    from array_api_compat import numpy as np_compat
+
+    from gsgd_backends.plan import marks_of, special_edges, stack_plan
+    from gsgd_core.arrays import layer_meta
+
+    marks = marks_of(chain, stack_plan(chain), np.float32)
+    assert marks.index.dtype == np.float32 and marks.at.dtype == np.int64
+    for l, meta in enumerate(layer_meta(chain, np_compat, "cpu"), start=1):
+        n, p, k = chain.layer_shape(l)
+        m, spec = marks.layer(l), special_edges(chain, l)
+        assert (m.row.tolist(), m.col.tolist()) == (list(range(n)), list(range(p * k)))
+        rows = np.flatnonzero(m.tau_col >= 0)
+        tau = rows * p * k + m.tau_col[rows].astype(np.int64)
+        cols = np.flatnonzero(m.free_row >= 0)
+        free = m.free_row[cols].astype(np.int64) * p * k + cols
+        assert sorted(tau) == sorted(meta.tau_idx) and sorted(free) == sorted(meta.free_idx)
+        assert np.array_equal(spec[m.tau_at[rows]], tau)
+        assert np.array_equal(spec[m.free_at[cols]], free)
+        assert np.all(m.tau_col[m.tau_col < 0] == -1) and np.all(m.free_row[m.free_row < 0] == -1)
+
+
+def test_marks_compare_indices_in_the_steps_dtype_while_it_holds_them_exactly():
+    """float32 holds every integer below 2**24 exactly; a layer with as many rows or
+    columns compares its indices in float64."""
+    from gsgd_backends.plan import marks_dtype
+
+    for widths, dtype in [([3, 2**24 - 1, 2], np.float32), ([2**24 - 1, 3, 2], np.float32),
+                          ([3, 2**24, 2], np.float64), ([2**24, 3, 2], np.float64)]:
+        assert marks_dtype(gc.Chain.mlp(widths), np.float32) == dtype, widths
+    assert marks_dtype(gc.Chain.mlp([2**24, 3, 2]), np.float64) == np.float64
