@@ -196,7 +196,8 @@ def test_each_compiled_stage_is_a_copy_of_the_function_with_its_defaults_and_clo
     """``compile`` hands ``torch.compile`` a new function object (dynamo's cache and
     recompilation limit are per code object and function), which keeps the original's name,
     positional and keyword-only defaults and closure, compiled specialised to its shapes
-    (``dynamic=False``); eager kernels return the function itself."""
+    (``dynamic=False``), its short loops on one thread; eager kernels return the function
+    itself."""
     k = 3
 
     def stage(x, y=2, *, z=5):
@@ -206,7 +207,7 @@ def test_each_compiled_stage_is_a_copy_of_the_function_with_its_defaults_and_clo
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(fn=fn, **kw) or "done")
     assert gbt.COMPILED.compile(stage) == "done"
     copy = seen.pop("fn")
-    assert seen == {"dynamic": False}
+    assert seen == {"dynamic": False, "options": {"cpp.min_chunk_size": gbt.SERIAL}}
     assert copy is not stage and copy.__code__ == stage.__code__
     assert (copy.__name__, copy.__defaults__, copy.__kwdefaults__) == ("stage", (2,), {"z": 5})
     assert copy(1) == stage(1) == 10 and copy(1, 3, z=0) == 6
@@ -853,3 +854,35 @@ def test_marks_compare_indices_in_the_steps_dtype_while_it_holds_them_exactly():
                           ([3, 2**24, 2], np.float64), ([2**24, 3, 2], np.float64)]:
         assert marks_dtype(gc.Chain.mlp(widths), np.float32) == dtype, widths
     assert marks_dtype(gc.Chain.mlp([2**24, 3, 2]), np.float64) == np.float64
+
+
+@pytest.mark.parametrize("hyper", [dict(), dict(momentum=0.9, nesterov=True, weight_decay=0.01)],
+                         ids=str)
+def test_compiled_step_is_one_graph_read_once_after_it(monkeypatch, hyper):
+    """A compiled step is one graph, compiled on the first step and reused as the learning
+    rate changes: it writes the bulk, the special edges and the biases itself (no
+    write-back after it), and one read of its flags follows it; every step equals the
+    core's."""
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(gbt.TorchKernels, "put_", lambda *a: pytest.fail("written back"))
+    pb = Problem(CHAIN, 5)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    state = gc.gsgd_init(CHAIN, W, b) if hyper else None
+    eW, eb, estate = pb.W, pb.b, gc.gsgd_init(CHAIN, pb.W, pb.b) if hyper else None
+    plan = gbt.COMPILED.plan(CHAIN, W[0])
+    for step, lr in enumerate([0.1, 0.05, 0.02]):
+        G, Gb = Problem(CHAIN, 10 + step).grads()
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        with HostReads() as reads:
+            assert fast.fast_step_(None, CHAIN, W, b, _tensors(G), _tensors(Gb), lr, state,
+                                   plan=plan, **hyper)
+        assert reads.count == {"tolist": 1}
+        if not torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: every stage eager
+            assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs == (step == 0)
+        if state is not None:
+            gb.inplace.assign(state.step, state.step + 1)
+        eW, eb, estate = gc.gsgd_update(CHAIN, estate, eW, eb, G, Gb, lr=lr, **hyper)
+        for a, e in zip(W + b, eW + eb):
+            if e is not None:
+                assert_close(a.numpy(), e, 1e-12)
