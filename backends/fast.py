@@ -24,8 +24,10 @@ bulk of each layer with one formula and the special edges as short vectors, gath
 A step runs through a :class:`~gsgd_backends.plan.StepPlan` (built once per chain, device
 and dtype by a kernel set, :class:`~gsgd_backends.kernels.Kernels`, and kept by the caller):
 the heavy passes (column sum, bulk update) are each layer's kernels, chosen in the plan
-(:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the two stages whole
-(:meth:`StepPlan.stage`). Memory traffic is 5 passes over the weights against SGD's 3;
+(:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the whole step as one
+function (:func:`one_graph_stage_`, :meth:`StepPlan.stage`): the bulk writes the special
+edges where :class:`~gsgd_backends.plan.Marks` places them, and the flags are read after
+it. Memory traffic is 5 passes over the weights against SGD's 3;
 with the column sums and the gradients' check taken from the backward pass (DESIGN §12), 3,
 as SGD's.
 
@@ -307,8 +309,8 @@ def one_graph_stage_(kernels, chain, st, marks, *, W, G, M, C, b, Gb, Mb, lr, de
     v = vector_stage(kernels, chain, st, W=W, G=G, C=C, b=b, Gb=Gb, lr=lr, device=device,
                      M=M, Mb=Mb, h=h)
     go = xp.all(v.flags)
-    marks = [marks.layer(l) for l in range(1, chain.L + 1)]
-    parts = [_layer_vectors(xp, v, l, marks[l - 1], h) for l in range(1, chain.L + 1)]
+    at = [marks.layer(l) for l in range(1, chain.L + 1)]
+    parts = [_layer_vectors(xp, v, l, at[l - 1], h) for l in range(1, chain.L + 1)]
     ends = list(itertools.accumulate(x.shape[0] for p in parts for x in p))
     flat = split(kernels.realized(xp.concat([x for p in parts for x in p])), [0] + ends)
     per_layer = [flat[i:i + len(p)] for i, p in zip(
@@ -321,9 +323,9 @@ def one_graph_stage_(kernels, chain, st, marks, *, W, G, M, C, b, Gb, Mb, lr, de
             F, B_cols, rho_cols = factors
             new, new_m = rows_by_rules(xp, W[l - 1], G[l - 1], None if M is None else M[l - 1],
                                        F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr, rule=h)
-        W[l - 1].copy_(xp.where(go, marked(xp, new, *new_at[:2], marks[l - 1]), W[l - 1]))
+        W[l - 1].copy_(xp.where(go, marked(xp, new, *new_at[:2], at[l - 1]), W[l - 1]))
         if M is not None:
-            M[l - 1].copy_(xp.where(go, marked(xp, new_m, *new_at[2:], marks[l - 1]), M[l - 1]))
+            M[l - 1].copy_(xp.where(go, marked(xp, new_m, *new_at[2:], at[l - 1]), M[l - 1]))
     for dst, new in zip(b + Mb, v.bias + v.bias_m):
         if dst is not None:
             dst.copy_(xp.where(go, new, dst))
@@ -334,8 +336,8 @@ def _layer_vectors(xp, v: Vectors, l: int, marks, h) -> tuple:
     """What layer ``l``'s loop in :func:`one_graph_stage_` reads besides its own arrays:
     three factors (:func:`reciprocals`, or ``F`` and ``B``, ``rho`` per column under weight
     decay and momentum), then the new special edges' values at each row's tau edge and at
-    each column's free edge (:class:`~gsgd_backends.plan.LayerMarks`), then, with momentum, the
-    buffers' there."""
+    each column's free edge (:class:`~gsgd_backends.plan.LayerMarks`), then, with momentum,
+    the buffers' there."""
     factors = v.recips[l - 1] if h is None else (v.F[l],) + v.columns[l - 1]
     new = [v.special[l - 1]] + ([] if v.special_m is None else [v.special_m[l - 1]])
     return tuple(factors) + tuple(xp.take(s, at) for s in new

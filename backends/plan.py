@@ -25,8 +25,8 @@ import numpy as np
 from gsgd_core import Chain
 from gsgd_core.arrays import Prepared, layer_meta, prepare
 
-__all__ = ["LayerMarks", "Marks", "Scratch", "Stack", "StepPlan", "check_column_sums", "marks_dtype",
-           "marks_of", "special_edges", "stack_in", "stack_plan"]
+__all__ = ["LayerMarks", "Marks", "Scratch", "Stack", "StepPlan", "check_column_sums",
+           "marks_dtype", "marks_of", "special_edges", "split", "stack_in", "stack_plan"]
 
 
 def special_edges(chain: Chain, l: int) -> np.ndarray:
