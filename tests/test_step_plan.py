@@ -847,12 +847,16 @@ def test_marks_find_each_layers_special_edges_and_their_places_in_the_stack(chai
 
 def test_marks_compare_indices_in_the_steps_dtype_while_it_holds_them_exactly():
     """float32 holds every integer below 2**24 exactly; a layer with as many rows or
-    columns compares its indices in float64."""
+    columns (inputs times slots) compares its indices in float64. (Wide inputs and outputs:
+    a wide hidden layer would make the chain's maps that long.)"""
     from gsgd_backends.plan import marks_dtype
 
-    for widths, dtype in [([3, 2**24 - 1, 2], np.float32), ([2**24 - 1, 3, 2], np.float32),
-                          ([3, 2**24, 2], np.float64), ([2**24, 3, 2], np.float64)]:
-        assert marks_dtype(gc.Chain.mlp(widths), np.float32) == dtype, widths
+    for chain, dtype in [(gc.Chain.mlp([2**24 - 1, 3, 2]), np.float32),
+                         (gc.Chain.mlp([3, 2, 2**24 - 1]), np.float32),
+                         (gc.Chain.mlp([2**24, 3, 2]), np.float64),
+                         (gc.Chain.mlp([3, 2, 2**24]), np.float64),
+                         (gc.Chain((2, 3, 2), slots=(2**23, 1)), np.float64)]:
+        assert marks_dtype(chain, np.float32) == dtype, chain.sizes
     assert marks_dtype(gc.Chain.mlp([2**24, 3, 2]), np.float64) == np.float64
 
 
