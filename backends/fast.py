@@ -24,8 +24,10 @@ bulk of each layer with one formula and the special edges as short vectors, gath
 A step runs through a :class:`~gsgd_backends.plan.StepPlan` (built once per chain, device
 and dtype by a kernel set, :class:`~gsgd_backends.kernels.Kernels`, and kept by the caller):
 the heavy passes (column sum, bulk update) are each layer's kernels, chosen in the plan
-(:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the two stages whole
-(:meth:`StepPlan.stage`). Memory traffic is 5 passes over the weights against SGD's 3;
+(:mod:`.numpy`, :mod:`.torch`, :mod:`.cupy`); traced kernels compile the whole step as one
+function (:func:`one_graph_stage_`, :meth:`StepPlan.stage`): the bulk writes the special
+edges where :class:`~gsgd_backends.plan.Marks` places them, and the flags are read after
+it. Memory traffic is 5 passes over the weights against SGD's 3;
 with the column sums and the gradients' check taken from the backward pass (DESIGN §12), 3,
 as SGD's.
 
@@ -40,6 +42,7 @@ ones through :func:`recip_rows` on layers whose node vectors are tame.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -50,7 +53,7 @@ from gsgd_core.rules import (StepRule, all_finite, direction, finite_mask, finit
                              path_gradient, safe_div, scaled, scaled_div, tau_ratio,
                              written_ratio)
 
-from .plan import StepPlan
+from .plan import StepPlan, split
 
 
 def gathered(xp, arrays, spec) -> list:
@@ -140,17 +143,36 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper,
         scalar(hyper.dampening, W[0].dtype, plan.step_device), hyper.nesterov,
         steps[0] == 0 if M is not None else None)
     lr = scalar(float(lr), W[0].dtype, plan.step_device)
+    if not kernels.one_graph:
+        return _two_stages(plan, W, G, M, C, b, Gb, Mb, lr, h)
+    # Read after the graph, not between stages: it wrote the step unless a flag is down.
+    ok, *tame = plan.stage(one_graph_stage_)(
+        kernels, chain, plan.stack, plan.marks, W=_rows(xp, W), G=_rows(xp, G),
+        M=_rows(xp, M), C=C, b=b, Gb=Gb, Mb=Mb, lr=lr, device=plan.step_device, h=h).tolist()
+    if ok and not all(tame):  # nothing written: layers of extreme scale take the exact rules
+        return _two_stages(plan, W, G, M, C, b, Gb, Mb, lr, h)
+    return bool(ok)
+
+
+def _rows(xp, A):
+    """Each ``(n, p, k)`` layer of ``A`` as ``(n, p*k)`` (``None`` stays): a compiled loop then
+    runs over contiguous columns and writes its input itself (mutating a view of an input,
+    inductor stages a copy)."""
+    return None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
+
+
+def _two_stages(plan: StepPlan, W, G, M, C, b, Gb, Mb, lr, h) -> bool:
+    """The step as the vector stage, its flags read, then the bulk stage and the special
+    edges and biases written (traced kernels compile each stage whole)."""
+    chain, kernels = plan.chain, plan.kernels
     v = plan.stage(vector_stage)(kernels, chain, plan.stack, W=W, G=G, C=C, b=b,
                                  Gb=Gb, lr=lr, device=plan.step_device, M=M, Mb=Mb, h=h)
     flags = v.flags.tolist()  # the step's one host synchronisation
     if not flags[0]:
         return False
-    tame = tuple(flags[1:]) or (False,) * L
-    # The bulk sees each layer as (n, p*k): a compiled loop then runs over contiguous columns
-    # and writes its input itself (mutating a view of an input, inductor stages a copy).
-    rows = [None if A is None else [xp.reshape(a, (a.shape[0], -1)) for a in A]
-            for A in (W, G, M)]
-    plan.stage(bulk_stage_)(plan.layer_kernels, *rows, v=v, lr=lr, tame=tame, h=h,
+    tame = tuple(flags[1:]) or (False,) * chain.L
+    plan.stage(bulk_stage_)(plan.layer_kernels, *(_rows(plan.xp, A) for A in (W, G, M)),
+                            v=v, lr=lr, tame=tame, h=h,
                             scratch=None if kernels.traced else plan.scratch)
     for l, spec in enumerate(plan.stack.spec):
         kernels.put_(W[l], spec, v.special[l])
@@ -165,12 +187,6 @@ def _step(plan: StepPlan, weights, biases, grads, bias_grads, lr, state, hyper,
 def stacked(xp, parts: list):
     """Per-layer vectors as one (:class:`~gsgd_backends.plan.Stack`'s order)."""
     return parts[0] if len(parts) == 1 else xp.concat(parts)
-
-
-def split(v, starts) -> list:
-    """A stacked vector back into its per-layer parts, ``starts`` the first entry of each
-    and the end (views)."""
-    return [v[a:e] for a, e in zip(starts[:-1], starts[1:])]
 
 
 def backward_sums(kernels, st, ws, gs, C):
@@ -273,6 +289,67 @@ def special_vectors(kernels, chain, st, *, ws, gs, ms, C, b, Gb, lr, device, Mb,
     return Vectors(B, F, rho, recips, squares, columns, split(special, st.edges),
                    None if special_m is None else split(special_m, st.edges), bias, bias_m,
                    xp.stack([ok] + tame))
+
+
+def one_graph_stage_(kernels, chain, st, marks, *, W, G, M, C, b, Gb, Mb, lr, device,
+                     h):
+    """The whole step of traced kernels as one function, compiled as one graph: the vector
+    stage (:func:`vector_stage`), then every layer's bulk with its special edges
+    (:func:`marked`), and the biases, each written in place where the step goes through
+    (``W``, ``G``, ``M`` as ``(n, p*k)``; else every entry keeps its value). Returns the
+    flags ``[ok, tame_1..tame_L]``: the step went through where all are set. A plain step
+    takes :func:`recip_rows` on every layer, so a layer that is not tame stops it (the caller
+    then takes the two stages, whose bulk gives such a layer the per-entry rules); weight
+    decay and momentum take :func:`rows_by_rules` (no ``tame`` flags).
+
+    The node vectors each layer's loop reads (per row and per column) are computed first,
+    all at once, into one array (``kernels.realized``): left to the compiler, they would be
+    recomputed, gathers and all, for every entry of the layer."""
+    xp = kernels.xp
+    v = vector_stage(kernels, chain, st, W=W, G=G, C=C, b=b, Gb=Gb, lr=lr, device=device,
+                     M=M, Mb=Mb, h=h)
+    go = xp.all(v.flags)
+    at = [marks.layer(l) for l in range(1, chain.L + 1)]
+    parts = [_layer_vectors(xp, v, l, at[l - 1], h) for l in range(1, chain.L + 1)]
+    ends = list(itertools.accumulate(x.shape[0] for p in parts for x in p))
+    flat = split(kernels.realized(xp.concat([x for p in parts for x in p])), [0] + ends)
+    per_layer = [flat[i:i + len(p)] for i, p in zip(
+        itertools.accumulate((len(p) for p in parts), initial=0), parts)]
+    for l in range(chain.L, 0, -1):  # the column sums ended on the top layers' first rows
+        factors, new_at = per_layer[l - 1][:3], per_layer[l - 1][3:]
+        if h is None:
+            new = recip_rows(xp, W[l - 1], G[l - 1], factors, lr)
+        else:
+            F, B_cols, rho_cols = factors
+            new, new_m = rows_by_rules(xp, W[l - 1], G[l - 1], None if M is None else M[l - 1],
+                                       F=F, B_cols=B_cols, rho_cols=rho_cols, lr=lr, rule=h)
+        W[l - 1].copy_(xp.where(go, marked(xp, new, *new_at[:2], at[l - 1]), W[l - 1]))
+        if M is not None:
+            M[l - 1].copy_(xp.where(go, marked(xp, new_m, *new_at[2:], at[l - 1]), M[l - 1]))
+    for dst, new in zip(b + Mb, v.bias + v.bias_m):
+        if dst is not None:
+            dst.copy_(xp.where(go, new, dst))
+    return v.flags
+
+
+def _layer_vectors(xp, v: Vectors, l: int, marks, h) -> tuple:
+    """What layer ``l``'s loop in :func:`one_graph_stage_` reads besides its own arrays:
+    three factors (:func:`reciprocals`, or ``F`` and ``B``, ``rho`` per column under weight
+    decay and momentum), then the new special edges' values at each row's tau edge and at
+    each column's free edge (:class:`~gsgd_backends.plan.LayerMarks`), then, with momentum,
+    the buffers' there."""
+    factors = v.recips[l - 1] if h is None else (v.F[l],) + v.columns[l - 1]
+    new = [v.special[l - 1]] + ([] if v.special_m is None else [v.special_m[l - 1]])
+    return tuple(factors) + tuple(xp.take(s, at) for s in new
+                                  for at in (marks.tau_at, marks.free_at))
+
+
+def marked(xp, bulk, at_rows, at_cols, marks):
+    """A ``(n, p*k)`` layer's new values: ``bulk``, with ``at_cols[c]`` at column ``c``'s free
+    edge and ``at_rows[r]`` at row ``r``'s tau edge where that edge is not free
+    (``marks``, a :class:`~gsgd_backends.plan.LayerMarks`), as the two stages write them."""
+    new = xp.where(marks.col[None, :] == marks.tau_col[:, None], at_rows[:, None], bulk)
+    return xp.where(marks.row[:, None] == marks.free_row[None, :], at_cols[None, :], new)
 
 
 def bulk_stage_(layer_kernels, W, G, M, *, v: Vectors, lr, tame, h, scratch) -> None:

@@ -78,6 +78,8 @@ class Kernels(LayerKernels, Protocol):  # pragma: no mutate block
     #: The plain bulk runs the eager block loops (:func:`.fast.plain_rows_`, each block
     #: checked by a host read): the vector stage then forms their factors (``squares``).
     checked: bool
+    #: The step is one traced function (:func:`.fast.one_graph_stage_`), not two stages.
+    one_graph: bool
 
     def plan(self, chain, array) -> Any:
         """The :class:`~gsgd_backends.plan.StepPlan` of ``chain`` for arrays like

@@ -38,7 +38,7 @@ class ArrayKernels:
     :mod:`.cupy`)."""
 
     #: Eager: blocks are updated by in-place ufuncs (``out=``) and checked as they go.
-    traced, checked = False, True
+    traced, checked, one_graph = False, True, False
 
     def __init__(self, mod, chunk: int | None) -> None:
         self.mod, self.chunk = mod, chunk

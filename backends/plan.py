@@ -25,8 +25,8 @@ import numpy as np
 from gsgd_core import Chain
 from gsgd_core.arrays import Prepared, layer_meta, prepare
 
-__all__ = ["Scratch", "Stack", "StepPlan", "check_column_sums", "special_edges", "stack_in",
-           "stack_plan"]
+__all__ = ["LayerMarks", "Marks", "Scratch", "Stack", "StepPlan", "check_column_sums",
+           "marks_dtype", "marks_of", "special_edges", "split", "stack_in", "stack_plan"]
 
 
 def special_edges(chain: Chain, l: int) -> np.ndarray:
@@ -138,6 +138,77 @@ def stack_plan(chain: Chain) -> Stack:
                  f_path.reshape(-1), rho_from, node, moved, *units)
 
 
+class LayerMarks(NamedTuple):
+    """Where a layer's special edges lie, seen as ``(n, p*k)``, for a pass that writes them
+    with the bulk (:func:`gsgd_backends.fast.marked`): each row holds at most one tau edge
+    (its node's) and each column at most one free edge (out of its source node), so two
+    compares of a row's and a column's index against short vectors find them all, with no
+    full-size mask and no scatter. Indices are compared as floating-point numbers (exact
+    below :func:`marks_dtype`'s bound): a compiled loop compares and selects those 16 to a
+    vector, and integers several times slower."""
+
+    row: Any        # per row: its index
+    col: Any        # per column: its index
+    tau_col: Any    # per row: the column of its tau edge (-1: none, layer L)
+    free_row: Any   # per column: the row of its free edge (-1: none, layer 1, other slots)
+    tau_at: Any     # per row: that edge's position among the layer's special edges (0: none)
+    free_at: Any    # per column: that edge's position among the layer's special edges
+
+
+class Marks(NamedTuple):
+    """Every layer's :class:`LayerMarks` in two arrays (a compiled step takes each array as
+    an input, and each input costs it checks on every call): the indices, then the
+    positions, layer after layer."""
+
+    index: Any      # row, col, tau_col, free_row of layer 1, then of layer 2, ...
+    at: Any         # tau_at, free_at of layer 1, then of layer 2, ...
+    shapes: tuple   # per layer, (rows, columns)
+
+    def layer(self, l: int) -> LayerMarks:
+        """Layer ``l``'s marks (views)."""
+        i = a = 0
+        for n, c in self.shapes[:l - 1]:
+            i, a = i + 2 * (n + c), a + n + c
+        n, c = self.shapes[l - 1]
+        return LayerMarks(*split(self.index, [i, i + n, i + n + c, i + 2 * n + c, i + 2 * (n + c)]),
+                          *split(self.at, [a, a + n, a + n + c]))
+
+
+def split(v, starts) -> list:
+    """``v`` cut at ``starts`` (the first entry of each part, and the end): views."""
+    return [v[a:e] for a, e in zip(starts[:-1], starts[1:])]
+
+
+def marks_of(chain: Chain, stack: Stack, dtype) -> Marks:
+    """The :class:`Marks` of ``chain`` as NumPy arrays (from ``stack``, :func:`stack_plan`'s),
+    the indices compared in NumPy's ``dtype``."""
+    first, index, at, shapes = stack.nodes[1], [], [], []
+    for l in range(1, chain.L + 1):
+        n, p, k = chain.layer_shape(l)
+        spec, start = stack.spec[l - 1], stack.edges[l - 1]
+        tau_at, free_at = np.zeros(n, np.int64), np.zeros(p * k, np.int64)
+        tau_col, free_row = np.full(n, -1, np.int64), np.full(p * k, -1, np.int64)
+        if l < chain.L:  # the tau edges of layer l's nodes
+            tau_at = stack.tau[stack.nodes[l] - first:stack.nodes[l + 1] - first] - start
+            tau_col = spec[tau_at] - np.arange(n) * (p * k)
+        if l > 1:  # the free edges out of layer l-1's nodes
+            on = stack.free[stack.nodes[l - 1] - first:stack.nodes[l] - first] - start
+            rows, cols = np.divmod(spec[on], p * k)
+            free_row[cols], free_at[cols] = rows, on
+        index += [np.arange(n), np.arange(p * k), tau_col, free_row]
+        at += [tau_at, free_at]
+        shapes.append((n, p * k))
+    return Marks(np.concatenate(index).astype(dtype), np.concatenate(at), tuple(shapes))
+
+
+def marks_dtype(chain: Chain, dtype) -> np.dtype:
+    """NumPy's ``dtype`` if it holds every row and column index of ``chain``'s layers
+    exactly (below ``2**(mantissa bits + 1)``), else ``float64``."""
+    dtype = np.dtype(dtype)
+    most = max(max(n, p * k) for n, p, k in map(chain.layer_shape, range(1, chain.L + 1)))
+    return dtype if most < 2 ** (np.finfo(dtype).nmant + 1) else np.dtype(np.float64)
+
+
 def stack_in(stack: Stack, xp, device, dtype) -> Stack:
     """``stack`` in namespace ``xp`` on ``device`` (the skeleton scales in ``dtype``)."""
     def arr(a, dt=None):
@@ -213,8 +284,10 @@ class StepPlan:
         self.step_device = device if step_device is None else step_device
         self.layer_kernels = tuple(layer_kernels)
         self.view = view
-        self.stack = stack_in(stack_plan(chain), xp, self.step_device,
+        self._host_stack = stack_plan(chain)
+        self.stack = stack_in(self._host_stack, xp, self.step_device,
                               dtype if step_dtype is None else step_dtype)
+        self._marks: tuple | None = None
         self.shapes = tuple(chain.layer_shape(l) for l in range(1, chain.L + 1))
         self.scratch = Scratch()
         self._stages: dict = {}
@@ -225,6 +298,18 @@ class StepPlan:
     def __repr__(self) -> str:
         return (f"StepPlan({self.chain}, {type(self.kernels).__name__}, device={self.device}, "
                 f"dtype={self.dtype})")
+
+    @property
+    def marks(self) -> Marks:
+        """The chain's :class:`Marks` in the step's namespace and device (built on first
+        use: only a step that writes the special edges with the bulk reads them)."""
+        if self._marks is None:
+            host = marks_of(self.chain, self._host_stack,
+                            marks_dtype(self.chain, str(self.dtype).removeprefix("torch.")))
+            self._marks = host._replace(**{f: self.xp.asarray(getattr(host, f),
+                                                              device=self.step_device)
+                                           for f in ("index", "at")})
+        return self._marks
 
     def fits(self, chain: Chain, array) -> bool:
         """Whether this plan steps ``chain`` for arrays like ``array`` (same chain, device

@@ -21,8 +21,8 @@ from gsgd_core.rules import (all_finite, finite_or_zero, kept, path_gradient, sa
                              tau_ratio)
 
 from .fast import (as_written, backward_sums, chain_products, gathered, per_column, plan_for,
-                   split, stacked)
-from .plan import StepPlan
+                   stacked)
+from .plan import StepPlan, split
 
 __all__ = ["rule_step_"]
 

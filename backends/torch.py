@@ -12,12 +12,15 @@ per-entry rules without reading anything back: the step's one host synchronisati
 the vector stage's flags.
 
 ``COMPILED``: the column sum stays eager (inductor's reductions over rows stride across
-them); the vector stage and the bulk stage of :mod:`.fast` are each compiled whole by
-``torch.compile``, per plan and specialised to its shapes, so a step is two compiled calls
-and a few eager ops. The bulk is one loop per layer: :func:`.fast.recip_rows` (no division
-per entry) where the layer's node vectors are tame, :func:`.fast.exact_rows` elsewhere. The
-learning rate enters as a tensor, so a schedule never recompiles. The first step of a new
-chain compiles for some seconds.
+them; with the sums from the backward pass there is none); the rest of the step is one
+``torch.compile`` graph per plan, specialised to its shapes (:func:`.fast.one_graph_stage_`):
+the vector stage, then one loop per layer that writes the bulk, the special edges and the
+biases in place, with nothing read back until it ends. The plain bulk is
+:func:`.fast.recip_rows` (no division per entry); a step in which a layer's node vectors are
+not tame writes nothing and is taken again by the two stages of :mod:`.fast`, each compiled
+whole, whose bulk gives such a layer :func:`.fast.exact_rows`. The learning rate enters as a
+tensor, so a schedule never recompiles. The first step of a new chain compiles for some
+seconds.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from .rule_step import rule_bulk_
 
 #: Elements per block on the CPU (2 MiB of float32; measured best for 4M-element layers).
 CHUNK = 1 << 19
+#: Compiled loops over fewer than twice this many entries run on one thread (inductor's
+#: ``cpp.min_chunk_size``): the vector stage's dozens of loops over node vectors would
+#: each end on a barrier of the threads, which costs more than the loop.
+SERIAL = 1 << 15
 #: CPU layers up to this size take NumPy's kernels: below it, the cost of an ATen call
 #: outweighs its second thread (chosen by timing layer updates on both sides of it).
 SMALL = 1 << 17
@@ -58,6 +65,27 @@ def _numpy_views(tensors) -> list:
     return [None if t is None else t.detach().numpy() for t in tensors]
 
 
+def _realized(array: torch.Tensor) -> torch.Tensor:
+    """A copy of ``array``: the body of the operator ``gsgd::realized``, which a compiled
+    graph calls as it is, so that ``array`` is computed, and stored, before it (a compiler
+    inlines what it can into the loops that read it, and would recompute short vectors,
+    gathers and all, for every entry of a layer). On the CPU the copy takes one thread
+    (NumPy's): it is short, and ATen's threads would wait on one another for longer."""
+    if array.device.type == "cpu" and array.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(array.numpy().copy())
+    return array.clone()
+
+
+# A plain operator, not torch.library.custom_op: a call skips the autograd wrapper, which
+# costs the step more than the copy.
+_LIBRARY = torch.library.Library("gsgd", "DEF")
+_LIBRARY.define("realized(Tensor array) -> Tensor")
+_LIBRARY.impl("realized", _realized, "CompositeExplicitAutograd")
+torch.library.register_fake("gsgd::realized", lambda array: torch.empty_like(array),
+                            lib=_LIBRARY)
+realized = torch.ops.gsgd.realized
+
+
 class TorchKernels:
     """The fast step's kernels (:class:`gsgd_backends.kernels.Kernels`) over torch tensors:
     eager, or compiled by ``torch.compile`` (module docstring)."""
@@ -65,8 +93,11 @@ class TorchKernels:
     mod = torch
 
     def __init__(self, chunk: int, *, compiled: bool = False, host: bool = True,
-                 checked: bool = True) -> None:
+                 checked: bool = True, one_graph: bool = True) -> None:
         self.chunk, self.traced = chunk, compiled
+        #: Compiled: the whole step is one graph (:func:`.fast.one_graph_stage_`), else
+        #: the two stages.
+        self.one_graph = compiled and one_graph
         #: Eager CPU plans compute on NumPy views; layers up to ``small`` weights take
         #: NumPy's kernels.
         self.host, self.small = host and not compiled, SMALL
@@ -104,7 +135,12 @@ class TorchKernels:
         copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                                   fn.__defaults__, fn.__closure__)
         copy.__kwdefaults__ = fn.__kwdefaults__
-        return torch.compile(copy, dynamic=False)
+        return torch.compile(copy, dynamic=False, options={"cpp.min_chunk_size": SERIAL})
+
+    def realized(self, array):
+        """``array``, computed and stored before anything reads it (traced: through
+        :func:`realized`)."""
+        return realized(array) if self.traced else array
 
     def scalar(self, value: float, dtype, device):
         """``value`` as the stages take it: compiled stages get a 0-d tensor, since dynamo

@@ -196,7 +196,8 @@ def test_each_compiled_stage_is_a_copy_of_the_function_with_its_defaults_and_clo
     """``compile`` hands ``torch.compile`` a new function object (dynamo's cache and
     recompilation limit are per code object and function), which keeps the original's name,
     positional and keyword-only defaults and closure, compiled specialised to its shapes
-    (``dynamic=False``); eager kernels return the function itself."""
+    (``dynamic=False``), its short loops on one thread; eager kernels return the function
+    itself."""
     k = 3
 
     def stage(x, y=2, *, z=5):
@@ -206,7 +207,7 @@ def test_each_compiled_stage_is_a_copy_of_the_function_with_its_defaults_and_clo
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.update(fn=fn, **kw) or "done")
     assert gbt.COMPILED.compile(stage) == "done"
     copy = seen.pop("fn")
-    assert seen == {"dynamic": False}
+    assert seen == {"dynamic": False, "options": {"cpp.min_chunk_size": gbt.SERIAL}}
     assert copy is not stage and copy.__code__ == stage.__code__
     assert (copy.__name__, copy.__defaults__, copy.__kwdefaults__) == ("stage", (2,), {"z": 5})
     assert copy(1) == stage(1) == 10 and copy(1, 3, z=0) == 6
@@ -808,3 +809,84 @@ def test_a_plans_tables_are_on_its_arrays_device():
     chain, Wm, *_ = _plan_arrays("meta")
     plan = gbt.ON_DEVICE.plan(chain, Wm[0])
     assert plan.stack.tau.device.type == "meta" and plan.stack.b_path.device.type == "meta"
+
+
+# Conv slots, a flatten, a custom skeleton: rows holding no free edge and rows holding two,
+# tau edges in other slots than the centre, a free tau edge.
+MARKED = gc.Chain((3, 4, 2, 3), slots=(9, 4, 1), bias=[True, False, True],
+                  tau=[[2, 2, 1, 0], [3, 3]], sigma=[[1, 1, 0, 0], [2, 2]],
+                  skeleton_slots=(4, 1, 0))
+
+
+@pytest.mark.parametrize("chain", [CHAIN, MARKED], ids=["default skeleton", "custom skeleton"])
+def test_marks_find_each_layers_special_edges_and_their_places_in_the_stack(chain):
+    """A layer seen as ``(n, p*k)``: each row's tau edge (``tau_col``) and each column's free
+    edge (``free_row``) are the layer's tau and free edges, no more, and each points at its
+    own entry among the layer's special edges (``tau_at``, ``free_at``), which the
+    one-graph step writes there."""
+    from array_api_compat import numpy as np_compat
+
+    from gsgd_backends.plan import marks_of, special_edges, stack_plan
+    from gsgd_core.arrays import layer_meta
+
+    marks = marks_of(chain, stack_plan(chain), np.float32)
+    assert marks.index.dtype == np.float32 and marks.at.dtype == np.int64
+    for l, meta in enumerate(layer_meta(chain, np_compat, "cpu"), start=1):
+        n, p, k = chain.layer_shape(l)
+        m, spec = marks.layer(l), special_edges(chain, l)
+        assert (m.row.tolist(), m.col.tolist()) == (list(range(n)), list(range(p * k)))
+        rows = np.flatnonzero(m.tau_col >= 0)
+        tau = rows * p * k + m.tau_col[rows].astype(np.int64)
+        cols = np.flatnonzero(m.free_row >= 0)
+        free = m.free_row[cols].astype(np.int64) * p * k + cols
+        assert sorted(tau) == sorted(meta.tau_idx) and sorted(free) == sorted(meta.free_idx)
+        assert np.array_equal(spec[m.tau_at[rows]], tau)
+        assert np.array_equal(spec[m.free_at[cols]], free)
+        assert np.all(m.tau_col[m.tau_col < 0] == -1) and np.all(m.free_row[m.free_row < 0] == -1)
+
+
+def test_marks_compare_indices_in_the_steps_dtype_while_it_holds_them_exactly():
+    """float32 holds every integer below 2**24 exactly; a layer with as many rows or
+    columns (inputs times slots) compares its indices in float64. (Wide inputs and outputs:
+    a wide hidden layer would make the chain's maps that long.)"""
+    from gsgd_backends.plan import marks_dtype
+
+    for chain, dtype in [(gc.Chain.mlp([2**24 - 1, 3, 2]), np.float32),
+                         (gc.Chain.mlp([3, 2, 2**24 - 1]), np.float32),
+                         (gc.Chain.mlp([2**24, 3, 2]), np.float64),
+                         (gc.Chain.mlp([3, 2, 2**24]), np.float64),
+                         (gc.Chain((2, 3, 2), slots=(2**23, 1)), np.float64)]:
+        assert marks_dtype(chain, np.float32) == dtype, chain.sizes
+    assert marks_dtype(gc.Chain.mlp([2**24, 3, 2]), np.float64) == np.float64
+
+
+@pytest.mark.parametrize("hyper", [dict(), dict(momentum=0.9, nesterov=True, weight_decay=0.01)],
+                         ids=str)
+def test_compiled_step_is_one_graph_read_once_after_it(monkeypatch, hyper):
+    """A compiled step is one graph, compiled on the first step and reused as the learning
+    rate changes: it writes the bulk, the special edges and the biases itself (no
+    write-back after it), and one read of its flags follows it; every step equals the
+    core's."""
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(gbt.TorchKernels, "put_", lambda *a: pytest.fail("written back"))
+    pb = Problem(CHAIN, 5)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    state = gc.gsgd_init(CHAIN, W, b) if hyper else None
+    eW, eb, estate = pb.W, pb.b, gc.gsgd_init(CHAIN, pb.W, pb.b) if hyper else None
+    plan = gbt.COMPILED.plan(CHAIN, W[0])
+    for step, lr in enumerate([0.1, 0.05, 0.02]):
+        G, Gb = Problem(CHAIN, 10 + step).grads()
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        with HostReads() as reads:
+            assert fast.fast_step_(None, CHAIN, W, b, _tensors(G), _tensors(Gb), lr, state,
+                                   plan=plan, **hyper)
+        assert reads.count == {"tolist": 1}
+        if not torch._dynamo.config.disable:  # TORCH_COMPILE_DISABLE=1: every stage eager
+            assert dynamo_utils.counters["stats"]["unique_graphs"] - graphs == (step == 0)
+        if state is not None:
+            gb.inplace.assign(state.step, state.step + 1)
+        eW, eb, estate = gc.gsgd_update(CHAIN, estate, eW, eb, G, Gb, lr=lr, **hyper)
+        for a, e in zip(W + b, eW + eb):
+            if e is not None:
+                assert_close(a.numpy(), e, 1e-12)

@@ -566,11 +566,13 @@ class GSGD(_SGDRules):
         BN-followed layer uses ``grad * ||W[j]||`` (row norms). It is approximate: the
         trajectory does not commute exactly with rescaling.
     compile : bool
-        Steps run their node-vector work and every layer's update (momentum and weight
-        decay included) as two ``torch.compile`` graphs specialised to the model's shapes,
-        and PSI-SGD(M)'s step of the normalised weights as compiled row loops
-        (:class:`gsgd_backends.psi.PSIPlan`). The first step compiles for some seconds. Off
-        by default.
+        Each chain's step (its node-vector work, then every layer's update with its special
+        edges, momentum and weight decay included) runs as one ``torch.compile`` graph
+        specialised to the model's shapes, read once after it (a step in which skeleton
+        products leave the range where reciprocals are exact writes nothing there and is
+        taken by two graphs instead), and PSI-SGD(M)'s step of the normalised weights as
+        compiled row loops (:class:`gsgd_backends.psi.PSIPlan`). The first step compiles for
+        some seconds. Off by default.
     max_norm : float
         With ``bn="psi"``, a PSI weight's row whose norm exceeds it is divided by its norm
         (PSI-SGD's renormalisation, :class:`PSISGD`).
