@@ -107,13 +107,20 @@ def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
     30 s more: gloo's teardown (``destroy_process_group``) now and then hangs, or aborts,
     in a process whose work is finished, and the result is what the test checks. Fails the
     test after ``limit`` seconds without a result, if a worker raised, or if one died
-    before the result existed."""
+    before the result existed.
+
+    The workers are forked from multiprocessing's fork server, a fresh single-threaded
+    process that imports ``fn``'s module (torch, the adapters) once for every world this
+    process starts: each spawned process would import them anew."""
+    import multiprocessing
     import time
 
     import pytest
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    multiprocessing.set_forkserver_preload([fn.__module__])  # read when the server starts
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                             start_method="forkserver")
     deadline, grace = time.monotonic() + limit, None
     while True:
         try:
