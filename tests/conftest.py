@@ -144,3 +144,31 @@ def threads():
     torch.set_num_threads(n)
     yield n
     torch.set_num_threads(TEST_THREADS)
+
+
+# The files that take longest, longest first (one each of them takes from 15 s to a minute
+# on 2 cores: processes spawned, subprocesses importing Keras or JAX, compiled programs,
+# Triton's interpreter). Under xdist (``--dist loadfile --no-loadscope-reorder``) a worker
+# takes whole files in the order of the collection, the next as it frees up. xdist's own
+# order, the files with most tests first, leaves these few-test files last, so that the
+# run ends with one worker on them while the other idles; started first, they run beside
+# the many short files instead.
+LONGEST_FIRST = ("test_keras.py", "test_fsdp.py", "test_jax_mesh.py", "test_hsdp.py",
+                 "test_benchmarks.py", "test_torch_ddp.py", "test_fused_optim.py",
+                 "test_fused.py", "test_fused_adam.py", "test_recipe.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the files of ``LONGEST_FIRST`` first, then the others with most tests
+    first (xdist's order); each file's tests stay together, in their order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    tests = {}
+    for item in items:
+        tests[item.path] = tests.get(item.path, 0) + 1
+
+    def rank(path):
+        first = LONGEST_FIRST.index(path.name) if path.name in LONGEST_FIRST else None
+        return (0, first) if first is not None else (1, -tests[path])
+
+    items.sort(key=lambda item: rank(item.path))
