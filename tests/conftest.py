@@ -152,17 +152,18 @@ def threads():
     torch.set_num_threads(TEST_THREADS)
 
 
-# The files that take longest, longest first (each of them takes from 15 s to over two
-# minutes on 2 cores: processes spawned, subprocesses importing torch, Keras or JAX,
+# The files that take longest, longest first (each of them takes from 15 s to two minutes
+# or more on one core: processes spawned, subprocesses importing torch, Keras or JAX,
 # compiled programs, Triton's interpreter). Under xdist (``--dist loadfile
 # --no-loadscope-reorder``) a worker takes whole files in the order of the collection, the
 # next as it frees up. xdist's own order, the files with most tests first, leaves these
 # few-test files last, so that the run ends with one worker on them while the other idles;
 # started first, they run beside the many short files instead.
-LONGEST_FIRST = ("test_benchmarks.py", "test_keras.py", "test_docs.py", "test_fsdp.py",
-                 "test_jax_mesh.py", "test_jax_guide.py", "test_hsdp.py", "test_readme.py",
-                 "test_torch_ddp.py", "test_fused_optim.py", "test_fused.py",
-                 "test_fused_adam.py", "test_recipe.py")
+LONGEST_FIRST = ("test_benchmarks.py", "test_jax_catalogue.py", "test_keras.py",
+                 "test_fsdp.py", "test_docs.py", "test_nnx.py", "test_jax_mesh.py",
+                 "test_jax_guide.py", "test_hsdp.py", "test_readme.py", "test_torch_ddp.py",
+                 "test_fused.py", "test_fused_optim.py", "test_fused_adam.py",
+                 "test_recipe.py")
 
 
 def pytest_collection_modifyitems(config, items):
