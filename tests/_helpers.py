@@ -107,13 +107,19 @@ def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
     30 s more: gloo's teardown (``destroy_process_group``) now and then hangs, or aborts,
     in a process whose work is finished, and the result is what the test checks. Fails the
     test after ``limit`` seconds without a result, if a worker raised, or if one died
-    before the result existed."""
+    before the result existed.
+
+    The workers are forked from multiprocessing's fork server, a fresh single-threaded
+    process that imports the workers' modules (torch, the adapters) once for every world
+    this process starts: each spawned process would import them anew."""
     import time
 
     import pytest
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    _start_fork_server(fn)
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                             start_method="forkserver")
     deadline, grace = time.monotonic() + limit, None
     while True:
         try:
@@ -136,6 +142,28 @@ def spawn_workers(fn, args, nprocs: int, result, limit: float = 300.0) -> None:
             if grace is None:
                 pytest.fail(f"{nprocs} worker processes wrote no result within {limit:.0f} s")
             return
+
+
+def _start_fork_server(fn) -> None:
+    """multiprocessing's fork server, started (once per process) with the modules of ``fn``
+    imported (of its function and keywords, for a ``functools.partial``). The server does
+    not take this process's ``sys.path``: the folder of those modules is on its PYTHONPATH
+    while it starts."""
+    import multiprocessing.forkserver
+
+    parts = [getattr(fn, "func", fn), *getattr(fn, "keywords", {}).values()]
+    modules = [sys.modules[p.__module__] for p in parts if callable(p)]
+    multiprocessing.set_forkserver_preload([m.__name__ for m in modules])
+    old = os.environ.get("PYTHONPATH")
+    folders = {os.path.dirname(m.__file__) for m in modules}
+    os.environ["PYTHONPATH"] = os.pathsep.join(sorted(folders) + ([old] if old else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def from_repository(module: str):

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -19,11 +20,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 # tests of multi-threaded code paths take more with the ``threads`` fixture.
 TEST_THREADS = int(os.environ.get("GSGD_TEST_THREADS", "1"))
 os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
-try:
-    import torch
-    torch.set_num_threads(TEST_THREADS)
-except ImportError:
-    torch = None
 # Compiling, not running, is most of the JAX tests' time: each compiles many small programs
 # (every eager operation is one) and runs them a few times. XLA's optimisations and its
 # CPU fusion emitters cost more than they save here; without both, JAX's tests take about
@@ -36,21 +32,31 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 
-def _add_xla_flag_if_known(flag: str) -> None:
-    """``flag`` added to XLA_FLAGS where this jaxlib knows it: XLA aborts the process on an
-    unknown flag, so a child process tries it first (once: workers inherit the result)."""
+def _probe_xla_flag(flag: str) -> Callable[[], None]:
+    """A child process started to try ``flag`` (XLA aborts the process on an unknown flag),
+    and a function that waits for it and adds ``flag`` to XLA_FLAGS where this jaxlib knows
+    it (once: workers inherit the result). The child runs while torch is imported here."""
     flags = os.environ.get("XLA_FLAGS", "")
     if flag.split("=")[0] in flags or importlib.util.find_spec("jax") is None:
-        return
+        return lambda: None
     flags = f"{flags} {flag}".strip()
-    probe = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1) + 1"],
-                           env=os.environ | {"XLA_FLAGS": flags}, capture_output=True,
-                           timeout=300)
-    if probe.returncode == 0:
-        os.environ["XLA_FLAGS"] = flags
+    probe = subprocess.Popen([sys.executable, "-c", "import jax.numpy as jnp; jnp.zeros(1) + 1"],
+                             env=os.environ | {"XLA_FLAGS": flags},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def add_if_known() -> None:
+        if probe.wait(timeout=300) == 0:
+            os.environ["XLA_FLAGS"] = flags
+    return add_if_known
 
 
-_add_xla_flag_if_known("--xla_cpu_use_fusion_emitters=false")
+_add_xla_flag_if_known = _probe_xla_flag("--xla_cpu_use_fusion_emitters=false")
+try:
+    import torch
+    torch.set_num_threads(TEST_THREADS)
+except ImportError:
+    torch = None
+_add_xla_flag_if_known()
 try:
     from threadpoolctl import threadpool_limits
     threadpool_limits(limits=TEST_THREADS)
@@ -144,3 +150,33 @@ def threads():
     torch.set_num_threads(n)
     yield n
     torch.set_num_threads(TEST_THREADS)
+
+
+# The files that take longest, longest first (each of them takes from 15 s to two minutes
+# or more on one core: processes spawned, subprocesses importing torch, Keras or JAX,
+# compiled programs, Triton's interpreter). Under xdist (``--dist loadfile
+# --no-loadscope-reorder``) a worker takes whole files in the order of the collection, the
+# next as it frees up. xdist's own order, the files with most tests first, leaves these
+# few-test files last, so that the run ends with one worker on them while the other idles;
+# started first, they run beside the many short files instead.
+LONGEST_FIRST = ("test_benchmarks.py", "test_jax_catalogue.py", "test_keras.py",
+                 "test_fsdp.py", "test_docs.py", "test_nnx.py", "test_jax_mesh.py",
+                 "test_jax_guide.py", "test_hsdp.py", "test_readme.py", "test_torch_ddp.py",
+                 "test_fused.py", "test_fused_optim.py", "test_fused_adam.py",
+                 "test_recipe.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the files of ``LONGEST_FIRST`` first, then the others with most tests
+    first (xdist's order); each file's tests stay together, in their order."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    tests = {}
+    for item in items:
+        tests[item.path] = tests.get(item.path, 0) + 1
+
+    def rank(path):
+        first = LONGEST_FIRST.index(path.name) if path.name in LONGEST_FIRST else None
+        return (0, first) if first is not None else (1, -tests[path])
+
+    items.sort(key=lambda item: rank(item.path))

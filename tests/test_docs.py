@@ -3,7 +3,6 @@ public object, every Python example on its pages runs and prints what the page s
 every results page says when and on what machine it was measured."""
 
 import ast
-import contextlib
 import doctest
 import html
 import importlib
@@ -17,11 +16,11 @@ import sys
 import warnings
 
 import pytest
+from _examples import examples, fences, run_examples
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")) if DOCS.is_dir() else []
-FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```\n", re.S | re.M)
 # The packages whose every public name the reference must document.
 PUBLIC = ["gsgd_core", "gsgd_backends", "gsgd_adapters.torch", "gsgd_adapters.jax",
           "gsgd_adapters.optax",
@@ -36,41 +35,12 @@ RESULTS = ["results.md", "step_overhead.md", "step_overhead_gpu.md", "fsdp.md", 
            "plain_cnn_full.md", "skeleton_recipe.md"]
 
 
-def fences(text: str) -> list[tuple[str, str, int, int]]:
-    """(language, body, start, end) of each fenced code block, in order."""
-    return [(m["lang"], m["body"], m.start(), m.end()) for m in FENCE.finditer(text)]
+# Pages whose examples another test runs with these checks, and checks what they made.
+RUN_BY = {"guide/jax.md": "test_jax_guide.py"}
 
 
-def examples(text: str) -> list[tuple[str, str | None]]:
-    """Each ``python`` block with the ``text`` block that follows it directly (its printed
-    output), or ``None`` where none follows."""
-    blocks, pairs = fences(text), []
-    for i, (lang, body, _, end) in enumerate(blocks):
-        if lang != "python":
-            continue
-        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        shown = (nxt[1] if nxt and nxt[0] == "text" and not text[end:nxt[2]].strip()
-                 else None)
-        pairs.append((body, shown))
-    return pairs
-
-
-def run_examples(pairs, name: str) -> None:
-    """Runs the blocks in order in one namespace; each printed output must be the one shown,
-    and no block warns (an example that warns teaches the warning)."""
-    for module in sorted({m for code, _ in pairs
-                          for m in re.findall(r"^(?:from|import) (\w+)", code, re.M)}):
-        pytest.importorskip(module)
-    scope = {"__name__": "__docs__"}
-    for i, (code, shown) in enumerate(pairs, start=1):
-        with contextlib.redirect_stdout(io.StringIO()) as out, warnings.catch_warnings():
-            warnings.simplefilter("error")
-            exec(compile(code, f"{name}, example {i}", "exec"), scope)
-        if shown is not None:
-            assert out.getvalue().strip() == shown.strip(), f"{name}, example {i}"
-
-
-@pytest.mark.parametrize("page", [p for p in PAGES if examples((DOCS / p).read_text())])
+@pytest.mark.parametrize("page", [p for p in PAGES if examples((DOCS / p).read_text())
+                                  and p not in RUN_BY])
 def test_every_python_example_runs_and_prints_what_the_page_shows(page, tmp_path,
                                                                    monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
@@ -102,6 +72,12 @@ def test_every_docstring_example_runs_and_prints_what_it_shows(module, tmp_path,
         for test in doctests(module):
             runner.run(test, out=report.write)
     assert runner.failures == 0, report.getvalue()
+
+
+def test_pages_left_to_another_test_are_run_there():
+    """Each page of ``RUN_BY`` is run by the test named."""
+    for page, test in RUN_BY.items():
+        assert f'"{page}"' in (ROOT / "tests" / test).read_text(), (page, test)
 
 
 @pytest.mark.parametrize("page", PAGES)

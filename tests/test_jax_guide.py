@@ -1,26 +1,25 @@
-"""The JAX guide's Python blocks (docs/guide/jax.md) run as written, in one namespace, and do
-what they say: the first (the README's JAX example) finds the CNN whole and trains it."""
+"""The JAX guide's Python blocks (docs/guide/jax.md) run as written, in one namespace, print
+what the page shows without a warning (tests/test_docs.py leaves the page to this file), and
+do what they say: the first (the README's JAX example) finds the CNN whole and trains it."""
 
 import pathlib
-import re
 
 import pytest
+from _examples import examples, run_examples
 
-GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / "guide" / "jax.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S) if GUIDE.exists() else []
+PAGE = "guide/jax.md"
+GUIDE = pathlib.Path(__file__).resolve().parents[1] / "docs" / PAGE
 
 
 @pytest.fixture(scope="module")
-def blocks():
-    if not BLOCKS:
+def blocks(tmp_path_factory):
+    if not GUIDE.exists():
         pytest.skip("docs/guide/jax.md not found next to the tests")
     for name in ("optax", "flax", "equinox", "haiku"):
         pytest.importorskip(name)
-    scope, after = {"__name__": "__guide__"}, []
-    for i, block in enumerate(BLOCKS, start=1):
-        exec(compile(block, f"guide block {i}", "exec"), scope)
-        after.append(dict(scope))
-    return after
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path_factory.mktemp("jax_guide"))  # examples that write files write here
+        return run_examples(examples(GUIDE.read_text()), PAGE)
 
 
 def test_the_readme_example_finds_the_cnn_whole_and_trains(blocks):

