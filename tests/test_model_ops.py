@@ -133,6 +133,23 @@ def test_check_invariance_takes_input_tuples_and_outputs_of_dicts_and_lists():
     assert list(got) == ["a -> b"] and got["a -> b"] < 1e-12
 
 
+class WithATemperature(nn.Module):
+    """A tensor input and a Python number beside it, an option of the forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x, temperature):
+        return self.b(torch.relu(self.a(x))) / temperature
+
+
+def test_check_invariance_passes_inputs_that_are_not_tensors_as_they_are():
+    torch.manual_seed(0)
+    got = check_invariance(WithATemperature(), (torch.randn(5, 3), 2.0))
+    assert list(got) == ["a -> b"] and got["a -> b"] < 1e-12
+
+
 def test_check_invariance_rescales_each_chain_on_its_own_copy():
     """Each chain's twin is a fresh copy: two layer lists that are no chains (tanh is not
     positively homogeneous) report what each reports alone."""
