@@ -11,6 +11,7 @@ these tests skip.
 """
 
 import importlib
+import sys
 
 import numpy as np
 import pytest
@@ -282,6 +283,31 @@ def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setattr(fused, "interpreted", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         _step_all(plan, parts)
+
+
+def test_device_functions_compile_with_the_kernels_and_run_as_python_when_interpreted(
+        monkeypatch):
+    """A compiled kernel calls only Triton functions, so the kernels' helpers are jitted
+    unless interpreted; whether they are is Triton's ``knobs`` or, in a Triton without
+    them (3.2), the ``TRITON_INTERPRET`` variable it reads."""
+    kernels = importlib.import_module("gsgd_backends.fused_kernels")
+
+    def helper(x):
+        return x
+
+    for interpreting in (False, True):
+        monkeypatch.setattr(kernels, "_interpreting", lambda v=interpreting: v)
+        made = kernels.device_function(helper)
+        assert (made is helper) == interpreting
+        assert interpreting or type(made).__module__.startswith("triton.runtime")
+    monkeypatch.undo()
+    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.setitem(sys.modules, "triton.knobs", None)
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert kernels._interpreting() is expected
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert kernels._interpreting() is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
