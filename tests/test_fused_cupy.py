@@ -32,22 +32,25 @@ def _namespace():
     return ns
 
 
-@pytest.mark.parametrize("hyper", [dict(), dict(momentum=0.9, nesterov=True, weight_decay=1e-2)],
-                         ids=["plain", "nesterov"])
-def test_fused_steps_equal_the_fast_path_on_the_callers_arrays(monkeypatch, hyper):
+@pytest.mark.parametrize("hyper, bias", [(dict(), True), (dict(), False),
+                                         (dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+                                          True)], ids=["plain", "no biases", "nesterov"])
+def test_fused_steps_equal_the_fast_path_on_the_callers_arrays(monkeypatch, hyper, bias):
     """Two steps, float64: the fused step (its three launches a step) writes the caller's
-    own arrays (and momentum state) in place, equal to the fast path's to rounding."""
+    own arrays (and momentum state) in place, equal to the fast path's to rounding; a
+    chain without biases is given none, and steps on its weights' gradients alone."""
     ns = _namespace()
     counting = _counted_launches(monkeypatch, fused)
-    pb = Problem(CHAIN, 0)
+    chain = CHAIN if bias else gc.Chain.mlp([5, 6, 4, 3], bias=False)
+    pb = Problem(chain, 0)
     G, Gb = pb.grads()
     runs = []
     for on in (False, True):
-        W, b = ns.aslist(pb.W), ns.aslist(pb.b)
-        opt = GSGD(CHAIN, W, b, lr=0.1, fused=on, **hyper)
+        W, b = ns.aslist(pb.W), ns.aslist(pb.b) if bias else None
+        opt = GSGD(chain, W, b, lr=0.1, fused=on, **hyper)
         for _ in range(2):
-            opt.step(ns.aslist(G), ns.aslist(Gb))
-        runs.append((W + b, [] if opt.state is None else list(opt.state.momentum)))
+            opt.step(ns.aslist(G), ns.aslist(Gb) if bias else None)
+        runs.append((W + (b or []), [] if opt.state is None else list(opt.state.momentum)))
     for x, y in zip(ns.tolist(runs[1][0] + runs[1][1]), ns.tolist(runs[0][0] + runs[0][1]),
                     strict=True):
         assert_close(x, y, 1e-12, "weights, biases and momentum")
