@@ -1,9 +1,13 @@
 """NumPy's eager kernels (``gsgd_backends.numpy.ArrayKernels``) one by one: the namespace,
-block sizes, in-place views and writes, column sums on both layouts, the total."""
+block sizes, in-place views and writes, column sums on both layouts, the total; and a step
+under a user's strict floating-point errors."""
 
 import numpy as np
+import pytest
 
 import gsgd_backends.numpy as gbn
+import gsgd_core as gc
+from gsgd_backends import gsgd_update_
 from gsgd_backends.numpy import ROWWISE, ArrayKernels
 
 
@@ -46,3 +50,22 @@ def test_column_sums_on_both_layouts_and_the_total_is_an_array():
         np.testing.assert_allclose(k.colsum(W, G), (W * G).sum(axis=(0, 2)), rtol=1e-12)
     total = k.total(np.ones((2, 3)))
     assert isinstance(total, np.ndarray) and total.shape == () and float(total) == 6.0
+
+
+@pytest.mark.parametrize("scale", [1e-160, 1e160], ids=["underflows", "overflows"])
+def test_a_step_runs_under_a_users_strict_floating_point_errors(scale):
+    """A user's ``np.errstate(all="raise")`` reaches no operation of the step: path
+    products that under- or overflow are the core's rules' business, and the step equals
+    the core's."""
+    chain = gc.Chain.mlp([4, 8, 3])
+    rng = np.random.default_rng(0)
+    W = [rng.standard_normal((8, 4)) * scale, rng.standard_normal((3, 8)) * scale]
+    b = [np.zeros(8), np.zeros(3)]
+    G = [rng.standard_normal(w.shape) for w in W]
+    Gb = [rng.standard_normal(x.shape) for x in b]
+    with np.errstate(all="ignore"):
+        eW, eb, _ = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1)
+    with np.errstate(all="raise"):
+        gsgd_update_(chain, None, W, b, G, Gb, lr=0.1)
+    for got, want in zip(W + b, [*eW, *eb]):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
