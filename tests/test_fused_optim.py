@@ -287,6 +287,53 @@ def test_the_fused_gadam_step_equals_the_unfused_one(opt_class, hyper, monkeypat
     assert launched == ["read_pass", "vector_stage", "write_pass"] * 3
 
 
+class _Spare(nn.Module):
+    """``net`` and a layer its forward never reaches: a parameter outside chains that
+    never gets a gradient."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.spare = net, nn.Linear(3, 2).double().to(DEVICE)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("opt_class, hyper", [(GSGD, dict(lr=0.05, momentum=0.9)),
+                                              (GAdam, dict(lr=0.01))], ids=["gsgd", "gadam"])
+@pytest.mark.parametrize("make", [_mlp, _bn], ids=["chain-alone", "with-rest"])
+def test_parameters_without_a_gradient_are_left_alone_by_the_fused_step(make, opt_class,
+                                                                         hyper):
+    """A parameter that gets no gradient (the rest of a model whose other parameters are
+    all in chains, or beside a rest that has gradients) is not stepped, as torch leaves
+    it; everything else steps as unfused."""
+    model, x = _Spare(make()), _input(make())
+    twin = copy.deepcopy(model)
+    spare = model.spare.weight.detach().clone()
+    a, b = opt_class(model, fused=True, **hyper), opt_class(twin, fused=False, **hyper)
+    for _ in range(2):
+        for m, o in ((model, a), (twin, b)):
+            _backward(m, o, x)
+            o.step()
+    assert model.spare.weight.grad is None and torch.equal(model.spare.weight, spare)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=ADAM_ATOL)
+
+
+@pytest.mark.parametrize("opt_class", [GSGD, GAdam])
+def test_check_finite_names_a_non_finite_gradient_outside_chains_under_fused(opt_class):
+    """``check_finite`` reads every gradient under ``fused`` too: one outside chains that
+    holds NaN is refused with its name, before anything is written."""
+    model = _bn()
+    opt = opt_class(model, fused=True, lr=0.01, check_finite=True)
+    _backward(model, opt, _input(model))
+    model[1].bias.grad[0] = float("nan")
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"non-finite gradient in 1\.bias"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 @pytest.mark.parametrize("opt_class, hyper", [(GSGD, dict(lr=0.05, momentum=0.9)),
                                               (GAdam, dict(lr=0.01))], ids=["gsgd", "gadam"])
 def test_found_inf_skips_the_fused_step_and_a_grad_scale_unscales_it(opt_class, hyper):

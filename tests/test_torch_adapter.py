@@ -447,28 +447,36 @@ def test_grad_scaler_skips_non_finite_steps_and_unscales_others():
         assert torch.allclose(p, q, rtol=1e-10, atol=1e-12)
 
 
-def test_check_finite_names_the_parameter():
+def test_check_finite_names_the_parameter_before_writing_anything():
+    """Each part's parameter (a chain's weight or bias, a PSI weight, one outside both) is
+    named, and nothing is written: not even the parts stepped before the one that holds
+    it."""
+    def refused(model, opt, name):
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match=rf"^non-finite gradient in {name}$"):
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), name
+
     model = mlp()
     x, y = data(model)
     opt = GSGD(model, lr=0.1, check_finite=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # no gradient yet: nothing to check, nothing written, as torch's optimizers
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     loss_of(model, x, y).backward()
     model[2].bias.grad[1] = float("nan")
-    with pytest.raises(ValueError, match=r"non-finite gradient in 2\.bias"):
-        opt.step()
+    refused(model, opt, r"2\.bias")
     model[2].bias.grad[1] = 0.0  # a chain's weight is named too
     model[4].weight.grad[0, 1] = float("-inf")
-    with pytest.raises(ValueError, match=r"^non-finite gradient in 4\.weight$"):
-        opt.step()
+    refused(model, opt, r"4\.weight")
     normed = normed_mlp()  # a normalised layer's weight (a PSI part) is named too
     opt = GSGD(normed, lr=0.1, check_finite=True)
     loss_of(normed, x, y).backward()
     normed[0].weight.grad[1, 2] = float("inf")
-    with pytest.raises(ValueError, match=r"^non-finite gradient in 0\.weight$"):
-        opt.step()
+    refused(normed, opt, r"0\.weight")
     normed[0].weight.grad[1, 2] = 0.0  # and a parameter outside chains and PSI parts
     normed[3].bias.grad[0] = float("nan")
-    with pytest.raises(ValueError, match=r"^non-finite gradient in 3\.bias$"):
-        opt.step()
+    refused(normed, opt, r"3\.bias")
     opt.param_groups[0]["check_finite"] = False  # without the check: skipped, and named
     with pytest.warns(SkippedStepWarning, match="^G-SGD: a gradient of 0.bias, 1.weight, "
                                                 "1.bias, 3.weight, 3.bias holds NaN or Inf"):

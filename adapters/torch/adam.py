@@ -147,20 +147,10 @@ class GAdam(ScaleInvariantOptimizer):
     def _chain_state(self, state, W, b, fixed, hyper: dict):
         return F.rule_state(state, W, b, fixed, hyper["rule"])
 
-    def _rest(self, params, group: dict, state) -> None:
-        """``torch.optim.Adam``'s (``AdamW``'s) update of ``params`` with a gradient; under
-        ``fused``, torch's fused update, skipped on the device for a non-finite gradient."""
-        if self._fused:
-            params = [p for p in params if p.grad is not None]
-            if group.get("check_finite"):
-                params = self._live(params, group)
-            if params:
-                F.adam(params, state, group, self.decoupled, self._nonfinite_flag(params),
-                       self._grad_scale)
-            return
-        params = self._live(params, group)
-        if params:
-            F.adam(params, state, group, self.decoupled)
+    def _rest_update(self, params, group: dict, state, found_inf=None,
+                     grad_scale=None) -> None:
+        """``torch.optim.Adam``'s (``AdamW``'s) update of ``params``."""
+        F.adam(params, state, group, self.decoupled, found_inf, grad_scale)
 
 
 class GAdamW(GAdam):

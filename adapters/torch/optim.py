@@ -82,7 +82,7 @@ def _hyper_names(step) -> tuple[str, ...]:
 class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
     """User param groups, stepped part by part (:mod:`.parts`): chains (each subclass's
     ``functional`` chain step, on the state its ``_chain_state`` gathers), PSI weights and
-    the rest (each subclass's ``_rest``)."""
+    the rest (each subclass's ``_rest_update``)."""
 
     algorithm = "?"
     #: The rule of parameters outside chains and PSI parts, as describe() names it.
@@ -161,6 +161,7 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         with torch.no_grad():
             fused = self._fusable() if self._fused else ()
             if self._unscale_amp(len(fused) == len(self._chains())):
+                self._check_finite()
                 self._sums.reduce()
                 if self._unchecked:
                     self._check_skeleton()
@@ -349,9 +350,6 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
             together[p.group, p.weights[0].device, p.weights[0].dtype].append(p)
         for key, ps in together.items():
             group = self.param_groups[key[0]]
-            for p in (ps if group.get("check_finite") else ()):  # host reads, on request
-                for x, n in zip(p.params, map(self._name, p.params)):
-                    self._grad(x, group, n)
             plans = [self._stepper(p.chain, p.weights, p.names) for p in ps]
             held = self.__dict__.setdefault("_fused_plans", {}).get(key)
             if held is None or len(held.plans) != len(plans) or any(
@@ -414,30 +412,53 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         name = self._names.get(id(p))  # a lazy parameter has no shape yet
         return f"<{tuple(p.shape)}>" if name is None else name
 
-    def _grad(self, p: torch.Tensor, group: dict, name: str) -> torch.Tensor:
+    def _grad(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """``p.grad`` as the update reads it (never modified): zeros if None, negated to
-        maximise, checked for non-finite values on request."""
+        maximise."""
         g = torch.zeros_like(p) if p.grad is None else p.grad
-        if group.get("check_finite") and not all_finite(g):
-            raise ValueError(f"non-finite gradient in {name}")
         return -g if group.get("maximize") else g
 
-    def _live(self, params, group: dict) -> list:
-        """The parameters with a gradient (checked for non-finite values on request); none
-        when one of those gradients holds NaN or Inf: the part's step is skipped, as a
-        chain's is (numerics guide: never written into the weights, nor into a buffer)."""
+    def _check_finite(self) -> None:
+        """``check_finite``: ``ValueError`` naming a parameter of such a group whose
+        gradient holds NaN or Inf, before any part steps (one host read per group where
+        every gradient is finite; collectives where sharded, so every process raises)."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group.get("check_finite") and params and not every_finite(
+                    [p.grad for p in params]):
+                bad = next(p for p in params if not all_finite(p.grad))
+                raise ValueError(f"non-finite gradient in {self._name(bad)}")
+
+    def _live(self, params) -> list:
+        """The parameters with a gradient; none when one of those gradients holds NaN or
+        Inf: the part's step is skipped, as a chain's is (numerics guide: never written
+        into the weights, nor into a buffer)."""
         params = [p for p in params if p.grad is not None]
-        if group.get("check_finite"):
-            for p in params:
-                self._grad(p, group, self._name(p))
         if params and not every_finite([p.grad for p in params]):
             self._count_skip(", ".join(self._name(p) for p in params))
             return []
         return params
 
-    @abc.abstractmethod
     def _rest(self, params, group: dict, state) -> None:
-        """The update of ``params`` outside chains (those with a gradient): each family's."""
+        """The update of ``params`` outside chains (those with a gradient): the family's
+        torch update (:meth:`_rest_update`); under ``fused``, torch's fused update, skipped
+        on the device for a non-finite gradient (not counted: counting would read the
+        device)."""
+        if self._fused:
+            params = [p for p in params if p.grad is not None]
+            if params:
+                self._rest_update(params, group, state, self._nonfinite_flag(params),
+                                  self._grad_scale)
+            return
+        params = self._live(params)
+        if params:
+            self._rest_update(params, group, state)
+
+    @abc.abstractmethod
+    def _rest_update(self, params, group: dict, state, found_inf=None,
+                     grad_scale=None) -> None:
+        """The family's torch update of ``params``: fused, skipped on the device while
+        ``found_inf`` is set, where it is given (:mod:`.functional`'s ``sgd``/``adam``)."""
 
     def _nonfinite_flag(self, params) -> torch.Tensor:
         """The fused step's skip flag of ``params``' gradients: ``GradScaler``'s
@@ -467,20 +488,10 @@ class _SGDRules(ScaleInvariantOptimizer):
 
     fused_rest = True
 
-    def _rest(self, params, group: dict, state) -> None:
-        """``torch.optim.SGD``'s update of ``params`` (those with a gradient); under
-        ``fused``, torch's fused update, skipped on the device for a non-finite gradient
-        (not counted: counting would read the device)."""
-        if self._fused:
-            params = [p for p in params if p.grad is not None]
-            if group.get("check_finite"):
-                params = self._live(params, group)
-            if params:
-                F.sgd(params, state, group, self._nonfinite_flag(params), self._grad_scale)
-            return
-        params = self._live(params, group)
-        if params:
-            F.sgd(params, state, group)
+    def _rest_update(self, params, group: dict, state, found_inf=None,
+                     grad_scale=None) -> None:
+        """``torch.optim.SGD``'s update of ``params``."""
+        F.sgd(params, state, group, found_inf, grad_scale)
 
     def _psi_plan(self, part, weights):
         """The PSI step's plan of a part of normalised weights: fused
@@ -577,11 +588,11 @@ class GSGD(_SGDRules):
         With ``bn="psi"``, a PSI weight's row whose norm exceeds it is divided by its norm
         (PSI-SGD's renormalisation, :class:`PSISGD`).
     check_finite : bool
-        Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf (one host
-        synchronisation per parameter). Off by default: a chain step whose gradients are not
-        finite is skipped (a :class:`SkippedStepWarning` the first time, a count in
-        ``describe()``), at no more cost than a normal step; so is the step of a group's
-        parameters outside chains, and a PSI weight's row keeps its values.
+        Raise ``ValueError`` naming the parameter when a gradient has NaN/Inf, before any
+        parameter is written (one host read per param group). Off by default: a chain step
+        whose gradients are not finite is skipped (a :class:`SkippedStepWarning` the first
+        time, a count in ``describe()``), at no more cost than a normal step; so is the step
+        of a group's parameters outside chains, and a PSI weight's row keeps its values.
     backward_sums : bool, optional
         Take each chain's column sums ``colsum(W_l * grad_l)`` from the backward pass
         (:mod:`.backward_sums`: hooks on the chain's layers), so that a step reads each

@@ -160,8 +160,8 @@ class ChainPart(Part):
         W = [self.weights[i] for i in layers]
         b = [self.biases[i] for i in layers]
         names = [self.names[i] for i in layers]
-        G = [opt._grad(w, group, f"{n}.weight") for w, n in zip(W, names)]
-        Gb = [None if x is None else opt._grad(x, group, f"{n}.bias") for x, n in zip(b, names)]
+        G = [opt._grad(w, group) for w in W]
+        Gb = [None if x is None else opt._grad(x, group) for x in b]
         # A frozen bias (or one without a gradient) is a basis path that does not move: the
         # update writes into a copy of it (and a scratch state, kept out of the optimizer's
         # state), so the parameter itself is never written.
@@ -198,7 +198,7 @@ class PSIPart(Part):
             return
         # PSI acts on each row (output unit) alone: FSDP2's local rows are stepped as they are.
         W = [local(p) for p, _ in live]
-        G = [local(opt._grad(p, group, f"{n}.weight")) for p, n in live]
+        G = [local(opt._grad(p, group)) for p, _ in live]
         momentum = hyper_value(group["momentum"], "momentum")
         # PSI-SGD reads no buffer and keeps none (torch.optim.SGD's state)
         U = [local(F.momentum_buffer(opt.state[p], p)) for p, _ in live] if momentum else None
