@@ -182,8 +182,12 @@ def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) 
 
 
 def _env(module: str, conf: dict) -> dict:
-    """The environment of ``module``'s mutmut runs."""
-    return os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1"} | (
+    """The environment of ``module``'s mutmut runs. Triton interprets its kernels unless
+    ``TRITON_INTERPRET=0`` is given (on a GPU): its library is decided at its first import,
+    so a test file importing it for compiled kernels before the fused tests' files would make
+    those skip (they set the variable only around their own imports)."""
+    return os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1",
+                         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")} | (
         {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
         jax_cache())
 
