@@ -320,10 +320,13 @@ def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
     if not todo:
         return result
 
+    # the scripts some of these tests start (torch.distributed.run) import the staged copy
+    path = os.pathsep.join(filter(None, [str(dest / "mutants"), env.get("PYTHONPATH")]))
+
     def fails(mutant: str, tests: list[str]) -> bool:
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
                                "no:cacheprovider", *tests], cwd=dest / "mutants",
-                              env=env | {"MUTANT_UNDER_TEST": mutant},
+                              env=env | {"MUTANT_UNDER_TEST": mutant, "PYTHONPATH": path},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return done.returncode != 0
 
