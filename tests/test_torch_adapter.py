@@ -363,6 +363,21 @@ def test_biases_step_when_no_weight_of_their_chain_has_a_gradient():
             assert_close(p.detach().numpy(), (value - 0.1 * grad).numpy(), 1e-12)
 
 
+def test_a_chain_without_any_gradient_is_left_alone_even_where_a_layer_has_no_bias():
+    """A step where nothing of a chain has a gradient (a branch the step did not use, or
+    no backward pass yet) leaves it alone, without a warning, whatever layers lack a
+    bias."""
+    model = mlp_partly_without_bias()
+    skeleton_init_(model)
+    opt = GSGD(model, lr=0.1, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert not opt.state
+
+
 def test_a_run_keeps_its_momentum_warns_once_and_reads_w_times_grad():
     """Two steps with layer 0 without a weight gradient: the run 2 -> 4 takes the core's
     G-SGD with momentum on that sub-chain, its buffers kept from one step to the next; the
