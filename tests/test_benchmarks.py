@@ -171,9 +171,11 @@ def test_cupy_digits_loop_trains_with_numpy_arrays():
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
+    # One thread, as every test: its default of two spins waiting for the cores the other
+    # test processes hold (39 CPU s against 8 on two busy cores).
     proc = subprocess.run([sys.executable, "-m", "benchmarks.step_overhead", "--quick",
                            "--no-compile", "--only", "MLP 64-64-64-10", "CNN c=32",
-                           "--out", str(tmp_path)], cwd=ROOT,
+                           "--threads", "1", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (tmp_path / "step_overhead.md").read_text()
