@@ -15,27 +15,28 @@ from _helpers import from_repository
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _run_main(module: str, argv: list, capfd) -> str:
+def _run_main(module: str, argv: list, capfd) -> tuple[str, str]:
     """``python -m module *argv`` run in this process (what it computes is the point, not the
     process, which would spend seconds importing torch, scikit-learn and matplotlib again):
-    its exit status asserted 0, and what it wrote to stderr, with the warnings it issued as
-    a process prints them. It keeps the test process's thread count (the CLI's default is
-    one thread, as the tests')."""
+    its exit status asserted 0, what it wrote to stdout, and what to stderr, with the
+    warnings it issued as a process prints them. It keeps the test process's thread count
+    (the CLI's default is one thread, as the tests')."""
     _bench()
     import torch
     main = importlib.import_module(module).main
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert main([*argv, "--threads", str(torch.get_num_threads())]) == 0
-    return capfd.readouterr().err + "".join(
+        assert main([*argv, "--threads", str(torch.get_num_threads())]) in (0, None)
+    out, err = capfd.readouterr()
+    return out, err + "".join(
         warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
 
 
 def _quick(experiment: str, out, capfd):
     """``python -m benchmarks --quick --only experiment`` (in this process): its stderr and
     the summary it wrote."""
-    err = _run_main("benchmarks.__main__", ["--quick", "--only", experiment, "--out", str(out)],
-                    capfd)
+    _, err = _run_main("benchmarks.__main__",
+                       ["--quick", "--only", experiment, "--out", str(out)], capfd)
     return err, (out / "summary.md").read_text()
 
 
@@ -157,14 +158,11 @@ def test_jax_digits_example_trains_next_to_optax_sgd():
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
-def test_cupy_digits_loop_trains_with_numpy_arrays():
+def test_cupy_digits_loop_trains_with_numpy_arrays(capfd):
     """The hand-written loop of the CuPy example, here on NumPy (CuPy needs a GPU)."""
     pytest.importorskip("sklearn")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.cupy_digits", "--backend", "numpy",
-                           "--epochs", "3"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    out, _ = _run_main("benchmarks.cupy_digits", ["--backend", "numpy", "--epochs", "3"], capfd)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 3 and float(rows[2][2]) < float(rows[0][2])
 
 
