@@ -93,12 +93,7 @@ def _jax(dt):
     import jax
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
-    # Committed to the device, as the arrays the core makes on the inputs' device are: an
-    # eager operation compiles once per placement of its operands, and uncommitted inputs
-    # (jnp.asarray's) mixed with the core's arrays compiled a quarter of the operations twice.
-    cpu = jax.devices()[0]
-    return Namespace("jax", dt, jnp, getattr(jnp, dt), None,
-                     _from_np=lambda a: jax.device_put(a, cpu))
+    return Namespace("jax", dt, jnp, getattr(jnp, dt), None, _from_np=lambda a: jnp.asarray(a))
 
 
 def _cupy(dt):
