@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import tempfile
 import time
 
 from . import report, threads
@@ -38,12 +37,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def planned_runs(names, budget) -> int:
-    """How many training runs the experiments ``names`` make (run dry, plots to a scratch
-    folder)."""
+    """How many training runs the experiments ``names`` make (run dry, no plot rendered)."""
     dry = Runner(dry=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            EXPERIMENTS[name](budget, dry, pathlib.Path(tmp))
+    for name in names:
+        EXPERIMENTS[name](budget, dry, None)
     return dry.count
 
 

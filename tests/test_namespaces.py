@@ -151,6 +151,23 @@ def test_a_chain_first_used_under_jax_jit_steps_eagerly_afterwards():
         assert_close(np.asarray(a), np.asarray(e), 1e-12, "jit vs eager")
 
 
+def test_eager_jax_results_keep_their_inputs_placement():
+    """Arrays made without a device (uncommitted) give uncommitted path values and state,
+    arrays put on a device give arrays committed to it: the core makes its own arrays (index
+    arrays, step counts) alike, since JAX compiles each eager operation anew for each mix of
+    committed and uncommitted operands."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([3, 4, 2])
+    pb = Problem(chain, 3)
+    device = jax.devices()[0]
+    for put, committed in ((jax.numpy.asarray, False),
+                           (lambda a: jax.device_put(a, device), True)):
+        W, b = ([None if a is None else put(a) for a in part] for part in (pb.W, pb.b))
+        V, Vb = gc.path_values(chain, W, b)
+        out = [a for a in [*V, *Vb, gc.gsgd_init(chain, W, b).step] if a is not None]
+        assert [(a.committed, a.devices()) for a in out] == [(committed, {device})] * len(out)
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_backend_in_place_update_equals_core(hxp, momentum):
     if hxp.name == "jax":
