@@ -122,6 +122,12 @@ def test_a_chain_split_across_param_groups_is_an_error_naming_it():
             r"G-SGD steps a chain as one, with one lr; put its layers \(weights and biases\) "
             r"in one group, or pass chains=\.\.\. by hand$")):
         GSGD(groups, lr=0.1, model=model)
+    weights = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    with pytest.raises(ValueError, match=(
+            r"^the chain c1 -> c2 is split across param groups \(c1.weight: group 0, c1.bias: "
+            r"group 1, c2.weight: group 0, c2.bias: group 1\)")):
+        GSGD([{"params": weights}, {"params": biases}], lr=0.1, model=model)
 
 
 def test_deepcopy_gives_an_optimizer_that_steps_the_copy_identically():

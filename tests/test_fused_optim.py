@@ -49,6 +49,15 @@ def _mlp():
     return model
 
 
+def _mlp_partly_without_bias():
+    """A chain whose middle layer has no bias."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 6, bias=False), nn.ReLU(),
+                          nn.Linear(6, 3)).double().to(DEVICE)
+    skeleton_init_(model)
+    return model
+
+
 def _cnn():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 4, 3),
@@ -143,8 +152,10 @@ def _assert_twins_step_alike(make, opt_class, hyper, steps=3, atol=1e-12):
     (_mlp, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     (_mlp, dict(lr=0.05, momentum=0.5, dampening=0.3, maximize=True)),
     (_mlp, dict(lr=0.05, weight_decay=0.1)),
+    (_mlp_partly_without_bias, dict(lr=0.05, momentum=0.9)),
     (_cnn, dict(lr=0.05, momentum=0.9, weight_decay=0.01, maximize=True))],
-    ids=["mlp-nesterov-wd", "mlp-dampening-maximize", "mlp-wd-alone", "cnn-maximize"])
+    ids=["mlp-nesterov-wd", "mlp-dampening-maximize", "mlp-wd-alone", "mlp-a-layer-without-bias",
+         "cnn-maximize"])
 def test_the_fused_gsgd_step_equals_the_unfused_one(make, hyper, monkeypatch):
     """Every chain of the model in the three launches of one fused step, whose weights,
     biases and momentum equal the unfused step's over three steps."""

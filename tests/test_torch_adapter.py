@@ -1039,6 +1039,32 @@ def test_a_normalised_layer_in_a_chain_given_by_hand_or_frozen_takes_no_psi_step
     assert GSGD(model, lr=0.1).describe().normalised == []
 
 
+def test_psi_sgd_on_an_untraceable_model_warns_that_every_parameter_takes_sgd():
+    """PSISGD looks for nothing but normalised layers: where torch.fx cannot trace the
+    model, none is found and the user is told, as GSGD tells of its chains."""
+    with pytest.warns(UserWarning, match=r"^torch.fx cannot trace Untraceable .*\. Every "
+                                         r"parameter takes SGD's rule\.$"):
+        opt = PSISGD(Untraceable(), lr=0.1)
+    assert opt.describe().normalised == [] and len(opt.describe().fallback) == 4
+
+
+def test_a_frozen_normalised_layer_is_no_psi_part_and_a_model_all_in_chains_has_no_rest():
+    """A frozen weight is never stepped, whatever the layer after it: a grouped convolution
+    (no chain) followed by batch norm stays out of PSI-SGD's parts when frozen; and a model
+    whose every parameter is in a chain has no part of plain SGD."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 3, groups=2), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(4 * 2 * 2, 3))
+    model[0].weight.requires_grad_(False)
+    d = PSISGD(model, lr=0.1).describe()
+    assert d.normalised == ["3.weight"] and "0.weight" in d.fallback
+    chained = mlp()
+    skeleton_init_(chained)
+    d = GSGD(chained, lr=0.1).describe()
+    assert [p.kind for p in d.parts] == ["chain"] and "plain SGD" not in str(d)
+
+
 def test_chains_given_by_hand_on_an_untraceable_model_warn_about_nothing_traced():
     m = Untraceable()
     with warnings.catch_warnings(record=True) as caught:

@@ -73,7 +73,7 @@ def partition(model: nn.Module | None, groups: list[dict], *, chains, find_chain
         except ValueError as exc:
             if strict:
                 raise
-            if chains is None and find_chains:
+            if chains is None:  # nothing stands in for what was to be found
                 warn_user(f"{exc}. Every parameter takes SGD's rule.")
                 found = Discovery([], [])
     if strict and found is not None:
@@ -128,8 +128,8 @@ def _chain_part(c: ChainLayers, group_of: dict, trainable: set, skeleton: str) -
     groups = {group_of[id(m.weight)] for m in c.modules}
     groups |= {group_of[id(b)] for b, fb in zip(biases, frozen_bias) if b is not None and not fb}
     if len(groups) > 1:
-        where = ", ".join(f"{n}: group {group_of[id(m.weight)]}"
-                          for n, m in zip(c.names, c.modules))
+        where = ", ".join(_group_of_layer(n, m, fb, group_of)
+                          for n, m, fb in zip(c.names, c.modules, frozen_bias))
         raise ValueError(f"the chain {' -> '.join(c.names)} is split across param groups "
                          f"({where}): G-SGD steps a chain as one, with one lr; put its layers "
                          "(weights and biases) in one group, or pass chains=... by hand")
@@ -139,3 +139,10 @@ def _chain_part(c: ChainLayers, group_of: dict, trainable: set, skeleton: str) -
 
 
 __all__ = ["Partition", "explicit_chains", "partition", "scaled", "unwrap"]
+
+
+def _group_of_layer(name: str, m: nn.Module, frozen_bias: bool, group_of: dict) -> str:
+    """Layer ``name``'s param group, or its weight's and its bias's where they differ."""
+    w = group_of[id(m.weight)]
+    b = w if m.bias is None or frozen_bias else group_of[id(m.bias)]
+    return f"{name}: group {w}" if b == w else f"{name}.weight: group {w}, {name}.bias: group {b}"
