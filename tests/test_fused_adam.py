@@ -151,7 +151,14 @@ def test_a_fused_adam_step_is_three_launches_and_reads_nothing_back(monkeypatch)
     (lambda p: p[5]._replace(buffers=(p[5].buffers[0], tuple(
         a.float() for a in p[5].buffers[1]))), "layer 1: the exp_avg_sq buffer.*float32"),
     (lambda p: p[5]._replace(buffers=tuple(bufs[:-1] for bufs in p[5].buffers)),
-     "exp_avg holds 3 arrays"),
+     r"^states\[0\]: exp_avg holds 3 arrays; the chain's 2 layers and 2 biases need 4$"),
+    (lambda p: gc.gsgd_init(MANY[0], p[1], p[2]), r"^states\[0\]: G-Adam needs a RuleState"),
+    (lambda p: dict(states=None), r"^states: G-Adam needs one gsgd_core.path_init"),
+    (lambda p: dict(states=[p[5]] * 2), r"^states: the plan steps 1 chains, got 2 lists$"),
+    (lambda p: dict(biases=[]), r"^biases: the plan steps 1 chains, got 0 lists$"),
+    (lambda p: dict(lr=-0.1), r"^lr must be finite and >= 0, got -0.1$"),
+    (lambda p: dict(grad_scale=torch.ones(2, device=DEVICE)),
+     "grad_scale must be a one-element tensor"),
     (lambda p: p[5]._replace(count=p[5].count.long()), "int32"),
     (lambda p: p[3].__setitem__(1, p[3][1][:, :1]), "layer 2"),
     (lambda p: dict(betas=(1.0, 0.999)), "betas"),
@@ -164,12 +171,44 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
     plan = _plan(MANY[:1], parts[0][1][0])
     out = change(parts[0])
     kw = out if isinstance(out, dict) else {}
-    if isinstance(out, gc.RuleState):
+    if isinstance(out, (gc.RuleState, gc.GSGDState)):
         parts[0][5] = out
+    given = dict(weights=[parts[0][1]], biases=[parts[0][2]], grads=[parts[0][3]],
+                 bias_grads=[parts[0][4]], lr=LR, states=[parts[0][5]])
+    given.update((k, kw.pop(k)) for k in list(kw) if k in given)
     monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
     with pytest.raises(ValueError, match=message):
-        fused_adam.fused_adam_step_(plan, *[[parts[0][i]] for i in range(1, 5)], LR,
-                                    [parts[0][5]], **{**RULES["adam"], **kw})
+        fused_adam.fused_adam_step_(plan, given["weights"], given["biases"], given["grads"],
+                                    given["bias_grads"], given["lr"], given["states"],
+                                    **{**RULES["adam"], **kw})
+
+
+def test_a_one_element_tensor_lr_steps_as_the_number():
+    """``lr`` as a one-element device tensor of shape ``(1,)`` (a schedule's, read on the
+    device) steps as the same number."""
+    runs = [_setup(MANY, _rule("amsgrad")), _setup(MANY, _rule("amsgrad"))]
+    plan = _plan(MANY, runs[0][0][1][0])
+    _step_all(plan, runs[0], "amsgrad", lr=torch.tensor([LR], dtype=torch.float64, device=DEVICE))
+    _step_all(plan, runs[1], "amsgrad")
+    for a, e in zip(_snapshot(runs[0]), _snapshot(runs[1])):
+        for x, y in zip(a, e):
+            assert (x is None and y is None) or torch.equal(x, y)
+
+
+def test_chains_without_biases_step_alike_given_none_or_lists_of_none():
+    """``biases=None`` (and no bias gradients) for a plan whose chains have no bias is the
+    same step as lists of ``None``."""
+    rule = _rule("adamw")
+    runs = [_setup(MANY[1:], rule), _setup(MANY[1:], rule)]
+    plan = _plan(MANY[1:], runs[0][0][1][0])
+    (_, W, b, G, Gb, state), = runs[0]
+    before = _snapshot(runs[0])[0]
+    fused_adam.fused_adam_step_(plan, [W], None, [G], None, LR, [state], **RULES["adamw"])
+    _step_all(plan, runs[1], "adamw")
+    assert all(x is None for x in runs[1][0][2]) and not torch.equal(W[0], before[0])
+    for a, e in zip(_snapshot(runs[0])[0], _snapshot(runs[1])[0]):
+        if a is not None:
+            assert torch.equal(a, e)
 
 
 def test_column_sums_from_the_backward_step_as_the_read_pass_and_a_bad_check_skips():
