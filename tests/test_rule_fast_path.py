@@ -152,14 +152,16 @@ def test_degenerate_skeletons_take_the_per_entry_rules(fxp, case, name):
     _assert_same(fxp, fast, core)
 
 
-@pytest.mark.parametrize("layer", [0, 1])
-def test_non_finite_gradients_are_handed_back(fxp, layer):
+@pytest.mark.parametrize("which, layer", [("weight", 0), ("weight", 1), ("bias", 2)])
+def test_non_finite_gradients_are_handed_back(fxp, which, layer):
+    """A NaN in a weight's or a bias's gradient: nothing written, the step handed back."""
     pb = Problem(CHAIN, 2)
     rule = RULES["adam"]()
     A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
     G, Gb = pb.grads()
-    G[layer] = G[layer].copy()
-    G[layer].reshape(-1)[3] = np.nan
+    bad = G if which == "weight" else Gb
+    bad[layer] = bad[layer].copy()
+    bad[layer].reshape(-1)[1] = np.nan
     state = gc.path_init(CHAIN, rule, A, Ab)
     before = fxp.tolist(A)
     assert not rule_step_(gb.kernels_for(A[0]), CHAIN, rule, state, A, Ab, fxp.aslist(G),
@@ -287,8 +289,8 @@ class NotElementwise:
 
 def test_what_the_fast_path_cannot_take_is_handed_back_untouched(fxp):
     """``False``, and nothing written, for: a rule that is not elementwise, a state that is
-    not a RuleState, buffers of another count or dtype than the weights', and weights that
-    cannot be written in place. The core takes these."""
+    not a RuleState, buffers of another count or dtype than the weights' or that cannot be
+    written in place, and weights that cannot be written in place. The core takes these."""
     pb = Problem(CHAIN, 3)
     rule = RULES["adam"]()
     A, Ab, G, Gb, state = _fresh(fxp, pb, rule)
@@ -297,7 +299,12 @@ def test_what_the_fast_path_cannot_take_is_handed_back_untouched(fxp):
     other = fxp.xp.float32 if fxp.is_f64 else fxp.xp.float64
     cast = state._replace(buffers=tuple(tuple(fxp.xp.astype(m, other) for m in bufs)
                                         for bufs in state.buffers))
-    cases = [(NotElementwise(), state), (rule, tuple(state)), (rule, short), (rule, cast)]
+    L = CHAIN.L
+    strided = state._replace(buffers=tuple(tuple(
+        reverse_axes(fxp.asarray(np.ascontiguousarray(np.transpose(fxp.to_numpy(m)))))
+        for m in bufs[:L]) + tuple(bufs[L:]) for bufs in state.buffers))
+    cases = [(NotElementwise(), state), (rule, tuple(state)), (rule, short), (rule, cast),
+             (rule, strided)]
     for r, s in cases:
         assert rule_step_(kernels, CHAIN, r, s, A, Ab, G, Gb) is False, type(r).__name__
         assert _unchanged(fxp, A, before)
