@@ -128,6 +128,16 @@ def test_a_chain_split_across_param_groups_is_an_error_naming_it():
             r"^the chain c1 -> c2 is split across param groups \(c1.weight: group 0, c1.bias: "
             r"group 1, c2.weight: group 0, c2.bias: group 1\)")):
         GSGD([{"params": weights}, {"params": biases}], lr=0.1, model=model)
+    torch.manual_seed(0)  # a layer without bias, and a frozen bias, name their layer alone
+    mlp = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5, bias=False), nn.ReLU(),
+                        nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    mlp[0].bias.requires_grad_(False)
+    first = [mlp[0].weight]
+    with pytest.raises(ValueError, match=r"^the chain 0 -> 2 -> 4 -> 6 is split across param "
+                                         r"groups \(0: group 0, 2: group 1, 4: group 1, 6: "
+                                         r"group 1\)"):
+        GSGD([{"params": first}, {"params": [p for p in mlp.parameters() if p is not first[0]]}],
+             lr=0.1, model=mlp)
 
 
 def test_deepcopy_gives_an_optimizer_that_steps_the_copy_identically():
