@@ -197,7 +197,7 @@ def test_a_one_element_tensor_lr_steps_as_the_number():
 
 def test_chains_without_biases_step_alike_given_none_or_lists_of_none():
     """``biases=None`` (and no bias gradients) for a plan whose chains have no bias is the
-    same step as lists of ``None``."""
+    same step as lists of ``None``; a state with too few moments says what it needs."""
     rule = _rule("adamw")
     runs = [_setup(MANY[1:], rule), _setup(MANY[1:], rule)]
     plan = _plan(MANY[1:], runs[0][0][1][0])
@@ -209,6 +209,10 @@ def test_chains_without_biases_step_alike_given_none_or_lists_of_none():
     for a, e in zip(_snapshot(runs[0])[0], _snapshot(runs[1])[0]):
         if a is not None:
             assert torch.equal(a, e)
+    short = state._replace(buffers=tuple(bufs[:-1] for bufs in state.buffers))
+    with pytest.raises(ValueError, match=r"^states\[0\]: exp_avg holds 2 arrays; the chain's "
+                                         r"3 layers and 0 biases need 3$"):
+        fused_adam.fused_adam_step_(plan, [W], None, [G], None, LR, [short])
 
 
 def test_column_sums_from_the_backward_step_as_the_read_pass_and_a_bad_check_skips():
