@@ -63,8 +63,8 @@ def fused_adam_step_(plan: FusedPlan, weights, biases, grads, bias_grads, lr,
         Delta <- Delta + lr * weight_decay * V   (decoupled: G-AdamW)
 
     ``weights``, ``biases``, ``grads``, ``bias_grads``, ``lr``, ``maximize``,
-    ``found_inf``, ``column_sums``, ``gradient_check`` and ``grad_scale`` as :func:`~.fused.fused_step_`
-    takes them; ``states``: one :class:`gsgd_core.RuleState` per chain
+    ``found_inf``, ``column_sums``, ``gradient_check`` and ``grad_scale`` as
+    :func:`~.fused.fused_step_` takes them; ``states``: one :class:`gsgd_core.RuleState` per chain
     (:func:`gsgd_core.path_init`'s, buffers in the compute dtype: float32 for half
     parameters), whose moments and ``count`` are updated in place, ``t = count + 1`` read
     on the device. Bad input raises ``ValueError`` before any launch.

@@ -366,7 +366,8 @@ def _psi_problem(dtype, seed=0):
     rng = np.random.default_rng(seed)
 
     def draw():
-        return [torch.tensor(rng.uniform(-1, 1, s), dtype=torch.float64, device=DEVICE) for s in PSI_SHAPES]
+        return [torch.tensor(rng.uniform(-1, 1, s), dtype=torch.float64, device=DEVICE)
+                for s in PSI_SHAPES]
     W, G, U = draw(), draw(), draw()
     W[1][0] *= 8
     G[0][1, 0, 0, 1] = float("nan")

@@ -422,9 +422,9 @@ def test_the_fused_step_under_grad_scaler_equals_the_unfused_one(make, opt_class
     """Twins stepped by ``GradScaler`` (one skipped step: an infinite gradient, the scale
     backed off), ``fused=True`` and ``fused=False``: parameters, states and the gradients
     left after each step taken (unscaled, as ``scaler.unscale_`` and torch's fused
-    optimizers leave them) equal to 1e-12. The chains of an MLP at a scale of 3 (no parameter outside
-    them) read the gradients times ``1 / 3`` rounded to float32, as ``scaler.unscale_``
-    multiplies them; a chain that steps unfused (a frozen bias) reads them unscaled too."""
+    optimizers leave them) equal to 1e-12. The chains of an MLP at a scale of 3 (no
+    parameter outside them) read the gradients times ``1 / 3`` rounded to float32, as
+    ``scaler.unscale_`` multiplies them; a chain that steps unfused (a frozen bias) reads them unscaled too."""
     model = make()
     twin = copy.deepcopy(model)
     x = _input(model)

@@ -22,7 +22,8 @@ that can take it steps in one fused call (:func:`fused_gsgd`: three Triton launc
 read, :mod:`gsgd_backends.fused`), normalised weights in one (:func:`psi` given a
 :class:`~gsgd_backends.fused_psi.FusedPSIPlan`), and the rest by torch's fused SGD, each
 skipped on the device while ``found_inf`` (``GradScaler``'s, or a non-finite gradient's) is
-set, and reading the gradients unscaled by ``GradScaler``'s ``grad_scale`` where given. G-Adam's chains step in one fused call too (:func:`fused_gadam`,
+set, and reading the gradients unscaled by ``GradScaler``'s ``grad_scale`` where given.
+G-Adam's chains step in one fused call too (:func:`fused_gadam`,
 :mod:`gsgd_backends.fused_adam`) and the rest by torch's fused Adam.
 """
 

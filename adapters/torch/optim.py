@@ -423,9 +423,10 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         gradient holds NaN or Inf, before any part steps (one host read per group where
         every gradient is finite; collectives where sharded, so every process raises)."""
         for group in self.param_groups:
+            if not group.get("check_finite"):  # the default: nothing read, nothing listed
+                continue
             params = [p for p in group["params"] if p.grad is not None]
-            if group.get("check_finite") and params and not every_finite(
-                    [p.grad for p in params]):
+            if params and not every_finite([p.grad for p in params]):
                 bad = next(p for p in params if not all_finite(p.grad))
                 raise ValueError(f"non-finite gradient in {self._name(bad)}")
 
