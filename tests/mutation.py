@@ -173,12 +173,22 @@ def hashes(dest: Path, module: str) -> dict[str, str]:
     return json.loads(meta.read_text())["hash_by_function_name"] if meta.exists() else {}
 
 
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"  # the frames mutmut's progress lines start with
+
+
+class MutmutFailed(RuntimeError):
+    """``mutmut run`` ended with an error (its output's tail is the message)."""
+
+
 def mutmut_run(dest: Path, module: str, jobs: int, names: list[str], env: dict) -> None:
     """``mutmut run`` in ``dest``: the mutants without a verdict, or ``names`` again."""
     done = subprocess.run([*PASSES[PASS], "run", "--max-children", str(jobs), *names], cwd=dest,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"mutmut failed on {module}:\n{done.stdout[-3000:]}")
+        # the spinner's frames would fill the tail and hide the tests' output before them
+        shown = "\n".join(line for line in done.stdout.replace("\r", "\n").splitlines()
+                          if line.strip() and line.lstrip()[0] not in SPINNER)
+        raise MutmutFailed(f"mutmut failed on {module}:\n{shown[-6000:]}")
 
 
 def _env(module: str, conf: dict) -> dict:
@@ -221,7 +231,15 @@ def run(module: str, jobs: int, conf: dict, again: bool = False,
     env = _env(module, conf)
     start = time.perf_counter()
     old = hashes(dest, module)
-    mutmut_run(dest, module, jobs, [], env)
+    try:
+        mutmut_run(dest, module, jobs, [], env)
+    except MutmutFailed:
+        if statuses(dest, module):
+            raise
+        # mutmut stops when no test reaches a mutant: here there is none to reach
+        return _save({"module": module, "tests": tests, "date": time.strftime("%Y-%m-%d"),
+                      "status": {}, "survivors": {}, "jobs": jobs,
+                      "seconds": round(time.perf_counter() - start, 1)})
     if before:
         known = statuses(dest, module)
         # mutmut made the mutants of functions new or changed since anew, and ran them
@@ -402,6 +420,8 @@ def _score_cells(r: dict | None, why: dict[str, str]) -> list[str]:
     if r is None:
         return ["not run", "", "", "", ""]
     killed, counted = score(r)
+    if not counted:
+        return ["0", "", "", "no mutants", ""]
     same = sum(name in why for name in r["survivors"])
     timeouts = counts(r)["timeout"]
     return [str(counted), f"{killed} ({timeouts})" if timeouts else str(killed), str(same),
@@ -515,7 +535,7 @@ def main(argv=None) -> int:
             module, args.functions, args.jobs, conf) if args.functions else run(
             module, args.jobs, conf, again=args.again, only=args.tests)
         killed, counted = score(r)
-        print(f"{module}: {killed}/{counted} killed ({100 * killed / counted:.1f}%), "
+        print(f"{module}: {killed}/{counted} killed ({100 * killed / max(counted, 1):.1f}%), "
               f"{len(r['survivors'])} survivors; {run_time(r)}", flush=True)
     if args.report:
         (ROOT / "docs" / "mutation.md").write_text(report(conf))

@@ -218,7 +218,7 @@ def test_the_run_time_counts_the_reruns_in_workers(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("module, disabled", [("backends/fast.py", True),
-                                              ("backends/plan.py", False)])
+                                              ("backends/sharded.py", False)])
 def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypatch, module,
                                                                disabled):
     """dynamo cannot trace mutmut's trampolines: the tests of a ``dynamo_off`` module run
@@ -232,6 +232,29 @@ def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypa
     monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
     mutation.run(module, 2, mutation.settings())
     assert [env.get("TORCH_COMPILE_DISABLE") for env in envs] == ["1" if disabled else None]
+
+
+def test_a_module_without_mutants_is_saved_as_such_and_other_failures_raise(tmp_path,
+                                                                            monkeypatch):
+    """mutmut stops with an error when no test reaches a mutant. With no mutant at all (a
+    module of Triton kernels alone) the run is saved with none and the page says so; with
+    mutants, the error is raised with the tests' output, not the spinner's frames."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    made = {}
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: made)
+    monkeypatch.setattr(mutation.subprocess, "run", lambda *a, **k: type("P", (), {
+        "returncode": 1, "stdout": "E   assert 1 == 2\n" + "\r⠋ Running stats" * 500})())
+    conf = mutation.settings()
+    r = mutation.run("backends/fused_psi_kernels.py", 2, conf)
+    assert r["status"] == {} and mutation._saved("backends/fused_psi_kernels.py").is_file()
+    page = mutation.report({"tests": {"backends/fused_psi_kernels.py": []}, "gpu_only": []})
+    assert "| `backends/fused_psi_kernels.py` | 0 |  |  | no mutants |  |" in page
+    made["x__mutmut_1"] = "not checked"
+    with pytest.raises(mutation.MutmutFailed, match="assert 1 == 2") as failed:
+        mutation.run("backends/fused_kernels.py", 2, conf)
+    assert "⠋" not in str(failed.value)
+    assert not mutation._saved("backends/fused_kernels.py").exists()
 
 
 def test_a_result_kept_as_counts_scores_and_reruns_as_one_kept_by_mutant(tmp_path,
