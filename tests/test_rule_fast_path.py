@@ -3,6 +3,8 @@ path_update: the same numbers on every drawn chain and block size, the degenerat
 that take the per-entry rules, and the steps it hands back (non-finite gradients, half
 precision)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 import gsgd_backends as gb
 import gsgd_core as gc
 from gsgd_backends.rule_step import rule_step_
-from _helpers import Problem, assert_close, reverse_axes
+from _helpers import Problem, assert_close, from_repository, reverse_axes
 from _namespaces import available_namespaces
 from _conditioning import (assert_buffers_close, assert_step_close, flat_paths,
                           gradient_rounding, step_tolerance)
@@ -186,6 +188,30 @@ def test_the_dispatch_takes_the_fast_path_and_counts_the_step(fxp, monkeypatch):
     G, Gb = pb.grads()
     assert gb.path_update_(CHAIN, rule, state, A, Ab, fxp.aslist(G), fxp.aslist(Gb))
     assert calls == [1] and int(fxp.to_numpy(state.count)) == 1
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_takes_the_core(dtype):
+    """The rule's fast step declines half precision (it would round every intermediate
+    to 16 bits); the in-place step then writes the core's result, computed in float32 (DESIGN
+    §6), into the half-precision tensors and their state, bit for bit."""
+    torch = pytest.importorskip("torch")
+    half = getattr(torch, dtype)
+    chain, rule = gc.Chain.mlp([4, 5, 3]), RULES["adamw-amsgrad"]()
+    pb = Problem(chain, 9)
+    G, Gb = pb.grads()
+    T = lambda xs: [torch.tensor(x.reshape(x.shape[0], -1) if x.ndim == 3 else x).to(half)
+                    for x in xs]  # noqa: E731
+    A, Ab, Gh, Gbh = T(pb.W), T(pb.b), T(G), T(Gb)
+    state = gc.path_init(chain, rule, A, Ab)
+    eW, eb, estate = gc.path_update(chain, rule, state, A, Ab, Gh, Gbh)
+    assert not rule_step_(gb.kernels_for(A[0]), chain, rule, gc.path_init(chain, rule, A, Ab),
+                          [a.clone() for a in A], [a.clone() for a in Ab], Gh, Gbh)
+    assert gb.path_update_(chain, rule, state, A, Ab, Gh, Gbh)
+    for got, want, old in zip(A + Ab, list(eW) + list(eb), T(pb.W) + T(pb.b)):
+        assert got.dtype == half and torch.equal(got, want) and not torch.equal(got, old)
+    for got, want in zip(state.buffers, estate.buffers):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 class ToZero(gc.ElementwiseRule):
@@ -377,6 +403,8 @@ def test_an_unchecked_bulk_equals_the_checked_one(lib):
     from gsgd_backends.rule_step import rule_bulk_
 
     wrap = pytest.importorskip("torch").from_numpy if lib == "torch" else np.asarray
+    # torch's reads into the host are counted (on a GPU each is a synchronisation)
+    reading = from_repository("benchmarks.step_counts").HostReads if lib == "torch" else None
     rng = np.random.default_rng(7)
     n, p, k = 5, 4, 3
     rule = RULES["adamw-amsgrad"]()
@@ -384,13 +412,17 @@ def test_an_unchecked_bulk_equals_the_checked_one(lib):
     coef = rule.coefficients(array_namespace(wrap(W)), wrap(np.asarray(2)), wrap(W).dtype)
     M = [np.abs(rng.standard_normal((n, p * k))) for _ in rule.buffers]
     F, B, rho = (np.exp(rng.standard_normal(m)) for m in (n, p, p))
-    out = []
+    out, reads = [], []
     for checked in (True, False):
         w, m = wrap(W.copy()), [wrap(x.copy()) for x in M]
-        rule_bulk_(gb.kernels_for(w), rule, coef, w, wrap(G), m, F=wrap(F), B_prev=wrap(B),
-                   rho=wrap(rho), checked=checked)
+        with reading() if reading else contextlib.nullcontext() as counted:
+            rule_bulk_(gb.kernels_for(w), rule, coef, w, wrap(G), m, F=wrap(F),
+                       B_prev=wrap(B), rho=wrap(rho), checked=checked)
         out.append([np.asarray(w)] + [np.asarray(x) for x in m])
+        reads.append(counted and counted.count.total())
     assert not np.array_equal(out[0][0], W)
+    if reading:
+        assert reads[0] > 0 and reads[1] == 0, reads
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)
 
