@@ -426,12 +426,16 @@ def test_a_fused_psi_step_is_one_launch_reads_nothing_back_and_found_inf_skips(m
 
 @pytest.mark.parametrize("change, message", [
     (lambda W, G, U: G.__setitem__(1, G[1][:, :2]), "weight 1: grads has shape"),
-    (lambda W, G, U: U.__setitem__(0, U[0].float()), "weight 0: .*momentum buffer.*float32"),
+    (lambda W, G, U: U.__setitem__(0, U[0].float()),
+     "weight 0: .*momentum buffer.*float32 on [^,]*$"),
+    (lambda W, G, U: W.__setitem__(0, W[0].to("meta")), "weight 0: .*weight.* on meta"),
     (lambda W, G, U: W.__setitem__(1, W[1].t().contiguous().t()), "not contiguous"),
     (lambda W, G, U: W.append(torch.zeros(2, 2, device=DEVICE)), "shapes"),
     (lambda W, G, U: dict(momentum=torch.tensor(0.9)), "momentum as a Python number"),
     (lambda W, G, U: dict(grad_scale=torch.ones(2, device=DEVICE)),
      "grad_scale must be a one-element tensor"),
+    (lambda W, G, U: dict(found_inf=torch.zeros(1, device="meta")),
+     "found_inf must be a one-element tensor on .*, got shape \\(1,\\) on meta"),
 ])
 def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message):
     """The core's errors naming the weight and the shapes, and the plan's (dtype, layout,
@@ -462,6 +466,67 @@ def test_half_precision_psi_steps_as_the_core_in_float32(dtype):
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), expected.float(), atol=0,
                                    rtol=torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("weights, message", [
+    ([], "at least one weight"),
+    ([torch.ones(2, 3, dtype=torch.int32)], "floating tensors, got torch.int32"),
+    ([torch.ones(2, 3), torch.tensor(1.0)], r"weights with rows, got shapes \[\(2, 3\), \(\)\]"),
+])
+def test_a_fused_psi_plan_of_weights_it_cannot_step_is_refused(weights, message):
+    """No weight, integer weights, a 0-d weight: ``ValueError`` when the plan is made."""
+    with pytest.raises(ValueError, match=message):
+        fused_psi.FusedPSIPlan([w.to(DEVICE) for w in weights])
+
+
+def test_psi_sgd_steps_with_the_plans_idle_state_at_the_cores_defaults():
+    """PSI-SGD (no momentum, the default ``max_norm``) with the plan's idle state, as the
+    optimizer steps it: zeros in the weights' shapes and dtype that are neither read nor
+    written, and the step psi_update takes at its defaults (row 0 of the Linear, of norm
+    about 8, not renormalised)."""
+    W, G, _ = _psi_problem(torch.float64)
+    plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
+    idle = plan.idle_state()
+    assert [(u.shape, u.dtype, u.device) for u in idle.momentum] == [
+        (w.shape, w.dtype, w.device) for w in W]
+    assert not any(bool(u.any()) for u in idle.momentum)
+    want_W, _ = gc.psi_update(gc.psi_init(W), W, G, lr=0.1)
+    W = [w.clone() for w in W]
+    fused_psi.fused_psi_step_(plan, idle, W, G, 0.1)
+    for got, expected in zip(W, want_W):
+        torch.testing.assert_close(got, expected, atol=0, rtol=1e-12)
+    assert float(torch.linalg.vector_norm(W[1][0])) > 4
+
+
+def test_a_fused_psi_step_unscales_gradients_by_grad_scale_at_a_one_element_lr():
+    """GradScaler's ``grad_scale`` (a one-element device tensor, 4): the step of gradients
+    scaled by 4 is the step of the unscaled ones, at a learning rate given as a
+    one-element device tensor, and the Linear's rows (all written) hold the unscaled
+    gradients after it."""
+    W, G, U = _psi_problem(torch.float64)
+    want_W, want = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1, momentum=0.9,
+                                 max_norm=5.0)
+    state = gc.PSIState(tuple(u.clone() for u in U))
+    W, scaled = [w.clone() for w in W], [g * 4 for g in G]
+    fused_psi.fused_psi_step_(fused_psi.FusedPSIPlan(W, PSI_BLOCKS), state, W, scaled,
+                              torch.tensor([0.1], dtype=torch.float64, device=DEVICE),
+                              momentum=0.9, max_norm=5.0,
+                              grad_scale=torch.tensor([4.0], device=DEVICE))
+    for got, expected in zip(W + list(state.momentum), want_W + list(want.momentum)):
+        torch.testing.assert_close(got, expected, atol=0, rtol=1e-12)
+    assert torch.equal(scaled[1], G[1])
+
+
+def test_fused_psi_on_cpu_tensors_without_the_interpreter_is_refused(monkeypatch):
+    """CPU tensors with the kernels compiled (Triton's interpreter off): a ``ValueError``
+    that says how to step them, before any launch."""
+    W, G, U = _psi_problem(torch.float64)
+    plan = fused_psi.FusedPSIPlan([w.cpu() for w in W], PSI_BLOCKS)
+    monkeypatch.setattr(fused_psi, "interpreted", lambda: False)
+    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match="only under Triton's interpreter"):
+        fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(u.cpu() for u in U)),
+                                  [w.cpu() for w in W], [g.cpu() for g in G], 0.1)
 
 
 def _graph_captured(step):

@@ -402,6 +402,9 @@ def test_path_update_refuses_what_is_not_a_rule_or_its_state():
     with pytest.raises(ValueError, match=r"^AdamRule needs the state of its own init\(\), with "
                                          r"buffers \('exp_avg', 'exp_avg_sq'\)$"):
         gc.path_update(chain, gc.adam_rule(), gc.gsgd_init(chain, pb.W, pb.b), pb.W, pb.b, G, Gb)
+    sgd_state = gc.path_init(chain, gc.sgd_rule(0.1, momentum=0.9), pb.W, pb.b)
+    with pytest.raises(ValueError, match=r"^AdamRule needs the state of its own init\(\)"):
+        gc.path_update(chain, gc.adam_rule(), sgd_state, pb.W, pb.b, G, Gb)  # 1 buffer, not 2
     with pytest.raises(ValueError, match="layer 2"):
         gc.path_update(chain, gc.adam_rule(), None, pb.W, pb.b, [G[0], G[1][:, :2]], Gb)
 
@@ -502,6 +505,28 @@ def test_a_rules_state_is_made_in_the_paths_dtype_and_device(xp, rule):
         deltas, state = rule.update(values, state, values)
         assert [d.dtype for d in deltas] == [xp.dtype] * count
         assert int(xp.to_numpy(state.count)) == 1
+
+
+@pytest.mark.parametrize("rule", [gc.sgd_rule(0.1), gc.sgd_rule(0.1, momentum=0.9),
+                                  gc.adam_rule(0.1), gc.adamw_rule(0.1, weight_decay=0.0)],
+                         ids=["sgd", "sgd-momentum", "adam", "adamw-no-decay"])
+def test_without_weight_decay_a_rules_step_does_not_read_the_path_values(xp, rule):
+    """torch's optimizers add nothing for ``weight_decay = 0``: two paths of one gradient,
+    one of value 1 and one whose value overflowed to ``inf``, take the same finite step and
+    keep the same buffers, over two steps. ``apply`` (what a fast path calls on a subset of
+    the paths) returns one new buffer per name in ``rule.buffers``."""
+    values = (xp.asarray(np.array([1.0, np.inf])),)
+    grads = (xp.asarray(np.array([0.5, 0.5])),)
+    state = rule.init(values)
+    for _ in range(2):
+        (delta,), state = rule.update(grads, state, values)
+        delta = xp.to_numpy(delta)
+        assert np.isfinite(delta).all() and delta[0] == delta[1]
+        for (buffer,) in state.buffers:
+            assert xp.to_numpy(buffer)[0] == xp.to_numpy(buffer)[1]
+    coef = rule.coefficients(xp.xp, state.count, values[0].dtype)
+    bufs = tuple(b[0] for b in state.buffers)
+    assert len(rule.apply(xp.xp, grads[0], values[0], bufs, coef)[1]) == len(rule.buffers)
 
 
 def test_a_rule_refuses_gradients_and_values_of_two_namespaces():

@@ -236,6 +236,48 @@ def test_core_states_of_a_chain():
     assert gc.skeleton_state(small, W) == "unknown"
 
 
+def test_core_states_read_every_layer_at_its_own_scale_and_fan_in():
+    """gsgd_core.skeleton_state reads every layer, each against its own scale ``r_l`` and
+    default bound ``1/sqrt(fan_in)`` (a conv's kernel counted, a float32 init's rounding
+    allowed): a skeleton of unequal scales, the paper's recipe is ``+1`` (not ``-1``), one
+    layer wrong among three, free edges below their scale but within a factor 2 of it, and
+    arrays on array_api_strict's second device."""
+    rng = np.random.default_rng(1)
+    chain = gc.Chain.mlp([4, 6, 3])
+    W = [rng.uniform(-0.5, 0.5, (6, 4)), rng.uniform(-0.4, 0.4, (3, 6))]
+    unequal = chain.with_skeleton_scale((0.5, 2.0))
+    assert gc.skeleton_state(unequal, gc.skeleton_init(unequal, W)[0]) == "initialised"
+    assert gc.skeleton_state(chain, gc.skeleton_init(chain, W, keep_signs=True)[0]) == "unknown"
+    xs = pytest.importorskip("array_api_strict")
+    there = [xs.asarray(w, device=xs.Device("device1")) for w in gc.skeleton_init(chain, W)[0]]
+    assert gc.skeleton_state(chain, there) == "initialised"
+    at_bound = [w.copy() for w in W]
+    at_bound[1][0, 0] = float(np.float32(1 / np.sqrt(6)))  # a float32 init, then .double()
+    assert at_bound[1][0, 0] > 1 / np.sqrt(6) and gc.skeleton_state(chain, at_bound) == "default"
+
+    deep = gc.Chain.mlp([4, 6, 5, 3])
+    W = [rng.uniform(-0.5, 0.5, (6, 4)), rng.uniform(-0.4, 0.4, (5, 6)),
+         rng.uniform(-0.4, 0.4, (3, 5))]
+    assert gc.skeleton_state(deep, W) == "default"
+    assert gc.skeleton_state(deep, [2 * W[0]] + W[1:]) == "unknown"  # layer 1 past its bound
+    S, _ = gc.skeleton_init(deep, W)
+    S[1][deep.free_mask(2)[..., 0]] = 1.5  # layer 2's free edges moved, layer 3's kept
+    assert gc.skeleton_state(deep, S) == "unknown"
+    small = deep.with_skeleton_scale((0.1, 0.1, 0.1))
+    S, _ = gc.skeleton_init(small, W, keep_signs=True)
+    for l in (2, 3):
+        S[l - 1][small.free_mask(l)[..., 0]] *= 0.6  # below r, within a factor 2 of it
+    assert gc.skeleton_state(small, S) == "unknown"
+    S[1][small.free_mask(2)[..., 0]] = 0.3  # layer 2's now 3 r: a random init's
+    assert gc.skeleton_state(small, S) == "default"
+
+    conv = gc.Chain.from_shapes([(4, 2, 3), (3, 4, 3)], bias=False)  # fan_in 6, then 12
+    K = [rng.uniform(-0.4, 0.4, (4, 2, 3)), rng.uniform(-0.28, 0.28, (3, 4, 3))]
+    assert gc.skeleton_state(conv, K) == "default"
+    K[0][0, 0, 0] = 0.5  # within 1/sqrt(2), past 1/sqrt(2 * 3)
+    assert gc.skeleton_state(conv, K) == "unknown"
+
+
 def test_jax_skeleton_state_of_a_default_init_skeleton_init_and_training():
     """gsgd_adapters.jax.skeleton_state: a default init (Equinox's uniform), skeleton_init,
     G-SGD's steps (free edges kept), and SGD's steps from the skeleton (cannot tell)."""
