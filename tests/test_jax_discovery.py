@@ -58,7 +58,13 @@ ACTIVATIONS = {
     # dropout by a captured typed key (a constant with no NumPy value); a constant mask
     "dropout, captured key": lambda x: jnp.where(jax.random.bernoulli(
         TYPED_KEY, 0.9, x.shape), jax.nn.relu(x) / 0.9, 0.0),
+    # dropout by a key made from a seed when traced (a scalar with no NumPy value)
+    "dropout, key from a seed": lambda x: jnp.where(jax.random.bernoulli(
+        jax.random.key(3), 0.9, x.shape), jax.nn.relu(x) / 0.9, 0.0),
     "where on a constant mask": lambda x: jnp.where(MASK[:, :x.shape[1]], jax.nn.relu(x), 0.0),
+    # a constant mask's halves swapped: a primitive of several results on constants
+    "where on a split constant mask": lambda x: jnp.where(jnp.concatenate(
+        jnp.split(MASK[0, :x.shape[1]], 2)[::-1]), jax.nn.relu(x), 0.0),
     # a mask computed from constants when traced (iota < 3), not a scalar test
     "where on an iota mask": lambda x: jnp.where(jnp.arange(x.shape[1]) < 3, jax.nn.relu(x),
                                                  0.0),
@@ -640,12 +646,14 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "h + b of shape (2, 3), flattened": (lambda h, b, c: h + b.reshape(6), (2, 3), False),
     "h + b cast to integers": (lambda h, b, c: h + b.astype(jnp.int32), (6,), False),
     "h + b.T, b of shape (6, 1)": (lambda h, b, c: h + b.T, (6, 1), False),
+    "h + b of shape (4, 1), along the batch": (lambda h, b, c: h + b, (4, 1), False),
     "relu(h) + b": (lambda h, b, c: jax.nn.relu(h) + b, (6,), False),
     "h + b + b": (lambda h, b, c: h + b + b, (6,), False),
     "2h + b": (lambda h, b, c: 2.0 * h + b, (6,), False),
     "h + zeros + b": (lambda h, b, c: h + jnp.zeros(6) + b, (6,), False),
     "copy(h) + b": (lambda h, b, c: jnp.copy(h) + b, (6,), True),
     "-h + b": (lambda h, b, c: -h + b, (6,), False),
+    "h + 2b": (lambda h, b, c: h + 2.0 * b, (6,), False),   # a leaf scaled: no bias as it is
     "|h| + b": (lambda h, b, c: jnp.abs(h) + b, (6,), False),
     "sum over the batch + b": (lambda h, b, c: h.sum(0) + b, (6,), False),
     "cumsum over the batch + b": (lambda h, b, c: jnp.cumsum(h, 0) + b, (6,), False),
@@ -745,6 +753,9 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
     "h written into zeros": (
         lambda h, p: jax.lax.dynamic_update_slice(jnp.zeros((4, 6)), h, (0, 0)) @ p["w2"],
         "its output goes to dynamic_update_slice, which is not positively homogeneous"),
+    # a primitive of several results, each read
+    "the batch's halves swapped": (lambda h, p: jnp.concatenate(jnp.split(h, 2)[::-1]) @ p["w2"],
+                                   "its output goes to split, which is not positively"),
     "top 2 of h": (lambda h, p: jax.lax.top_k(h, 2)[0] @ p["w2"][:2],
                    "its output goes to top_k, which is not positively homogeneous"),
     "h cast to integers": (lambda h, p: h.astype(jnp.int32) @ p["w2"].astype(jnp.int32),
@@ -758,6 +769,9 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
                                 "it meets a value with its units on another axis in mul"),
     "h - c": (lambda h, p: (h - C) @ p["w2"],
               "it is added to a value that does not carry its unit scales in sub"),
+    # ones made from zeros: only some operations keep a constant zero
+    "h + cos(zeros)": (lambda h, p: (h + jnp.cos(jnp.zeros(6))) @ p["w2"],
+                       "it is added to a value that does not carry its unit scales in add"),
     "h + c, an input": (lambda h, p: (h + C) @ p["w2"],
                         "it is added to a value that does not carry its unit scales"),
 }

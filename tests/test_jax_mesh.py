@@ -10,6 +10,7 @@ process of its own (``_jax_mesh_worker.py``); the tests read its results.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,9 +21,12 @@ pytest.importorskip("optax")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from _jax_mesh import BUFFERS, COLLECTIVES, LAYOUTS, TRANSFORMS  # noqa: E402
 
-from gsgd_adapters.optax import chains_from_dict, gsgd  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+from gsgd_adapters.optax import chains_from_dict, gsgd, in_path_space  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 
@@ -120,3 +124,41 @@ def test_state_made_under_jit_is_zero_where_a_param_is_not_finite():
     assert len(buffers) == 7        # weights', biases', the other leaf's, two step counts
     for buffer in buffers:
         assert np.array_equal(np.asarray(buffer), np.zeros(buffer.shape)), buffer
+
+
+@pytest.mark.parametrize("inner", [optax.adagrad(0.1), optax.adafactor(0.01)])
+def test_inner_state_made_under_jit_is_the_eager_one(inner):
+    """An inner transformation's state made under ``jit`` (its buffers tied to the params
+    to place them alike) is the eager one: Adagrad's accumulators start at 0.1, not zero,
+    and Adafactor's per-leaf statistics keep their own shapes, not the params'."""
+    params = {"l1": {"w": jnp.arange(6.0).reshape(3, 2) - 2.5, "b": jnp.zeros(3)},
+              "l2": {"w": jnp.ones((1, 3)), "b": jnp.zeros(1)}}
+    opt = in_path_space(inner, chains_from_dict(params, ["l1", "l2"]))
+    want, got = opt.init(params), jax.jit(opt.init)(params)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert a.shape == b.shape and np.array_equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("leaf, spec, axes", [
+    (("l1", "w"), P(None, "model"), ("model",)),           # a chain leaf over an Explicit axis
+    (("l1", "w"), P(("data", "model"), None), ("data", "model")),    # over two at once
+    (("l1", "w"), P("auto", None), None),                  # over an Auto axis: followed
+    (("scale",), P("model"), None),                        # outside the chains: SGD's leaf
+])
+def test_a_chain_leaf_sharded_over_explicit_axes_is_refused_on_one_device(leaf, spec, axes):
+    """Sharding in types is refused for a chain leaf, naming it and the Explicit axes, on a
+    mesh of one device too; a leaf sharded over Auto axes, or outside the chains, is not."""
+    mesh = jax.make_mesh((1, 1, 1), ("data", "model", "auto"), axis_types=(
+        AxisType.Explicit, AxisType.Explicit, AxisType.Auto))
+    params = {"l1": {"w": jnp.ones((3, 2)), "b": jnp.zeros(3)},
+              "l2": {"w": jnp.ones((1, 3)), "b": jnp.zeros(1)}, "scale": jnp.ones(2)}
+    node = params if len(leaf) == 1 else params[leaf[0]]
+    node[leaf[-1]] = jax.device_put(node[leaf[-1]], NamedSharding(mesh, spec))
+    init = jax.jit(gsgd(0.1, chains_from_dict(params, ["l1", "l2"]), momentum=0.9).init)
+    if axes is None:
+        init(params)
+        return
+    with pytest.raises(ValueError, match=re.escape(
+            f"params leaf {'/'.join(leaf)} is sharded over the Explicit mesh axes {axes} (")):
+        init(params)

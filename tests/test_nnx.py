@@ -6,6 +6,7 @@ from ``Variable``-wrapped ones. Float64 checks on an NNX MLP and an NNX CNN with
 
 import functools
 import re
+import sys
 
 import pytest
 
@@ -170,3 +171,11 @@ def test_a_leaf_in_neither_form_is_named_with_both():
             with pytest.raises(ValueError, match=re.escape(f"no leaf at key path {wrong} in "
                                                            f"params, nor at {other}:")):
                 gsgd(0.1, chains).init(state)
+
+
+def test_plain_params_need_no_flax(monkeypatch):
+    """Without Flax NNX imported, params that are no module are taken as they are."""
+    params = pure_state(MODELS["mlp"](nnx.Rngs(0), jnp.float64))
+    want = skeleton_init(params, found("mlp"))
+    monkeypatch.delitem(sys.modules, "flax.nnx")
+    assert max_diff(skeleton_init(params, found("mlp")), want) == 0
