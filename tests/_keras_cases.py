@@ -152,6 +152,46 @@ def numpy(x):
     return np.asarray(keras.ops.convert_to_numpy(x))
 
 
+def torch_twin(model):
+    """The torch network of ``small_cnn`` with ``model``'s weights, and its layers paired
+    with the Keras layers and the map of a Keras kernel to the torch layout."""
+    import torch
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                              torch.nn.Flatten(), torch.nn.Linear(12, 4), torch.nn.ReLU(),
+                              torch.nn.Linear(4, 2)).double()
+    as_torch = [lambda k: k.transpose(3, 2, 0, 1),     # HWIO -> OIHW
+                lambda k: k.reshape(2, 2, 3, 4).transpose(3, 2, 0, 1).reshape(4, 12),
+                lambda k: k.T]                          # (in, out) -> (out, in)
+    pairs = list(zip([ly for ly in model.layers if ly.weights], [net[0], net[4], net[6]],
+                     as_torch))
+    with torch.no_grad():
+        for ly, t, f in pairs:
+            t.weight.copy_(torch.tensor(f(numpy(ly.kernel.value))))
+            t.bias.copy_(torch.tensor(numpy(ly.bias.value)))
+    return net, pairs
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the torch adapter runs on the torch backend")
+@pytest.mark.parametrize("skeleton", ["he", "paper"])
+def test_skeleton_init_sets_what_the_torch_adapter_sets(skeleton):
+    """Both recipes (He's: skeleton edges at He's scale with their signs, the rest scaled
+    by sqrt(1 - share); the paper's: skeleton edges +1, the rest as they were) give the
+    kernels the torch adapter gives the same network."""
+    from gsgd_adapters.torch import skeleton_init_
+
+    keras.utils.set_random_seed(0)
+    model = small_cnn()
+    net, pairs = torch_twin(model)
+    before = [numpy(ly.kernel.value) for ly, _, _ in pairs]
+    skeleton_init(model, skeleton=skeleton)
+    skeleton_init_(net, skeleton=skeleton)
+    for (ly, t, f), old in zip(pairs, before):
+        assert not np.array_equal(numpy(ly.kernel.value), old)
+        np.testing.assert_allclose(f(numpy(ly.kernel.value)), t.weight.detach().numpy(),
+                                   rtol=1e-12, atol=0)
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the torch adapter runs on the torch backend")
 def test_same_trajectory_as_the_torch_adapter():
     import torch
@@ -160,18 +200,7 @@ def test_same_trajectory_as_the_torch_adapter():
     keras.utils.set_random_seed(0)
     model = small_cnn()
     skeleton_init(model)
-    conv, dense1, dense2 = [ly for ly in model.layers if ly.weights]
-    net = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                              torch.nn.Flatten(), torch.nn.Linear(12, 4), torch.nn.ReLU(),
-                              torch.nn.Linear(4, 2)).double()
-    as_torch = [lambda k: k.transpose(3, 2, 0, 1),     # HWIO -> OIHW
-                lambda k: k.reshape(2, 2, 3, 4).transpose(3, 2, 0, 1).reshape(4, 12),
-                lambda k: k.T]                          # (in, out) -> (out, in)
-    torch_layers = [net[0], net[4], net[6]]
-    with torch.no_grad():
-        for ly, t, f in zip((conv, dense1, dense2), torch_layers, as_torch):
-            t.weight.copy_(torch.tensor(f(numpy(ly.kernel.value))))
-            t.bias.copy_(torch.tensor(numpy(ly.bias.value)))
+    net, pairs = torch_twin(model)
     x, y = data(model)
     xt, yt = torch.tensor(x).permute(0, 3, 1, 2), torch.tensor(y)
     fit(model, GSGD(model, 0.05, momentum=0.9), x, y)
@@ -180,7 +209,7 @@ def test_same_trajectory_as_the_torch_adapter():
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(xt), yt).backward()
         opt.step()
-    for ly, t, f in zip((conv, dense1, dense2), torch_layers, as_torch):
+    for ly, t, f in pairs:
         ours = f(numpy(ly.kernel.value))
         assert rel(t.weight.detach().numpy(), ours) < 1e-10
         assert rel(t.bias.detach().numpy(), numpy(ly.bias.value)) < 1e-10
@@ -250,6 +279,26 @@ def test_config_round_trip_keeps_the_claims():
     again.build(model.trainable_variables)
     assert again.beta_1 == 0.8
     assert [c.chain for c in again.describe()] == [c.chain for c in opt.describe()]
+
+
+def named_cnn(side, data_format):
+    shape = (side, side, 2) if data_format == "channels_last" else (2, side, side)
+    return keras.Sequential([keras.Input(shape), L.Conv2D(3, 3, activation="relu", name="a",
+                                                          data_format=data_format),
+                             L.Flatten(), L.Dense(4, activation="relu", name="b"),
+                             L.Dense(2, name="c")])
+
+
+@torch_only
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_saved_claims_that_do_not_fit_a_kernel_are_refused(data_format):
+    """The claims of a config say how a kernel after a flatten reads its inputs (4
+    positions of 3 channels: 12 inputs); a model whose kernel there reads 27 is refused,
+    naming the kernel's shape."""
+    keras.utils.set_random_seed(0)
+    config = GSGD(named_cnn(4, data_format), 0.1).get_config()
+    with pytest.raises(ValueError, match=r"does not fit a kernel of shape \(27, 4\)"):
+        GSGD.from_config(config).build(named_cnn(5, data_format).trainable_variables)
 
 
 @torch_only
