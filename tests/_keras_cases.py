@@ -134,12 +134,91 @@ def test_bad_models_are_refused_naming_them():
     sub(np.zeros((1, 3)))
     with pytest.raises(ValueError, match="'sub': its layers were not traced"):
         GSGD(sub, 0.1)
+
+    class Doubled(keras.Sequential):  # its call is not the layer graph Keras traced
+        def call(self, x, training=None, mask=None):
+            return 2 * super().call(x, training=training, mask=mask)
+
+    doubled = Doubled([keras.Input((3,)), L.Dense(2)], name="doubled")
+    with pytest.raises(ValueError, match="'doubled': its layers were not traced"):
+        GSGD(doubled, 0.1)
     keras.utils.set_random_seed(0)
     one, _ = CATALOGUE[0]()
     other, _ = CATALOGUE[0]()
     opt = GSGD(one, 0.1)
     with pytest.raises(ValueError, match="layer 'a'"):
         opt.build(other.trainable_variables)
+
+
+def two_inputs():
+    x1, x2 = keras.Input((3,)), keras.Input((4,))
+    a = L.Dense(5, activation="relu", name="a")(x1)
+    c = L.Dense(5, activation="relu", name="c")(x2)
+    return keras.Model([x1, x2], [L.Dense(2, name="b")(a), L.Dense(2, name="d")(c)]), \
+        [["a", "b"], ["c", "d"]]
+
+
+def nested_functional_model():
+    x, h = keras.Input((3,)), keras.Input((4,))
+    inner = keras.Model(h, L.Dense(2, name="c")(L.Dense(5, activation="relu", name="b")(h)))
+    return keras.Model(x, inner(L.Dense(4, activation="relu", name="a")(x))), \
+        [["a", "b", "c"]]
+
+
+def recurrent_states():
+    x = keras.Input((3, 2))
+    out, h, c = L.LSTM(4, return_state=True, name="lstm")(x)
+    d = L.Dense(3, activation="relu", name="d")(c)
+    return keras.Model(x, [L.Dense(2, name="e")(d), out]), [["d", "e"]]
+
+
+class Sequential(keras.layers.Layer):
+    """A custom layer of the user's that happens to share the name of Keras's model."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = L.Dense(4)
+
+    def call(self, x):
+        return self.inner(x)
+
+
+def custom_named_sequential():
+    x = keras.Input((3,))
+    h = Sequential(name="seq")(L.Dense(5, activation="relu", name="a")(x))
+    return keras.Model(x, L.Dense(2, name="c")(L.Dense(4, activation="relu", name="b")(h))), \
+        [["b", "c"]]
+
+
+#: the layer each model must leave out, with its reason (the others leave none out)
+LEFT_OUT = {"recurrent_states": "lstm", "custom_named_sequential": "seq"}
+
+
+@torch_only
+@pytest.mark.parametrize("build", [two_inputs, nested_functional_model, recurrent_states,
+                                   custom_named_sequential], ids=lambda f: f.__name__)
+def test_discovery_reads_every_input_nested_model_and_output(build):
+    """Chains on each of two inputs, through a functional model called inside another,
+    after a layer of several outputs (an LSTM's states) and after a custom layer are
+    claimed; the rest is left out, each with its reason."""
+    keras.utils.set_random_seed(0)
+    model, expected = build()
+    found = find_chains(model)
+    assert sorted(list(c.layers) for c in found) == expected, str(found)
+    left_out = LEFT_OUT.get(build.__name__)
+    assert (left_out in found.reasons) if left_out else not found.reasons, str(found)
+
+
+@torch_only
+def test_discovery_says_why_a_last_layer_is_in_no_chain():
+    """A weight layer after a GELU reaches the output directly, also in a model that
+    returns its input beside it: no chain, and the reason says where its units go."""
+    x = keras.Input((3,))
+    y = L.Dense(2, name="b")(L.Dense(4, activation="gelu", name="a")(x))
+    for model in (keras.Model(x, y), keras.Model(x, [x, y])):
+        reasons = find_chains(model).reasons
+        assert reasons["b"] == "in no chain of two or more layers: its units reach the " \
+            "model's output", reasons
 
 
 def small_cnn():
