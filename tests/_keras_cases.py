@@ -221,6 +221,143 @@ def test_discovery_says_why_a_last_layer_is_in_no_chain():
             "model's output", reasons
 
 
+def _cnn(*layers, shape=(6, 6, 2), fmt="channels_last"):
+    """A convolution ``a`` (ReLU), then ``layers``."""
+    return keras.Sequential([keras.Input(shape), L.Conv2D(3, 3, activation="relu", name="a",
+                                                          data_format=fmt), *layers])
+
+
+def _mlp_through(layer):
+    return keras.Sequential([keras.Input((3,)), L.Dense(5, name="a"), layer,
+                             L.Dense(2, name="b")])
+
+
+def _named_like_keras(name):
+    """A custom layer of the user's whose class shares the name of a Keras layer."""
+    return type(name, (keras.layers.Layer,), {"call": lambda self, x: 2 * x})
+
+
+class ShiftedDense(L.Dense):
+    """Subclasses of Keras's layers whose call is not theirs."""
+
+    def call(self, x):
+        return super().call(x) + 1.0
+
+
+class ShiftedConv2D(L.Conv2D):
+    def call(self, x):
+        return super().call(x) + 1.0
+
+
+def _branch_and_merge():
+    x = keras.Input((4,))
+    h = L.Dense(4, activation="relu", name="a")(x)
+    h = L.Add(name="add")([h, L.Dense(4, name="b")(h)])
+    return keras.Model(x, L.Dense(2, name="c")(h))
+
+
+def _ends(why: str, last: str = "b", **more) -> dict:
+    """The reasons of a model whose ``a`` ends at ``why`` and whose ``last`` layer reaches
+    the output."""
+    return {"a": f"in no chain of two or more layers: {why}",
+            last: "in no chain of two or more layers: its units reach the model's output",
+            **more}
+
+
+def _not_commuting(cls: str) -> dict:
+    return _ends(f"x: {cls} is not known to commute with a positive rescaling of each unit")
+
+
+
+
+def _flat():
+    return L.Flatten(name="f"), L.Dense(2, name="b")
+
+#: name -> (model, its chains, why it leaves each layer out)
+UNITS_ZOO = {
+    "relu_threshold": lambda: (_mlp_through(L.ReLU(threshold=0.5, name="r")), [], _ends(
+        "r: a ReLU with a max_value or threshold is not positively homogeneous")),
+    "tanh_layer": lambda: (_mlp_through(L.Activation("tanh", name="t")), [], _ends(
+        "t: activation 'tanh' is not positively homogeneous")),
+    "custom_named_dense": lambda: (_mlp_through(_named_like_keras("Dense")(name="x")), [],
+                                   _not_commuting("Dense")),
+    "custom_named_conv": lambda: (_cnn(_named_like_keras("Conv2D")(name="x"), *_flat()), [],
+                                  _not_commuting("Conv2D")),
+    "dense_subclass": lambda: (_mlp_through(ShiftedDense(4, name="x")), [], _not_commuting(
+        "ShiftedDense") | {"x": "ShiftedDense is not a Dense or Conv layer"}),
+    "conv_subclass": lambda: (_cnn(ShiftedConv2D(3, 1, name="x"), *_flat()), [], _not_commuting(
+        "ShiftedConv2D") | {"x": "ShiftedConv2D is not a Dense or Conv layer"}),
+    "grouped_conv": lambda: (_cnn(L.Conv2D(3, 1, groups=3, name="x"), *_flat()), [],
+                             _not_commuting("Conv2D") | {
+                                 "x": "Conv2D is not a Dense or Conv layer"}),
+    "pool_across_units": lambda: (
+        _cnn(L.MaxPooling2D(2, data_format="channels_first", name="p"), *_flat()), [], _ends(
+            "p: MaxPooling2D does not pool over the units' positions (units on the last "
+            "axis of 16 positions)")),
+    "global_pool_channels_first": lambda: (
+        _cnn(L.GlobalAveragePooling2D(data_format="channels_first", name="g"),
+             L.Dense(2, name="b"), shape=(2, 6, 6), fmt="channels_first"), [["a", "b"]], {}),
+    "global_pool_keepdims": lambda: (
+        _cnn(L.GlobalAveragePooling2D(keepdims=True, name="g"),
+             L.Conv2D(4, 1, activation="relu", name="b"), L.Flatten(name="f"),
+             L.Dense(2, name="c")), [["a", "b", "c"]], {}),
+    "gelu_dense": lambda: (
+        keras.Sequential([keras.Input((3,)), L.Dense(5, activation="gelu", name="a"),
+                          L.Dense(2, name="b")]), [],
+        _ends("its activation 'gelu' is not positively homogeneous")),
+    "branch_and_merge": lambda: (_branch_and_merge(), [], _ends(
+        "a's output is read by 2 layers (a branch)", last="c",
+        b="in no chain of two or more layers: add (Add) merges 2 tensors")),
+    "pool_across_channels_first_units": lambda: (
+        _cnn(L.MaxPooling2D(2, name="p"), *_flat(), shape=(2, 6, 6), fmt="channels_first"),
+        [], _ends("p: MaxPooling2D does not pool over the units' positions (units on the "
+                  "first axis of 16 positions)")),
+    "flatten_mixing_axes": lambda: (
+        _cnn(L.Flatten(data_format="channels_first", name="f"), L.Dense(2, name="b")), [],
+        _ends("f: Flatten(data_format='channels_first') of channels-last units mixes their "
+              "axes")),
+    "flatten_channels_first_of_vectors": lambda: (
+        _mlp_through(L.Flatten(data_format="channels_first", name="f")), [["a", "b"]], {}),
+    "reshape_to_2d": lambda: (_cnn(L.Reshape((16, 3), name="r"), *_flat()), [], _ends(
+        "r: Reshape to shape (16, 3) does not keep units together")),
+    "flatten_twice": lambda: (_cnn(L.Flatten(name="f0"), *_flat()), [["a", "b"]], {}),
+    "flatten_channels_first_of_channels_first": lambda: (
+        _cnn(L.Flatten(data_format="channels_first", name="f"), L.Dense(2, name="b"),
+             shape=(2, 6, 6), fmt="channels_first"), [["a", "b"]], {}),
+    "two_convs_channels_first": lambda: (
+        _cnn(L.Conv2D(4, 1, activation="relu", data_format="channels_first", name="b"),
+             L.Flatten(name="f"), L.Dense(2, name="c"), shape=(2, 6, 6),
+             fmt="channels_first"), [["a", "b", "c"]], {}),
+    "convs_of_two_formats": lambda: (
+        _cnn(L.Conv2D(4, 1, data_format="channels_first", name="b"), L.Flatten(name="f"),
+             L.Dense(2, name="c")), [["b", "c"]], {
+            "a": "in no chain of two or more layers: b convolves over another axis than the "
+                 "units' (units on the last axis of 16 positions)"}),
+    "dense_on_channels_first_maps": lambda: (
+        _cnn(L.Dense(4, name="b"), L.Flatten(name="f"), L.Dense(2, name="c"),
+             shape=(2, 6, 6), fmt="channels_first"), [["b", "c"]], {
+            "a": "in no chain of two or more layers: b reads the last axis, the units are "
+                 "on the first"}),
+    "dense_on_channels_last_maps": lambda: (
+        _cnn(L.Dense(4, activation="relu", name="b"), L.Flatten(name="f"),
+             L.Dense(2, name="c")), [["a", "b", "c"]], {}),
+}
+
+
+@torch_only
+@pytest.mark.parametrize("name", UNITS_ZOO)
+def test_discovery_follows_units_through_each_layer_or_says_why_not(name):
+    """Where the units of a layer go, layer by layer: the chains claimed, and why every
+    other layer with weights is left out (custom layers, whatever their class's name, and
+    subclasses of Keras's; grouped convolutions; pooling, flattening and reading along
+    another axis than the units')."""
+    keras.utils.set_random_seed(0)
+    model, chains, reasons = UNITS_ZOO[name]()
+    found = find_chains(model)
+    assert sorted(list(c.layers) for c in found) == chains, str(found)
+    assert dict(found.reasons) == reasons
+
+
 def small_cnn():
     return keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(3, 3, activation="relu"),
                              L.MaxPooling2D(2), L.Flatten(), L.Dense(4, activation="relu"),
