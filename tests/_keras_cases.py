@@ -15,7 +15,8 @@ import keras  # noqa: E402
 from keras import layers as L  # noqa: E402
 
 from _keras_models import CATALOGUE  # noqa: E402
-from gsgd_adapters.keras import GAdam, GSGD, PSISGD, find_chains, skeleton_init  # noqa: E402
+from gsgd_adapters.keras import (  # noqa: E402
+    GAdam, GAdamW, GSGD, PSISGD, find_chains, skeleton_init)
 from gsgd_adapters.keras.discovery import rescaled  # noqa: E402
 from gsgd_core import random_rescaling  # noqa: E402
 
@@ -104,17 +105,86 @@ def test_rescaled_twins_train_identically(build):
 
 
 @torch_only
-def test_a_model_with_no_chain_trains_as_keras_sgd():
+@pytest.mark.parametrize("build, ours, theirs", [
+    ("gelu", lambda m: GSGD(m, 0.1, momentum=0.5),
+     lambda: keras.optimizers.SGD(0.1, momentum=0.5)),
+    ("gelu", lambda m: GSGD(m, 0.1), lambda: keras.optimizers.SGD(0.1)),
+    ("gelu", lambda m: GAdam(m, 0.01, amsgrad=True),
+     lambda: keras.optimizers.Adam(0.01, amsgrad=True)),
+    ("gelu", lambda m: GAdam(m, 0.01), lambda: keras.optimizers.Adam(0.01)),
+    ("mlp_relu", lambda m: PSISGD(m, 0.1, momentum=0.5),
+     lambda: keras.optimizers.SGD(0.1, momentum=0.5))],
+    ids=["sgd_momentum", "sgd", "adam_amsgrad", "adam", "psisgd_chains"])
+def test_a_model_with_no_chain_trains_as_keras_sgd_or_adam(build, ours, theirs):
+    """Without chains (or with PSISGD, which leaves them to SGD), each optimizer is Keras's
+    own rule, with the same state."""
     keras.utils.set_random_seed(0)
-    model, _ = next(f for f in CATALOGUE if f.__name__ == "gelu")()
+    model, _ = next(f for f in CATALOGUE if f.__name__ == build)()
     x, y = data(model)
     start = model.get_weights()
-    opt = GSGD(model, 0.1, momentum=0.5)
-    assert "gelu" in str(opt.describe())
-    ours = fit(model, opt, x, y)
+    opt = ours(model)
+    out = fit(model, opt, x, y)
     model.set_weights(start)
-    theirs = fit(model, keras.optimizers.SGD(0.1, momentum=0.5), x, y)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-14, atol=0)
+    keras_opt = theirs()
+    np.testing.assert_allclose(out, fit(model, keras_opt, x, y), rtol=1e-14, atol=0)
+    assert len(opt.variables) == len(keras_opt.variables)
+
+
+@torch_only
+@pytest.mark.parametrize("build", ["mlp_relu", "batch_norm"])
+def test_without_momentum_no_state_is_kept(build):
+    """G-SGD and PSI-SGD without momentum keep no buffer, as Keras's SGD."""
+    keras.utils.set_random_seed(0)
+    model, _ = next(f for f in CATALOGUE if f.__name__ == build)()
+    x, y = data(model)
+    opt = GSGD(model, 0.05)
+    fit(model, opt, x, y, steps=2)
+    assert len(opt.variables) == 2  # the step count and the learning rate
+
+
+@torch_only
+@pytest.mark.parametrize("make", [lambda m: GSGD(m, 0.05, momentum=0.9), GAdam],
+                         ids=["gsgd", "gadam"])
+def test_chain_weights_take_no_slots_of_keras_rule(make):
+    """Chains keep their state in path space: Keras's momentum or moments are made for
+    no weight of a chain (all of them here), and building again adds nothing."""
+    model = mlp()
+    opt = make(model)
+    opt.build(model.trainable_variables)
+    made = [v.path for v in opt.variables]
+    opt.build(model.trainable_variables)
+    assert [v.path for v in opt.variables] == made
+    assert not [p for p in made if p.endswith(("_momentum", "_velocity"))], made
+
+
+@torch_only
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(momentum=1.5), r"momentum must be a number in \[0, 1\], got 1.5"),
+    (dict(momentum="0.9"), r"momentum must be a number in \[0, 1\], got '0.9'"),
+    (dict(bn="adam"), "bn must be 'psi' or 'sgd', got 'adam'"),
+    (dict(nesterov=True), "nesterov needs momentum > 0"),
+    (dict(skeleton="unit"), r"skeleton must be one of \('he', 'paper'\), got 'unit'")])
+def test_bad_hyperparameters_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GSGD(mlp(), 0.1, **kwargs)
+
+
+def test_an_optimizer_without_its_model_is_refused():
+    with pytest.raises(ValueError, match=r"GAdam needs the model it trains: GAdam\(model, "):
+        GAdam()
+
+
+@torch_only
+def test_a_float32_model_keeps_its_state_in_float32():
+    """The chains' state takes the weights' dtype, not Keras's float64 default here."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(5, activation="relu", dtype="float32"),
+                              L.Dense(2, dtype="float32")])
+    x, y = data(model)
+    opt = GSGD(model, 0.05, momentum=0.9)
+    fit(model, opt, x.astype("float32"), y.astype("float32"), steps=2)
+    assert {v.dtype for v in model.weights} == {"float32"}
+    assert "float64" not in {v.dtype for v in opt.variables[2:]}  # past the count and rate
 
 
 def test_bad_models_are_refused_naming_them():
@@ -408,10 +478,33 @@ def test_skeleton_init_sets_what_the_torch_adapter_sets(skeleton):
                                    rtol=1e-12, atol=0)
 
 
+#: Keras's optimizer of a model and the torch adapter's of the same network
+SAME_AS_TORCH = {
+    "gsgd": (lambda m: GSGD(m, 0.05, momentum=0.9), lambda net, T: T.GSGD(net, lr=0.05,
+                                                                          momentum=0.9)),
+    "gsgd_nesterov_decay": (
+        lambda m: GSGD(m, 0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+        lambda net, T: T.GSGD(net, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "gsgd_defaults": (lambda m: GSGD(m), lambda net, T: T.GSGD(net, lr=0.01)),
+    "gadam_defaults": (lambda m: GAdam(m), lambda net, T: T.GAdam(net, eps=1e-7)),
+    "gadam_amsgrad_decay": (
+        lambda m: GAdam(m, 0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6, amsgrad=True,
+                        weight_decay=0.01),
+        lambda net, T: T.GAdam(net, lr=0.01, betas=(0.8, 0.99), eps=1e-6, amsgrad=True,
+                               weight_decay=0.01)),
+    "gadamw_defaults": (lambda m: GAdamW(m),
+                        lambda net, T: T.GAdamW(net, eps=1e-7, weight_decay=0.004)),
+}
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="the torch adapter runs on the torch backend")
-def test_same_trajectory_as_the_torch_adapter():
+@pytest.mark.parametrize("name", SAME_AS_TORCH)
+def test_same_trajectory_as_the_torch_adapter(name):
+    """G-SGD (momentum, Nesterov, weight decay on path values), G-Adam (its defaults, AMSGrad,
+    L2 on path values) and G-AdamW (decoupled decay, its default) step a Keras model as the
+    torch adapter steps the same network."""
     import torch
-    from gsgd_adapters.torch import GSGD as TorchGSGD
+    import gsgd_adapters.torch as T
 
     keras.utils.set_random_seed(0)
     model = small_cnn()
@@ -419,8 +512,9 @@ def test_same_trajectory_as_the_torch_adapter():
     net, pairs = torch_twin(model)
     x, y = data(model)
     xt, yt = torch.tensor(x).permute(0, 3, 1, 2), torch.tensor(y)
-    fit(model, GSGD(model, 0.05, momentum=0.9), x, y)
-    opt = TorchGSGD(net, lr=0.05, momentum=0.9)
+    ours, theirs = SAME_AS_TORCH[name]
+    fit(model, ours(model), x, y)
+    opt = theirs(net, T)
     for _ in range(3):
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(xt), yt).backward()
@@ -488,13 +582,29 @@ def test_save_and_load_resume_bit_exact(tmp_path):
 
 
 @torch_only
-def test_config_round_trip_keeps_the_claims():
-    model = mlp()
-    opt = GAdam(model, 0.01, beta_1=0.8)
-    again = GAdam.from_config(opt.get_config())
+@pytest.mark.parametrize("make, hyper", [
+    (GAdam, dict(beta_1=0.8, beta_2=0.99, epsilon=1e-6, amsgrad=True, skeleton="paper")),
+    (GSGD, dict(momentum=0.8, nesterov=True, bn="sgd", skeleton="paper"))],
+    ids=["gadam", "gsgd"])
+def test_config_round_trip_keeps_the_claims(make, hyper):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), L.Dense(5, activation="relu", name="a",
+                                                         use_bias=False), L.Dense(3, name="b")])
+    opt = make(model, 0.01, name="mine", **hyper)
+    again = make.from_config(opt.get_config())
     again.build(model.trainable_variables)
-    assert again.beta_1 == 0.8
+    opt.build(model.trainable_variables)
+    assert {k: getattr(again, k) for k in hyper} == hyper and again.name == "mine"
     assert [c.chain for c in again.describe()] == [c.chain for c in opt.describe()]
+    assert list(opt.describe().changes) == ["a -> b"]  # the self-check's, kept by build
+
+
+@torch_only
+def test_a_config_built_on_another_models_variables_is_refused():
+    config = GSGD(mlp(), 0.1).get_config()
+    other = keras.Sequential([keras.Input((4,)), L.Dense(3, name="x")])
+    with pytest.raises(ValueError, match="layer 'a': its variable 'a/kernel' is not among"):
+        GSGD.from_config(config).build(other.trainable_variables)
 
 
 def named_cnn(side, data_format):
@@ -564,6 +674,38 @@ def test_mixed_precision_steps_in_float32():
     for v, s in zip(model.trainable_variables, start):
         assert v.dtype == "float32" and np.all(np.isfinite(numpy(v)))
         assert not np.array_equal(numpy(v), s)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="the torch adapter runs on the torch backend")
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_psi_sgd_steps_as_the_torch_adapter(momentum):
+    """PSI-SGD(M) on a kernel followed by batch normalisation, SGD(M) on the rest: the
+    weights the torch adapter's PSISGD gives the same network."""
+    import torch
+    from gsgd_adapters.torch import PSISGD as TorchPSISGD
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), L.Dense(4, use_bias=False, name="b"),
+                              L.BatchNormalization(epsilon=1e-3), L.ReLU(),
+                              L.Dense(2, name="c")])
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False),
+                              torch.nn.BatchNorm1d(4, eps=1e-3), torch.nn.ReLU(),
+                              torch.nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor(numpy(model.get_layer("b").kernel.value).T))
+        net[3].weight.copy_(torch.tensor(numpy(model.get_layer("c").kernel.value).T))
+        net[3].bias.copy_(torch.tensor(numpy(model.get_layer("c").bias.value)))
+    x, y = data(model)
+    fit(model, PSISGD(model, 0.05, momentum=momentum), x, y)
+    opt = TorchPSISGD(net, lr=0.05, momentum=momentum)
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(net(torch.tensor(x)), torch.tensor(y)).backward()
+        opt.step()
+    assert rel(net[0].weight.detach().numpy().T, numpy(model.get_layer("b").kernel.value)) \
+        < 1e-10
+    assert rel(net[3].weight.detach().numpy().T, numpy(model.get_layer("c").kernel.value)) \
+        < 1e-10
 
 
 @torch_only
