@@ -112,9 +112,11 @@ def test_rescaled_twins_train_identically(build):
     ("gelu", lambda m: GAdam(m, 0.01, amsgrad=True),
      lambda: keras.optimizers.Adam(0.01, amsgrad=True)),
     ("gelu", lambda m: GAdam(m, 0.01), lambda: keras.optimizers.Adam(0.01)),
+    ("gelu", lambda m: GSGD(m, 0.1, weight_decay=0.01),
+     lambda: keras.optimizers.SGD(0.1, weight_decay=0.01)),
     ("mlp_relu", lambda m: PSISGD(m, 0.1, momentum=0.5),
      lambda: keras.optimizers.SGD(0.1, momentum=0.5))],
-    ids=["sgd_momentum", "sgd", "adam_amsgrad", "adam", "psisgd_chains"])
+    ids=["sgd_momentum", "sgd", "adam_amsgrad", "adam", "sgd_decay", "psisgd_chains"])
 def test_a_model_with_no_chain_trains_as_keras_sgd_or_adam(build, ours, theirs):
     """Without chains (or with PSISGD, which leaves them to SGD), each optimizer is Keras's
     own rule, with the same state."""
@@ -146,8 +148,9 @@ def test_without_momentum_no_state_is_kept(build):
 @pytest.mark.parametrize("make", [lambda m: GSGD(m, 0.05, momentum=0.9), GAdam],
                          ids=["gsgd", "gadam"])
 def test_chain_weights_take_no_slots_of_keras_rule(make):
-    """Chains keep their state in path space: Keras's momentum or moments are made for
-    no weight of a chain (all of them here), and building again adds nothing."""
+    """Chains keep their state in path space, in variables named after the chain: Keras's
+    momentum or moments are made for no weight of a chain (all of them here), and building
+    again adds nothing."""
     model = mlp()
     opt = make(model)
     opt.build(model.trainable_variables)
@@ -155,6 +158,7 @@ def test_chain_weights_take_no_slots_of_keras_rule(make):
     opt.build(model.trainable_variables)
     assert [v.path for v in opt.variables] == made
     assert not [p for p in made if p.endswith(("_momentum", "_velocity"))], made
+    assert made[2:] and all(p.split("/")[-1].startswith("a_") for p in made[2:]), made
 
 
 @torch_only
