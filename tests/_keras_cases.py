@@ -604,6 +604,19 @@ def test_config_round_trip_keeps_the_claims(make, hyper):
 
 
 @torch_only
+def test_the_skeleton_is_the_optimizers_from_the_start_and_checked_in_a_config():
+    """The chains an optimizer describes have its skeleton's units before it is built, and
+    a config naming an unknown skeleton is refused."""
+    model = mlp()
+    opt = GSGD(model, 0.1, skeleton="paper")
+    assert [c.chain for c in opt.describe()] == [c.chain for c in find_chains(
+        model, skeleton="paper")]
+    config = opt.get_config() | {"skeleton": "unit"}
+    with pytest.raises(ValueError, match="skeleton must be one of"):
+        GSGD.from_config(config)
+
+
+@torch_only
 def test_a_config_built_on_another_models_variables_is_refused():
     config = GSGD(mlp(), 0.1).get_config()
     other = keras.Sequential([keras.Input((4,)), L.Dense(3, name="x")])
