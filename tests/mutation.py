@@ -80,7 +80,8 @@ def settings() -> dict:
     ``preload`` instead), ``in_workers`` (function -> the
     tests that reach it only in processes they spawn), ``dynamo_off`` (modules whose functions
     torch.compile traces: dynamo cannot trace mutmut's trampolines, so their tests run them
-    eagerly), ``equivalent`` (mutant name -> why no test can tell it apart)."""
+    eagerly), ``env`` (modules, or folders ending in ``/`` -> environment variables of
+    their tests), ``equivalent`` (mutant name -> why no test can tell it apart)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         data = tomllib.load(f)
     return data["tool"]["gsgd"]["mutation"] | {"mutmut": data["tool"]["mutmut"]}
@@ -117,6 +118,12 @@ def jax_cache() -> dict:
     return {"JAX_COMPILATION_CACHE_DIR": str(BUILD / "jax-cache"),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _module_env(module: str, conf: dict) -> dict[str, str]:
+    """The variables ``env`` sets for ``module``'s tests."""
+    return {k: v for prefix, env in conf.get("env", {}).items() if module.startswith(prefix)
+            for k, v in env.items()}
 
 
 def _fork_unsafe(module: str, conf: dict) -> bool:
@@ -199,7 +206,7 @@ def _env(module: str, conf: dict) -> dict:
     return os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1",
                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")} | (
         {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
-        jax_cache())
+        jax_cache()) | _module_env(module, conf)
 
 
 def run(module: str, jobs: int, conf: dict, again: bool = False,

@@ -96,23 +96,103 @@ def test_steps_after_no_sync_alone_keep_each_processs_own_sums(runs):
         _assert_close(state, _one_process("no_sync_only", rank))
 
 
-def test_each_step_all_reduces_the_sums_once_over_ddps_group(one_process_group, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_each_step_all_reduces_the_sums_once_over_ddps_group(one_process_group, monkeypatch,
+                                                             dtype):
     """One all-reduce per step over DDP's process group, of one flag per chain and every
-    layer's sums and bound: 1 + (8 + 5) + 3 numbers for the MLP 6-8-5-3 (a world of one,
-    in this process)."""
+    layer's sums and bound: 1 + (8 + 5) + 3 numbers for the MLP 6-8-5-3, in the model's
+    dtype (a world of one, in this process)."""
     import torch.distributed as dist
     from gsgd_adapters.torch import GSGD
 
     model, x, y = dw.model_and_data()
+    model, x, y = model.to(dtype), x.to(dtype), y.to(dtype)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = GSGD(ddp, lr=0.05)
     calls, all_reduce = [], dist.all_reduce
 
     def spy(t, *args, **kwargs):
-        calls.append((t.numel(), kwargs.get("group")))
+        calls.append((t.numel(), t.dtype, kwargs.get("group")))
         return all_reduce(t, *args, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", spy)
     dw.train(ddp, opt, x, y)
-    assert calls == [(17, ddp.process_group)] * dw.STEPS
+    assert calls == [(17, dtype, ddp.process_group)] * dw.STEPS
+    assert opt.describe().column_sums == ONE_PASS
+
+
+class _TwoChains(torch.nn.Module):
+    """Two MLPs, one of which each forward pass runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = dw.model_and_data()[0], dw.model_and_data()[0]
+
+    def forward(self, x, which: str):
+        return getattr(self, which)(x)
+
+
+def _edit_then_other_chain(wrap) -> tuple[dict, dict]:
+    """A backward pass through chain b, the gradient of b's last layer doubled in place, a
+    backward pass through chain a, one step: the weights and where the steps got their
+    column sums."""
+    from gsgd_adapters.torch import GSGD
+
+    model = _TwoChains()
+    _, x, y = dw.model_and_data()
+    net = wrap(model)
+    opt = GSGD(net, lr=0.05, chains=[[m[i] for i in (0, 2, 4)] for m in (model.a, model.b)])
+    opt.zero_grad()
+    ((net(x, "b") - y) ** 2).mean().backward()
+    with torch.no_grad():
+        model.b[4].weight.grad.mul_(2)
+    ((net(x, "a") - y) ** 2).mean().backward()
+    opt.step()
+    return model.state_dict(), dict(opt.describe().column_sums)
+
+
+def test_a_gradient_changed_after_its_backward_pass_stays_refused_after_another(
+        one_process_group):
+    """A gradient changed in place after the backward pass that reached it is still
+    refused after a later backward pass that reached another chain only: the step reads
+    W * grad there, as without DDP, and equals the step without DDP."""
+    ddp = lambda m: torch.nn.parallel.DistributedDataParallel(m, find_unused_parameters=True)
+    state, counts = _edit_then_other_chain(ddp)
+    alone, counts_alone = _edit_then_other_chain(lambda m: m)
+    assert counts == counts_alone == {"backward": 1,
+                                      "the gradient was changed after a backward pass": 1}
+    _assert_close(state, alone)
+
+
+def test_a_forward_pass_without_grad_keeps_ddps_no_sync_decision(one_process_group):
+    """An evaluation forward pass (no grad) between a forward pass under no_sync and its
+    backward pass leaves DDP's decision as it was: the gradients were not reduced, and the
+    step says so and reads W * grad."""
+    from gsgd_adapters.torch import GSGD
+
+    model, x, y = dw.model_and_data()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GSGD(ddp, lr=0.05)
+    with ddp.no_sync():
+        out = ddp(x)
+    with torch.no_grad():
+        ddp(x)
+    ((out - y) ** 2).mean().backward()
+    opt.step()
+    assert opt.describe().column_sums == {"the last backward pass ran under DDP's no_sync": 1}
+
+
+def test_a_copy_of_the_ddp_model_runs_without_the_optimizer(one_process_group):
+    """A copy of the DDP model (an evaluation twin) runs its forward pass; the optimizer's
+    record stays with the original."""
+    import copy
+
+    from gsgd_adapters.torch import GSGD
+
+    model, x, y = dw.model_and_data()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GSGD(ddp, lr=0.05)
+    twin = copy.deepcopy(ddp)
+    torch.testing.assert_close(twin(x), ddp(x))
+    dw.train(ddp, opt, x, y)
     assert opt.describe().column_sums == ONE_PASS

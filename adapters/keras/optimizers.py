@@ -123,6 +123,14 @@ class _PathSpaceOptimizer(keras.optimizers.Optimizer):
             return False
         return super()._use_weight_decay(variable)
 
+    def _apply_weight_decay(self, variables):
+        # Keras's decoupled decay, on the variables outside the parts alone: Keras's torch
+        # optimizer hands the ones it keeps to one torch._foreach_mul_, which refuses an
+        # empty list (every variable in a chain or PSI).
+        rest = [v for v in variables if self._use_weight_decay(v)]
+        if rest:
+            super()._apply_weight_decay(rest)
+
     # ------------------------------------------------------------------ the step
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         by_id = {id(v): keras.ops.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)}
