@@ -283,10 +283,10 @@ def verdicts(dest: Path, module: str, tests: list[str], env: dict) -> dict:
 
 
 def _diffs(dest: Path, status: dict[str, str], env: dict) -> dict[str, str]:
-    """Each survivor's diff (``mutmut show``)."""
+    """Each survivor's diff (``mutmut show``), those no test reached among them."""
     return {name: subprocess.run([*PASSES[PASS], "show", name], cwd=dest, env=env,
                                  capture_output=True, text=True).stdout
-            for name, s in status.items() if s == "survived"}
+            for name, s in status.items() if s in ("survived", "no tests")}
 
 
 def mutant_glob(module: str, function: str) -> str:
@@ -429,10 +429,18 @@ def _score_cells(r: dict | None, why: dict[str, str]) -> list[str]:
     killed, counted = score(r)
     if not counted:
         return ["0", "", "", "no mutants", ""]
-    same = sum(name in why for name in r["survivors"])
+    left = _not_killed(r)
+    same = sum(name in why for name in left)
     timeouts = counts(r)["timeout"]
     return [str(counted), f"{killed} ({timeouts})" if timeouts else str(killed), str(same),
-            f"{100 * killed / max(counted - same, 1):.1f}%", str(len(r["survivors"]) - same)]
+            f"{100 * killed / max(counted - same, 1):.1f}%", str(len(left) - same)]
+
+
+def _not_killed(r: dict) -> list[str]:
+    """The mutants that survived, or that no test reached (each may be named equivalent); a
+    result kept as counts names its survivors alone."""
+    return [n for n, s in r["status"].items() if s in ("survived", "no tests")] \
+        if r.get("status") else list(r["survivors"])
 
 
 def _run_times(results: dict[str, dict], conditions: dict[str, dict]) -> list[str]:
@@ -454,11 +462,15 @@ def _survivors(results: dict[str, dict], why: dict[str, str], title: str) -> lis
             out += ["", f"Killed in `{r['module']}` by tests in the processes they spawn "
                         "(`in_workers`): " + ", ".join(f"`{n}`" for n in r["killed_in_workers"])
                     + "."]
-        if r["survivors"]:
+        if _not_killed(r):
             out += ["", f"## {title} in `{r['module']}`"]
         for name, diff in r["survivors"].items():
             out += ["", f"**`{name}`**: {why.get(name, 'open: no test kills it yet.')}", "",
                     "```diff", diff.strip(), "```"]
+        unseen = [n for n in _not_killed(r) if n not in r["survivors"]]
+        if unseen:  # runs before diffs were kept for them
+            out += ["", "Reached by no test (no diff kept):"] + [
+                f"- **`{n}`**: {why.get(n, 'open: no test reaches it yet.')}" for n in unseen]
     return out
 
 

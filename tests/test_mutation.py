@@ -73,6 +73,19 @@ def test_score_counts_timeouts_as_killed_and_missing_tests_as_survivors():
     assert mutation.score(r) == (2, 5)
 
 
+def test_a_mutant_no_test_reaches_counts_open_or_equivalent_as_a_survivor(tmp_path,
+                                                                        monkeypatch):
+    """"no tests" counts against the score: named equivalent, it leaves the score and the
+    open count as a survivor does."""
+    monkeypatch.setattr(mutation, "RESULTS", tmp_path)
+    _result(tmp_path, "backends/plan.py",
+            {"m1": "killed", "m2": "no tests", "m3": "no tests", "m4": "survived"}, {"m4": "-y"})
+    page = mutation.report({"tests": {"backends/plan.py": []}, "gpu_only": [],
+                            "equivalent": {"m2": "never called."}})
+    assert "| `backends/plan.py` | 4 | 1 | 1 | 33.3% | 2 |" in page
+    assert "- **`m2`**: never called." in page and "- **`m3`**: open" in page
+
+
 def test_the_page_gives_every_score_and_every_survivor_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(mutation, "RESULTS", tmp_path)
     _result(tmp_path, "backends/plan.py",
