@@ -247,6 +247,22 @@ def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypa
     assert [env.get("TORCH_COMPILE_DISABLE") for env in envs] == ["1" if disabled else None]
 
 
+@pytest.mark.parametrize("module, backend", [("adapters/keras/units.py", "torch"),
+                                             ("adapters/torch/ddp.py", None)])
+def test_a_modules_env_setting_reaches_its_tests_alone(tmp_path, monkeypatch, module, backend):
+    """``env``: the Keras modules' tests run the Keras cases in mutmut's process on the
+    torch backend (Keras reads ``KERAS_BACKEND`` once); other modules' tests see none."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    envs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        envs.append(env))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
+    mutation.run(module, 2, mutation.settings())
+    assert [env.get("KERAS_BACKEND") for env in envs] == [backend]
+
+
 def test_a_module_without_mutants_is_saved_as_such_and_other_failures_raise(tmp_path,
                                                                             monkeypatch):
     """mutmut stops with an error when no test reaches a mutant. With no mutant at all (a
