@@ -462,12 +462,13 @@ def _survivors(results: dict[str, dict], why: dict[str, str], title: str) -> lis
             out += ["", f"Killed in `{r['module']}` by tests in the processes they spawn "
                         "(`in_workers`): " + ", ".join(f"`{n}`" for n in r["killed_in_workers"])
                     + "."]
-        if _not_killed(r):
+        left = _not_killed(r)
+        if left:
             out += ["", f"## {title} in `{r['module']}`"]
         for name, diff in r["survivors"].items():
             out += ["", f"**`{name}`**: {why.get(name, 'open: no test kills it yet.')}", "",
                     "```diff", diff.strip(), "```"]
-        unseen = [n for n in _not_killed(r) if n not in r["survivors"]]
+        unseen = [n for n in left if n not in r["survivors"]]
         if unseen:  # runs before diffs were kept for them
             out += ["", "Reached by no test (no diff kept):"] + [
                 f"- **`{n}`**: {why.get(n, 'open: no test reaches it yet.')}" for n in unseen]

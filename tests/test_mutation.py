@@ -230,21 +230,27 @@ def test_the_run_time_counts_the_reruns_in_workers(tmp_path, monkeypatch):
     assert mutation.run("backends/plan.py", 2, mutation.settings())["seconds"] == 180.0
 
 
+def _seen(tmp_path, monkeypatch, module: str, variable: str) -> list:
+    """``variable`` in the environment of each mutmut run of ``module`` (unset outside)."""
+    for name in ("BUILD", "RESULTS"):
+        monkeypatch.setattr(mutation, name, tmp_path / name)
+    monkeypatch.delenv(variable, raising=False)
+    envs = []
+    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
+                        envs.append(env))
+    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
+    mutation.run(module, 2, mutation.settings())
+    return [env.get(variable) for env in envs]
+
+
 @pytest.mark.parametrize("module, disabled", [("backends/fast.py", True),
                                               ("backends/sharded.py", False)])
 def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypatch, module,
                                                                disabled):
     """dynamo cannot trace mutmut's trampolines: the tests of a ``dynamo_off`` module run
     with ``TORCH_COMPILE_DISABLE=1``, and only those."""
-    for name in ("BUILD", "RESULTS"):
-        monkeypatch.setattr(mutation, name, tmp_path / name)
-    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    envs = []
-    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
-                        envs.append(env))
-    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
-    mutation.run(module, 2, mutation.settings())
-    assert [env.get("TORCH_COMPILE_DISABLE") for env in envs] == ["1" if disabled else None]
+    assert _seen(tmp_path, monkeypatch, module, "TORCH_COMPILE_DISABLE") == [
+        "1" if disabled else None]
 
 
 @pytest.mark.parametrize("module, backend", [("adapters/keras/units.py", "torch"),
@@ -252,15 +258,7 @@ def test_modules_torch_compile_traces_run_their_tests_eagerly(tmp_path, monkeypa
 def test_a_modules_env_setting_reaches_its_tests_alone(tmp_path, monkeypatch, module, backend):
     """``env``: the Keras modules' tests run the Keras cases in mutmut's process on the
     torch backend (Keras reads ``KERAS_BACKEND`` once); other modules' tests see none."""
-    for name in ("BUILD", "RESULTS"):
-        monkeypatch.setattr(mutation, name, tmp_path / name)
-    monkeypatch.delenv("KERAS_BACKEND", raising=False)
-    envs = []
-    monkeypatch.setattr(mutation, "mutmut_run", lambda dest, m, jobs, names, env:
-                        envs.append(env))
-    monkeypatch.setattr(mutation, "statuses", lambda dest, m: {"a": "killed"})
-    mutation.run(module, 2, mutation.settings())
-    assert [env.get("KERAS_BACKEND") for env in envs] == [backend]
+    assert _seen(tmp_path, monkeypatch, module, "KERAS_BACKEND") == [backend]
 
 
 def test_a_module_without_mutants_is_saved_as_such_and_other_failures_raise(tmp_path,
