@@ -2,6 +2,7 @@
 of its own per backend (``KERAS_BACKEND`` is read once, when keras is imported)."""
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -62,8 +63,15 @@ def rel(a, b):
 def test_catalogue_claims(build):
     keras.utils.set_random_seed(0)
     model, expected = build()
+    for v in model.trainable_variables:  # biases of their own (not zeros) for it to rescale
+        if v.path.endswith("bias"):
+            v.assign(np.random.default_rng(0).normal(size=v.shape))
+    start = model.get_weights()
     found = find_chains(model)
     assert [list(c.layers) for c in found] == expected, str(found)
+    # the self-check's rescaling is undone: every weight as it was, bit for bit
+    for a, b in zip(model.get_weights(), start, strict=True):
+        np.testing.assert_array_equal(a, b)
     claimed = {n for c in found for n in c.layers} | set(found.normalised)
     with_weights = [ly.name for ly in model._flatten_layers(include_self=False)
                     if ly.trainable_weights and not isinstance(ly, keras.Model)]
@@ -78,6 +86,11 @@ def test_the_self_check_drops_a_claim_that_rescaling_breaks(monkeypatch):
     found = find_chains(model)
     assert len(found) == 0 and "the self-check found" in found.reasons["a"]
     assert len(find_chains(model, check=False)) == 1
+    # the change is relative: outputs 2**-40 times as large (exactly) move by as much
+    for v in (model.get_layer("b").kernel, model.get_layer("b").bias):
+        v.assign(numpy(v.value) * 2.0 ** -40)
+    small = find_chains(model)
+    assert len(small) == 0 and small.changes == found.changes
 
 
 TWINS = [f for f in CATALOGUE if f()[1]]
@@ -195,6 +208,14 @@ def test_bad_models_are_refused_naming_them():
     unbuilt = keras.Sequential([L.Dense(3, name="d")], name="lazy")
     with pytest.raises(ValueError, match="'lazy' is not built"):
         GSGD(unbuilt, 0.1)
+    built_alone = L.Dense(3)
+    built_alone.build((None, 4))  # its weights exist, the model around it was never built
+    with pytest.raises(ValueError, match="'around' is not built"):
+        GSGD(keras.Sequential([built_alone], name="around"), 0.1)
+    with pytest.raises(ValueError, match=r"'bare' is not built \(it has no weights yet\)"):
+        GSGD(keras.Sequential([keras.Input((3,)), L.ReLU()], name="bare"), 0.1)
+    with pytest.raises(ValueError, match="expected a keras.Model, got Dense"):
+        GSGD(built_alone, 0.1)
 
     class Sub(keras.Model):
         def __init__(self):
@@ -412,6 +433,29 @@ UNITS_ZOO = {
              shape=(2, 6, 6), fmt="channels_first"), [["b", "c"]], {
             "a": "in no chain of two or more layers: b reads the last axis, the units are "
                  "on the first"}),
+    "dense_with_bias_into_batch_norm": lambda: (
+        _mlp_through(L.BatchNormalization(name="n")), [],
+        _ends("n: BatchNormalization is not known to commute with a positive rescaling of each "
+              "unit", n="BatchNormalization is not a Dense or Conv layer")),
+    "bias_free_dense_into_layer_norm": lambda: (
+        keras.Sequential([keras.Input((3,)), L.Dense(5, use_bias=False, name="a"),
+                          L.LayerNormalization(name="n"), L.Dense(2, name="b")]), [],
+        _ends("n: LayerNormalization is not known to commute with a positive rescaling of each "
+              "unit", n="LayerNormalization is not a Dense or Conv layer")),
+    # each position of a unit normalised apart, not the unit: no PSI (nor in the torch adapter)
+    "bias_free_conv_into_batch_norm_of_its_flatten": lambda: (
+        keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(3, 3, use_bias=False, name="a"),
+                          L.Flatten(), L.BatchNormalization(name="n"), L.ReLU(),
+                          L.Dense(2, name="b")]), [],
+        _ends("n: BatchNormalization is not known to commute with a positive rescaling of each "
+              "unit", n="BatchNormalization is not a Dense or Conv layer")),
+    "dense_on_sequences_of_any_length": lambda: (
+        keras.Sequential([keras.Input((None, 3)), L.Dense(5, activation="relu", name="a"),
+                          L.Dense(2, name="b")]), [["a", "b"]], {}),
+    "conv_on_sequences_of_any_length": lambda: (
+        keras.Sequential([keras.Input((None, 2)), L.Conv1D(4, 3, activation="relu", name="a"),
+                          L.MaxPooling1D(2), L.GlobalMaxPooling1D(), L.Dense(2, name="b")]),
+        [["a", "b"]], {}),
     "dense_on_channels_last_maps": lambda: (
         _cnn(L.Dense(4, activation="relu", name="b"), L.Flatten(name="f"),
              L.Dense(2, name="c")), [["a", "b", "c"]], {}),
@@ -430,6 +474,38 @@ def test_discovery_follows_units_through_each_layer_or_says_why_not(name):
     found = find_chains(model)
     assert sorted(list(c.layers) for c in found) == chains, str(found)
     assert dict(found.reasons) == reasons
+
+
+@torch_only
+def test_print_shows_the_chains_the_normalised_kernels_and_the_layers_left_out():
+    """``print(found)``: each chain with its core chain, then the kernels followed by batch
+    normalisation and the layers left out with why, each only where there is one."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), L.Dense(4, use_bias=False, name="a"),
+                              L.BatchNormalization(name="n"), L.ReLU(),
+                              L.Dense(4, activation="relu", name="b"), L.Dense(2, name="c")])
+    found = find_chains(model)
+    assert str(found) == "\n".join([
+        "1 chain(s)", f"  b -> c: {found.chains[0].chain}",
+        "followed by batch normalisation (PSI-SGD): a",
+        "left out:", "  n: BatchNormalization is not a Dense or Conv layer"])
+    found = find_chains(CATALOGUE[0]()[0])
+    assert str(found) == f"1 chain(s)\n  a -> b -> c: {found.chains[0].chain}"
+
+
+@torch_only
+def test_the_self_check_calls_the_model_for_inference_as_it_is_called():
+    """The self-check calls the model in inference mode: a random augmentation in front
+    of a chain (active in training only) keeps its claim; and a model of one input is
+    called with that input, as a user calls it, without a warning of Keras's."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6, 6, 2)), L.RandomFlip(seed=1),
+                              L.Conv2D(3, 3, activation="relu", name="a"), L.Flatten(),
+                              L.Dense(2, name="b")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        found = find_chains(model)
+    assert [list(c.layers) for c in found] == [["a", "b"]], str(found)
 
 
 def small_cnn():
@@ -669,6 +745,23 @@ def test_gradient_accumulation_steps_once_per_accumulated_batch():
 
 
 @torch_only
+def test_gradients_for_some_variables_step_those_alone_by_keras_rule():
+    """A custom loop may give ``apply_gradients`` gradients for some of the variables (a
+    head trained alone, variables the loss does not reach): a chain missing some of its
+    gradients takes Keras's rule, which moves the variables given by SGD's step, and no
+    other variable moves."""
+    model = mlp()
+    opt = GSGD(model, 0.1)
+    opt.build(model.trainable_variables)
+    start = [numpy(v.value) for v in model.trainable_variables]
+    head = model.get_layer("c").trainable_variables
+    opt.apply_gradients([(keras.ops.ones(v.shape, dtype=v.dtype), v) for v in head])
+    for v, s in zip(model.trainable_variables, start):
+        moved = s - 0.1 if any(v is h for h in head) else s
+        np.testing.assert_allclose(numpy(v.value), moved, rtol=1e-15, atol=0)
+
+
+@torch_only
 def test_global_clipnorm_clips_the_gradients_the_step_reads():
     model = mlp()
     x, y = data(model)
@@ -684,7 +777,10 @@ def test_mixed_precision_steps_in_float32():
         model = mlp()
         x, y = data(model)
         start = [numpy(v) for v in model.trainable_variables]
-        fit(model, GSGD(model, 0.05, momentum=0.9), x, y, steps=1)
+        opt = GSGD(model, 0.05, momentum=0.9)
+        # the layers compute in float16: the self-check allows float16's rounding
+        assert [c.name() for c in opt.describe()] == ["a -> b -> c"], str(opt.describe())
+        fit(model, opt, x, y, steps=1)
         assert isinstance(model.optimizer.inner_optimizer, GSGD)
     finally:
         keras.mixed_precision.set_global_policy("float64")

@@ -21,6 +21,11 @@ def mlp_relu_layers():
                 L.Dropout(0.2, seed=1), L.Dense(3, name="c"), shape=(4,)), [["a", "b", "c"]]
 
 
+def mlp_no_bias():
+    return _seq(L.Dense(6, activation="relu", use_bias=False, name="a"), L.Dense(3, name="b"),
+                shape=(4,)), [["a", "b"]]
+
+
 def leaky():
     return _seq(L.Dense(6, name="a"), L.LeakyReLU(0.1), L.Dense(3, name="b"),
                 shape=(4,)), [["a", "b"]]
@@ -104,6 +109,6 @@ def flatten_mixing_axes():
                 shape=(4, 4, 2)), []
 
 
-CATALOGUE = [mlp_relu, mlp_relu_layers, leaky, cnn_flatten, cnn_global_pool, conv1d,
-             channels_first, conv3d_reshape, nested_functional, batch_norm, gelu, layer_norm,
+CATALOGUE = [mlp_relu, mlp_relu_layers, mlp_no_bias, leaky, cnn_flatten, cnn_global_pool,
+             conv1d, channels_first, conv3d_reshape, nested_functional, batch_norm, gelu, layer_norm,
              residual, shared, relu6, flatten_mixing_axes]

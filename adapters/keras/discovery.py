@@ -151,7 +151,8 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
     check : bool
         Rescale each chain's hidden units at random (``exp(N(0, 1))``) on a random input of
         the model's input shapes and drop any chain whose output moves by more than
-        rounding (``1e-6`` relative in float64, ``1e-4`` otherwise).
+        rounding, relative, in the least precise dtype its layers compute in (``1e-6``
+        in float64, ``1e-4`` in float32, ``1e-2`` in float16, ``5e-2`` in bfloat16).
 
     Raises
     ------
@@ -185,7 +186,7 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
             ends[i] = f"{target} is {reasons[target]}"
         else:
             ends[i] = link.reason
-    chains = []
+    chains, rtol = [], {}
     for run in _runs(nxt, eligible):
         if len(run) == 1:
             if calls[run[0]].layer.name not in normalised:
@@ -196,10 +197,11 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
         chains.append(make_chain([x.name for x in ls], [x.kernel for x in ls],
                                  [x.bias for x in ls],
                                  [KernelLayout()] + [layouts[i] for i in run[1:]], skeleton))
+        rtol[chains[-1].name()] = _rtol(ls)
     changes = {}
     if check and chains:
         changes = {c.name(): output_change(model, c) for c in chains}
-        for c in [c for c in chains if not changes[c.name()] <= _rtol(c)]:
+        for c in [c for c in chains if not changes[c.name()] <= rtol[c.name()]]:
             chains.remove(c)
             for n in c.layers:
                 reasons[n] = (f"the self-check found that a random rescaling of chain {c.name()}"
@@ -212,10 +214,17 @@ def find_chains(model, *, skeleton: str = "he", check: bool = True) -> Discovery
     return Discovery(tuple(chains), normalised, reasons, changes)
 
 
-def _rtol(c: ChainLayers) -> float:
-    # Not 1e-9 in float64: Keras computes some float64 operations in float32 (matmuls on
-    # torch, average pooling on JAX), and a wrong claim moves the output by far more.
-    return 1e-6 if c.kernels[0].dtype == "float64" else 1e-4
+#: The self-check's tolerance by the dtype a layer computes in. Not 1e-9 in float64: Keras
+#: computes some float64 operations in float32 (matmuls on torch, average pooling on JAX).
+#: A wrong claim moves the output by far more (a GELU taken for a ReLU: 0.1 or more).
+_RTOL = {"float64": 1e-6, "float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def _rtol(layers) -> float:
+    """The tolerance of a chain of ``layers``: that of the least precise dtype they compute
+    in (under a mixed-precision policy float16 or bfloat16, though their kernels are
+    float32)."""
+    return max(_RTOL[keras.backend.standardize_dtype(ly.compute_dtype)] for ly in layers)
 
 
 def example_inputs(model, seed: int = 0) -> list:

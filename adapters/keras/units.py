@@ -34,10 +34,11 @@ _HOMOGENEOUS = (keras.activations.relu, keras.activations.leaky_relu, keras.acti
 class Units:
     """The ``n`` units of the last weight layer as they sit in the current tensor: on its
     last axis (``first=False``) or its first (``channels_first``) with ``positions``
-    entries per unit, or flattened (``layout`` says how a kernel reads them)."""
+    entries per unit (``None``: not known), or flattened (``layout`` says how a kernel
+    reads them)."""
 
     n: int
-    positions: int = 1
+    positions: int | None = 1
     first: bool = False
     spatial: bool = False
     layout: KernelLayout = KernelLayout()
@@ -55,12 +56,18 @@ def _first(layer) -> bool:
     return getattr(layer, "data_format", "channels_last") == "channels_first"
 
 
+def _positions(shape: tuple, n: int) -> int | None:
+    """The positions of ``n`` units in a tensor of ``shape``; ``None`` where a size is not
+    known (a sequence of any length): no kernel reads such units flattened."""
+    return None if None in shape else math.prod(shape) // n
+
+
 def units_after(layer, shape: tuple) -> Units:
     """The units of weight layer ``layer`` in its output, of ``shape`` (no batch axis)."""
     n = int(layer.kernel.shape[-1])
     if len(shape) == 1:
         return Units(n)
-    return Units(n, math.prod(shape) // n, _first(layer) and isinstance(layer, _CONV), True)
+    return Units(n, _positions(shape, n), _first(layer) and isinstance(layer, _CONV), True)
 
 
 def homogeneous(fn) -> bool:
@@ -87,7 +94,7 @@ def _through(layer, u: Units, shape: tuple) -> Units | str:
             return f"{name} does not pool over the units' positions ({_where(u)})"
         if isinstance(layer, _GLOBAL_POOL) and not layer.keepdims:
             return Units(u.n)
-        return replace(u, positions=math.prod(shape) // u.n)
+        return replace(u, positions=_positions(shape, u.n))
     if isinstance(layer, (keras.layers.Flatten, keras.layers.Reshape)):
         return _flattened(layer, u, shape)
     return f"{name} is not known to commute with a positive rescaling of each unit"
