@@ -110,5 +110,5 @@ def flatten_mixing_axes():
 
 
 CATALOGUE = [mlp_relu, mlp_relu_layers, mlp_no_bias, leaky, cnn_flatten, cnn_global_pool,
-             conv1d, channels_first, conv3d_reshape, nested_functional, batch_norm, gelu, layer_norm,
-             residual, shared, relu6, flatten_mixing_axes]
+             conv1d, channels_first, conv3d_reshape, nested_functional, batch_norm, gelu,
+             layer_norm, residual, shared, relu6, flatten_mixing_axes]
