@@ -365,6 +365,18 @@ def _not_commuting(cls: str) -> dict:
 
 
 
+def _bn_after(layer, axis: int, shape: tuple):
+    """``layer``, then a batch normalisation ``n`` over ``axis``, ReLU, flatten, ``b``."""
+    return keras.Sequential([keras.Input(shape), layer, L.BatchNormalization(axis=axis, name="n"),
+                             L.ReLU(), L.Flatten(), L.Dense(2, name="b")])
+
+
+def _normalised_ends() -> dict:
+    """The reasons of a model of ``_bn_after`` whose ``a`` is normalised (it has none)."""
+    return {"b": "in no chain of two or more layers: its units reach the model's output",
+            "n": "BatchNormalization is not a Dense or Conv layer"}
+
+
 def _flat():
     return L.Flatten(name="f"), L.Dense(2, name="b")
 
@@ -442,6 +454,27 @@ UNITS_ZOO = {
                           L.LayerNormalization(name="n"), L.Dense(2, name="b")]), [],
         _ends("n: LayerNormalization is not known to commute with a positive rescaling of each "
               "unit", n="LayerNormalization is not a Dense or Conv layer")),
+    # a kernel without bias, then batch normalisation over its units (PSI-SGD's) or not
+    "conv_into_batch_norm_by_its_positive_axis": lambda: (
+        _bn_after(L.Conv2D(3, 3, use_bias=False, name="a"), axis=3, shape=(6, 6, 2)), [],
+        _normalised_ends()),
+    "channels_first_conv_into_batch_norm": lambda: (
+        _bn_after(L.Conv2D(3, 3, use_bias=False, data_format="channels_first", name="a"),
+                  axis=1, shape=(2, 6, 6)), [], _normalised_ends()),
+    "conv_into_batch_norm_over_rows": lambda: (
+        _bn_after(L.Conv2D(3, 3, use_bias=False, name="a"), axis=1, shape=(6, 6, 2)), [],
+        {"a": "in no chain of two or more layers: n: BatchNormalization is not known to "
+              "commute with a positive rescaling of each unit"} | _normalised_ends()),
+    "frozen_layer": lambda: (
+        keras.Sequential([keras.Input((3,)), L.Dense(5, activation="relu", name="a"),
+                          L.Dense(4, activation="relu", name="b", trainable=False),
+                          L.Dense(4, activation="relu", name="c"), L.Dense(2, name="d")]),
+        [["c", "d"]], {"a": "in no chain of two or more layers: b is frozen (trainable=False)",
+                       "b": "frozen (trainable=False)"}),
+    "shared_layer": lambda: (
+        next(f for f in CATALOGUE if f.__name__ == "shared")()[0], [],
+        {"a": "a shared layer (called 2 times)",
+         "b": "in no chain of two or more layers: its units reach the model's output"}),
     # each position of a unit normalised apart, not the unit: no PSI (nor in the torch adapter)
     "bias_free_conv_into_batch_norm_of_its_flatten": lambda: (
         keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(3, 3, use_bias=False, name="a"),
@@ -690,6 +723,8 @@ def test_the_skeleton_is_the_optimizers_from_the_start_and_checked_in_a_config()
     config = opt.get_config() | {"skeleton": "unit"}
     with pytest.raises(ValueError, match="skeleton must be one of"):
         GSGD.from_config(config)
+    with pytest.raises(ValueError, match=r"skeleton must be one of \('he', 'paper'\), got 'unit'"):
+        find_chains(model, skeleton="unit")
 
 
 @torch_only
