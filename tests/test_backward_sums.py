@@ -259,6 +259,16 @@ def _autograd_grad_first(model, opt, seed):
     _loss(model, seed).backward()
 
 
+def _weights_alone(model, opt, seed):
+    """A loss of the weights alone (a penalty, no forward pass through the layers): the
+    backward pass reaches every gradient without passing its layer. The first batch is
+    taken on the fresh model without ``zero_grad`` (its gradients are None)."""
+    if seed:
+        opt.zero_grad()
+    ((seed + 1.0) * sum(m.weight.square().sum() for m in (model.l1, model.l2, model.l3))
+     ).backward()
+
+
 def _forward_with(option, value):
     """A plain step whose forward pass runs with ``Net``'s ``option`` set to ``value``."""
     def play(model, opt, seed):
@@ -305,6 +315,7 @@ SCENARIOS = {
     "a use with a detached input, then one without": (_detached(True), {NOT_INPUT: 3}),
     "a use without, then one with a detached input": (_detached(False), {NOT_INPUT: 3}),
     "torch.autograd.grad": (_autograd_grad, {NOT_INTO_GRAD: 3}),
+    "a loss of the weights alone": (_weights_alone, {NOT_INTO_GRAD: 3}),
     "gradients not cleared": (_no_zero_grad, {"backward": 1, NOT_CLEARED: 2}),
     "weights written after the backward pass": (_weights_written, {WRITTEN: 3}),
     "weights written before the forward pass": (_weights_written_first, BACKWARD),
