@@ -739,6 +739,16 @@ def test_the_record_is_on_the_weights_device():
     assert [tuple(s.shape) for s in got] == [(6,), (7,)]
 
 
+def test_no_sums_are_taken_before_a_backward_pass():
+    """Gradients that are still None: there is no step to take sums for."""
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 3))
+    modules = _chain_modules(net)
+    sums = BackwardSums(modules, chain_of(modules).sizes)
+    net(torch.ones(4, 5)).sum()  # a forward pass, not backpropagated
+    assert sums.take() is None
+    assert dict(sums.counts) == {CHANGED: 1}
+
+
 def test_clear_keeps_the_buffers_until_the_weights_change_dtype():
     """``clear`` zeroes the record's buffers in place while the weights keep their dtype and
     device (a step allocates nothing for its sums), and makes them anew in the weights'
