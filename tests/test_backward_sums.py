@@ -739,6 +739,14 @@ def test_the_record_is_on_the_weights_device():
     assert [tuple(s.shape) for s in got] == [(6,), (7,)]
 
 
+def test_a_layer_called_with_no_tensor_raises_torchs_own_error():
+    model = Net()
+    GSGD(model, lr=0.05)
+    with pytest.raises(TypeError, match=r"^linear\(\): argument 'input' \(position 1\) must be "
+                       r"Tensor, not list$"):
+        model.l2([0.0] * 6)
+
+
 def test_no_sums_are_taken_before_a_backward_pass():
     """Gradients that are still None: there is no step to take sums for."""
     net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 3))
