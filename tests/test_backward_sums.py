@@ -163,6 +163,13 @@ def _unscale_first_layer(model, opt, seed):
     model.l1.weight.grad.mul_(2.0)  # layer 1's gradient enters only through the check
 
 
+def _first_layer_without_gradient(model, opt, seed):
+    """Layer 1's weight gradient dropped after the backward pass: the chain steps in runs
+    of the layers that have one."""
+    _plain(model, opt, seed)
+    model.l1.weight.grad = None
+
+
 def _zero_between_forward_and_backward(model, opt, seed):
     _plain(model, opt, seed)  # a gradient there, then cleared after the next forward pass
     loss = _loss(model, seed + 100)
@@ -308,6 +315,8 @@ SCENARIOS = {
     "gradient scaled in place": (_scale_in_place, {CHANGED: 3}),
     "gradient replaced": (_replace, {CHANGED: 3}),
     "layer 1's gradient scaled": (_unscale_first_layer, {CHANGED: 3}),
+    "layer 1's gradient dropped": (_first_layer_without_gradient,
+                                   {"a layer had no gradient": 3}),
     "zero_grad between forward and backward": (_zero_between_forward_and_backward,
                                                {CHANGED: 3}),
     "gradient assigned between forward and backward": (_assign_between_forward_and_backward,
