@@ -168,11 +168,12 @@ def _checked_half(shard: RowShard, weights, grads, biases, bias_grads, buffers=(
     """Check this process's rows as the core checks a chain's arrays, before any is read:
     one entry per layer; weights, their gradients and ``buffers`` (lists of one array per
     layer) holding the layer's local rows, ``r1 - r0`` of ``n_{l-1} k_l`` entries each;
-    biases and their gradients ``r1 - r0`` long, and of the weights' namespace, real
-    floating dtype and device (``ValueError`` otherwise; buffers of half-precision weights
-    are kept in float32). Returns whether the dtype is half precision, which the core
-    computes in float32 (numerics guide), not in place. Memoised on the arrays' signature
-    in ``shard``, as :meth:`StepPlan.prepared` is: a training loop passes the same one."""
+    biases and their gradients ``r1 - r0`` long (a gradient for every bias), and of the
+    weights' namespace, real floating dtype and device (``ValueError`` otherwise; buffers of
+    half-precision weights are kept in float32). Returns whether the dtype is half
+    precision, which the core computes in float32 (numerics guide), not in place. Memoised
+    on the arrays' signature in ``shard``, as :meth:`StepPlan.prepared` is: a training loop
+    passes the same one."""
     sig = signature([weights, grads, biases, bias_grads, *buffers])
     if sig is not None and shard._checked[0] == sig:
         return shard._checked[1]
@@ -194,6 +195,9 @@ def _checked_half(shard: RowShard, weights, grads, biases, bias_grads, buffers=(
                 raise ValueError(f"layer {l}: {name}[{l - 1}] has shape {tuple(a.shape)}, but "
                                  f"this process holds its rows [{r0}, {r1})"
                                  + ("" if bias else f" of {n_in} entries"))
+    for l, (b, gb) in enumerate(zip(named["biases"], named["bias_grads"]), 1):
+        if b is not None and gb is None:
+            raise ValueError(f"layer {l}: the layer has a bias but bias_grads[{l - 1}] is None")
     xp, dtype, _ = alike([a for v in named.values() for a in v if a is not None])
     shard._checked = (sig, dtype not in (xp.float32, xp.float64))
     return shard._checked[1]
@@ -209,7 +213,10 @@ def sharded_gsgd_update_(kernels, shard: RowShard, state: GSGDState | None, weig
     with nothing written, on every process alike when the step holds a non-finite value or
     cannot be done in place: the caller then takes it on gathered full arrays."""
     L = shard.chain.L
-    M = state.momentum if state is not None and momentum else None
+    if momentum and state is None:
+        raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
+                         "biases)")
+    M = state.momentum if momentum else None
     refused = _checked_half(shard, weights, grads, biases, bias_grads, [] if M is None else [M])
     plan = shard.plan(kernels, weights[0])
     b = list(biases) if biases is not None else [None] * L

@@ -163,6 +163,13 @@ def _unscale_first_layer(model, opt, seed):
     model.l1.weight.grad.mul_(2.0)  # layer 1's gradient enters only through the check
 
 
+def _first_layer_without_gradient(model, opt, seed):
+    """Layer 1's weight gradient dropped after the backward pass: the chain steps in runs
+    of the layers that have one."""
+    _plain(model, opt, seed)
+    model.l1.weight.grad = None
+
+
 def _zero_between_forward_and_backward(model, opt, seed):
     _plain(model, opt, seed)  # a gradient there, then cleared after the next forward pass
     loss = _loss(model, seed + 100)
@@ -259,6 +266,16 @@ def _autograd_grad_first(model, opt, seed):
     _loss(model, seed).backward()
 
 
+def _weights_alone(model, opt, seed):
+    """A loss of the weights alone (a penalty, no forward pass through the layers): the
+    backward pass reaches every gradient without passing its layer. The first batch is
+    taken on the fresh model without ``zero_grad`` (its gradients are None)."""
+    if seed:
+        opt.zero_grad()
+    ((seed + 1.0) * sum(m.weight.square().sum() for m in (model.l1, model.l2, model.l3))
+     ).backward()
+
+
 def _forward_with(option, value):
     """A plain step whose forward pass runs with ``Net``'s ``option`` set to ``value``."""
     def play(model, opt, seed):
@@ -298,6 +315,8 @@ SCENARIOS = {
     "gradient scaled in place": (_scale_in_place, {CHANGED: 3}),
     "gradient replaced": (_replace, {CHANGED: 3}),
     "layer 1's gradient scaled": (_unscale_first_layer, {CHANGED: 3}),
+    "layer 1's gradient dropped": (_first_layer_without_gradient,
+                                   {"a layer had no gradient": 3}),
     "zero_grad between forward and backward": (_zero_between_forward_and_backward,
                                                {CHANGED: 3}),
     "gradient assigned between forward and backward": (_assign_between_forward_and_backward,
@@ -305,6 +324,7 @@ SCENARIOS = {
     "a use with a detached input, then one without": (_detached(True), {NOT_INPUT: 3}),
     "a use without, then one with a detached input": (_detached(False), {NOT_INPUT: 3}),
     "torch.autograd.grad": (_autograd_grad, {NOT_INTO_GRAD: 3}),
+    "a loss of the weights alone": (_weights_alone, {NOT_INTO_GRAD: 3}),
     "gradients not cleared": (_no_zero_grad, {"backward": 1, NOT_CLEARED: 2}),
     "weights written after the backward pass": (_weights_written, {WRITTEN: 3}),
     "weights written before the forward pass": (_weights_written_first, BACKWARD),
@@ -726,6 +746,24 @@ def test_the_record_is_on_the_weights_device():
     got, check = sums.take()
     assert [s.device.type for s in got] == ["meta", "meta"] and check.device.type == "meta"
     assert [tuple(s.shape) for s in got] == [(6,), (7,)]
+
+
+def test_a_layer_called_with_no_tensor_raises_torchs_own_error():
+    model = Net()
+    GSGD(model, lr=0.05)
+    with pytest.raises(TypeError, match=r"^linear\(\): argument 'input' \(position 1\) must be "
+                       r"Tensor, not list$"):
+        model.l2([0.0] * 6)
+
+
+def test_no_sums_are_taken_before_a_backward_pass():
+    """Gradients that are still None: there is no step to take sums for."""
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 3))
+    modules = _chain_modules(net)
+    sums = BackwardSums(modules, chain_of(modules).sizes)
+    net(torch.ones(4, 5)).sum()  # a forward pass, not backpropagated
+    assert sums.take() is None
+    assert dict(sums.counts) == {CHANGED: 1}
 
 
 def test_clear_keeps_the_buffers_until_the_weights_change_dtype():

@@ -249,12 +249,44 @@ def test_a_buffer_unable_to_be_written_in_place_declines_everywhere():
     _declined(3, poison, RULES["adamw"])
 
 
+def test_a_momentum_buffer_unable_to_be_written_in_place_declines():
+    """G-SGD's momentum buffer of layer 2 not contiguous: the step is handed back, with
+    nothing written (the buffer included)."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, n) for n in chain.sizes[1:]]
+    loc = _bad(chain, rows)
+    pb = Problem(chain, 0)
+    state = gc.gsgd_init(chain, pb.W, pb.b)
+    momentum = [np.full_like(m, 0.5) for m in state.momentum]
+    momentum[1] = np.asfortranarray(momentum[1])
+    state = state._replace(momentum=tuple(momentum), step=np.asarray(1, np.int32))
+    before = [a.copy() for a in loc["weights"] + loc["biases"] + momentum]
+    done = sharded_gsgd_update_(gb.kernels_for(pb.W[0]), RowShard(chain, rows, lambda v: v),
+                                state, *loc.values(), lr=0.1, momentum=0.9)
+    assert done is False
+    assert all(np.array_equal(a, b)
+               for a, b in zip(loc["weights"] + loc["biases"] + momentum, before))
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 def test_half_precision_declines_everywhere(rule):
     def poison(rank, loc):
         for k in ("W", "G", "b", "Gb"):
             loc[k] = [a.astype(np.float16) for a in loc[k]]
     _declined(2, poison, RULES[rule])
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_half_precision_declines_every_step_not_only_the_first(rule):
+    """A shard keeps a valid call's checks for the next call with the same arrays (a
+    training loop's): the second half-precision step is declined as the first was."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, n) for n in chain.sizes[1:]]
+    loc = {k: [a.astype(np.float16) for a in v] for k, v in _bad(chain, rows).items()}
+    before = [a.copy() for a in loc["weights"] + loc["biases"]]
+    shard = RowShard(chain, rows, lambda v: v)
+    assert [_local_step(chain, shard, RULES[rule], loc) for _ in range(2)] == [False, False]
+    assert all(np.array_equal(a, b) for a, b in zip(loc["weights"] + loc["biases"], before))
 
 
 def _bad(chain, rows, **change):
@@ -290,6 +322,7 @@ def _bad(chain, rows, **change):
      r"got dtype int64$"),
     (dict(weights=(0, [[0.0] * 4] * 2)), r"^layer 1: weights\[0\] is a list, not an array$"),
     (dict(bias_grads=(2, (0.0, 0.0))), r"^layer 3: bias_grads\[2\] is a tuple, not an array$"),
+    (dict(bias_grads=(2, None)), r"^layer 3: the layer has a bias but bias_grads\[2\] is None$"),
     (dict(grads=(1, torch.zeros(3, 6, dtype=torch.float64))), "^all arrays must come from "
      "one array namespace: Multiple namespaces"),
 ])
@@ -314,6 +347,57 @@ def _local_step(chain, shard, rule, loc):
                                      + _rows(buf[chain.L:], shard.rows, np.copy))
                                for buf in state.buffers), state.count)
     return sharded_path_update_(kernels, shard, rule, local, *loc.values())
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("grads", [None, np.zeros((3, 6, 4))], ids=["None", "array"])
+def test_a_first_step_refuses_gradients_that_are_not_a_list(rule, grads):
+    """Gradients given as ``None`` or as one array, on a shard's first call."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, n) for n in chain.sizes[1:]]
+    loc = _bad(chain, rows)
+    loc["grads"] = grads
+    shard = RowShard(chain, rows, lambda v: pytest.fail("a refused step reduced a vector"))
+    with pytest.raises(ValueError, match=r"^grads must be a list with one entry per layer "
+                       rf"\(3\), got {type(grads).__name__}$"):
+        _local_step(chain, shard, RULES[rule], loc)
+
+
+def test_a_weight_of_one_axis_is_refused_where_each_row_holds_one_entry():
+    """A layer of one input unit: its rows, of one entry each, still come as a 2-D array."""
+    chain = gc.Chain.mlp([1, 3, 2])
+    rows = [(0, 3), (0, 2)]
+    loc = _bad(chain, rows, weights=(0, np.zeros(3)))
+    shard = RowShard(chain, rows, lambda v: pytest.fail("a refused step reduced a vector"))
+    with pytest.raises(ValueError, match=r"^layer 1: weights\[0\] has shape \(3,\), but this "
+                       r"process holds its rows \[0, 3\) of 1 entries$"):
+        _local_step(chain, shard, None, loc)
+
+
+def test_momentum_without_a_state_is_refused():
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, n) for n in chain.sizes[1:]]
+    shard = RowShard(chain, rows, lambda v: pytest.fail("a refused step reduced a vector"))
+    with pytest.raises(ValueError, match=r"^momentum needs a state: create one with "
+                       r"gsgd_init\(chain, weights, biases\)$"):
+        sharded_gsgd_update_(gb.kernels_for(np.zeros(1)), shard, None,
+                             *_bad(chain, rows).values(), lr=0.1, momentum=0.9)
+
+
+def test_a_missing_buffer_is_refused_naming_it():
+    """A rule's state with ``None`` for a layer's buffer (biases only may be ``None``)."""
+    chain = gc.Chain.mlp([4, 6, 5, 3])
+    rows = [(0, n) for n in chain.sizes[1:]]
+    pb = Problem(chain, 0)
+    state = gc.path_init(chain, RULES["adamw"], pb.W, pb.b)
+    buffers = [list(buf) for buf in state.buffers]
+    buffers[0][1] = None
+    shard = RowShard(chain, rows, lambda v: pytest.fail("a refused step reduced a vector"))
+    with pytest.raises(ValueError, match=r"^layer 2: buffers\[0\]\[1\] is a NoneType, not an "
+                       r"array$"):
+        sharded_path_update_(gb.kernels_for(pb.W[0]), shard, RULES["adamw"],
+                             gc.RuleState(tuple(map(tuple, buffers)), state.count),
+                             *_bad(chain, rows).values())
 
 
 def test_a_sharded_step_needs_one_entry_per_layer():
@@ -462,10 +546,30 @@ def test_a_weight_that_cannot_be_written_in_place_hands_the_step_back(rule, lib)
     assert all(torch.equal(a, b) for a, b in zip(loc["weights"] + loc["biases"], before))
 
 
+def test_without_weight_decay_a_momentum_step_does_not_read_overflowed_path_values():
+    """Two layers of weights near 1e160: every path value overflows to inf. torch's SGD adds
+    nothing for ``weight_decay = 0``, so the step and its momentum buffers are the core's
+    (a decay term ``0 * inf`` is NaN)."""
+    chain = gc.Chain.mlp([3, 4, 2])
+    rows = [(0, n) for n in chain.sizes[1:]]
+    pb = Problem(chain, 0)
+    W, b = [w * 1e160 for w in pb.W], [x.copy() for x in pb.b]
+    G, Gb = pb.grads()
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.0)
+    want_W, _, want = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, **hyper)
+    state = gc.gsgd_init(chain, W, b)
+    assert sharded_gsgd_update_(gb.kernels_for(W[0]), RowShard(chain, rows, lambda v: v),
+                                state, W, b, G, Gb, **hyper)
+    for got, w in zip(W + list(state.momentum), list(want_W) + list(want.momentum)):
+        np.testing.assert_allclose(got, w, rtol=1e-12)  # buffers near 1e-160: no atol
+
+
+@pytest.mark.filterwarnings("error")
 @pytest.mark.parametrize("lib", LIB_PARAMS)
 def test_a_process_without_rows_of_a_layer_steps_as_the_core(lib):
     """Process 1 holds no rows of layer 2 and process 0 none of layer 3: their column sums
-    there are zeros, made where the step computes."""
+    there are zeros, made where the step computes (no kernel runs on the empty rows, which
+    torch's would resize its scratch for, with a warning)."""
     to, from_ = LIBS[lib]
     chain = gc.Chain.mlp([4, 6, 5, 3])
     pb = Problem(chain, 5)

@@ -196,3 +196,20 @@ def test_a_copy_of_the_ddp_model_runs_without_the_optimizer(one_process_group):
     torch.testing.assert_close(twin(x), ddp(x))
     dw.train(ddp, opt, x, y)
     assert opt.describe().column_sums == ONE_PASS
+
+
+def test_without_backward_sums_a_ddp_model_steps_as_one_process(one_process_group):
+    """``backward_sums=False``: nothing to average over DDP's processes, and every step reads
+    ``W * grad`` as the optimizer of the module alone does."""
+    import copy
+
+    from gsgd_adapters.torch import GSGD
+
+    model, x, y = dw.model_and_data()
+    alone = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = GSGD(ddp, lr=0.05, backward_sums=False)
+    dw.train(ddp, opt, x, y)
+    dw.train(alone, GSGD(alone, lr=0.05, backward_sums=False), x, y)
+    _assert_close(model.state_dict(), alone.state_dict())
+    assert opt.describe().column_sums == {}

@@ -42,7 +42,11 @@ A forward pass through the layer with other parameters (``torch.func.functional_
 is not tapped.
 
 Writes through ``.data`` bypass version counters and cannot be detected: after such a write
-to a gradient or a weight, call the optimizer's ``zero_grad``.
+to a gradient or a weight, call the optimizer's ``zero_grad``. Nor can a loss that also
+reads a weight outside its layer in a backward pass through the layer (a penalty such as
+``lam * w.square().sum()`` added to a loss of the output): autograd hands the weight one
+gradient per backward pass, and the sums miss the penalty's part of it: pass
+``backward_sums=False`` to the optimizer for such a loss.
 """
 
 from __future__ import annotations
