@@ -171,6 +171,31 @@ def test_a_chain_ends_where_its_last_layer_stops_passing_its_units_on():
     assert list(found.ends) == ["0/0 -> 1/0 -> 2/0"] and "tanh" in found.ends["0/0 -> 1/0 -> 2/0"]
 
 
+def test_a_second_bias_added_to_a_layer_ends_its_chain():
+    """A layer holds one bias: a second leaf laid out along the units, added after the
+    first, ends the chain (a claim with the first bias alone would not be invariant)."""
+    params = {"w1": pairs()[0][0].T, "w2": pairs()[1][0].T, "b": pairs()[0][1],
+              "b2": pairs(1)[0][1]}
+    for check in (False, True):
+        found = find_chains(lambda p, x: jax.nn.relu(x @ p["w1"] + p["b"] + p["b2"]) @ p["w2"],
+                            params, X, check=check)
+        assert len(found) == 0 and found.reasons["w1"].endswith(
+            "it is added to a value that does not carry its unit scales in add (a constant, a "
+            "residual or another branch)"), found.reasons["w1"]
+
+
+def test_a_layer_whose_active_units_the_model_returns_stays_in_its_chain():
+    """Which units of a layer are active (``h > 0``), returned beside the output, does not
+    change under a positive rescaling of the units: the layer keeps its chain."""
+    def apply(p, x):
+        h = x @ p["w1"]
+        return jax.nn.relu(h) @ p["w2"], h > 0
+    params = {"w1": pairs()[0][0].T, "w2": pairs()[1][0].T}
+    for check in (False, True):
+        found = find_chains(apply, params, X, check=check)
+        assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
+
+
 def test_the_self_check_passes_a_change_of_rtol_and_names_what_fails():
     params = pairs()[:2]
     chains = chains_from_pairs(params)
@@ -643,6 +668,11 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "one unit, h + b of shape (1,)": (lambda h, b, c: h + b, (1,), True),
     # not a bias of the layer: the add ends the chain
     "h + scalar b": (lambda h, b, c: h + b, (), False),
+    "h + scalar b broadcast to h's shape": (lambda h, b, c: h + jnp.broadcast_to(b, h.shape),
+                                            (), False),
+    # b's long axis is the batch axis of h (4 examples) once transposed
+    "as many units as examples, h + b.T, b of shape (1, 4)": (lambda h, b, c: h + b.T, (1, 4),
+                                                              False),
     "h + b of shape (2, 3), flattened": (lambda h, b, c: h + b.reshape(6), (2, 3), False),
     "h + b cast to integers": (lambda h, b, c: h + b.astype(jnp.int32), (6,), False),
     "h + b.T, b of shape (6, 1)": (lambda h, b, c: h + b.T, (6, 1), False),
@@ -675,7 +705,7 @@ def test_a_bias_joins_its_layer_only_as_the_guide_says(name):
     else, is the layer's bias; anything else added there ends the chain, claimed or not
     (``check=False``) and whatever side of the addition it is on."""
     form, shape, joined = BIASES[name]
-    width = math.prod(shape) if name.startswith("one unit") else 6
+    width = math.prod(shape) if name.startswith(("one unit", "as many units")) else 6
 
     def apply(p, x, c):
         h = form(x @ p["w1"], p["b"], c[:width])
