@@ -684,6 +684,7 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "copy(h) + b": (lambda h, b, c: jnp.copy(h) + b, (6,), True),
     "-h + b": (lambda h, b, c: -h + b, (6,), False),
     "h + 2b": (lambda h, b, c: h + 2.0 * b, (6,), False),   # a leaf scaled: no bias as it is
+    "h + b * 2": (lambda h, b, c: h + b * 2.0, (6,), False),
     "|h| + b": (lambda h, b, c: jnp.abs(h) + b, (6,), False),
     "sum over the batch + b": (lambda h, b, c: h.sum(0) + b, (6,), False),
     "cumsum over the batch + b": (lambda h, b, c: jnp.cumsum(h, 0) + b, (6,), False),
