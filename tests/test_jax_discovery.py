@@ -888,6 +888,20 @@ def test_a_weight_refused_as_a_layer_hides_no_layer_after_it():
     assert "has 2 output axes" in found.reasons["u"]
 
 
+def test_a_layer_whose_output_selects_between_values_ends_its_chain():
+    """An integer layer whose ReLU output is the index of a ``select_n`` picks by its
+    values, which a rescaling of its units changes: no chain, and the reason says so."""
+    params = {"w1": jnp.arange(30, dtype=jnp.int32).reshape(5, 6) % 2,
+              "w2": jnp.ones((6, 3), jnp.int32)}
+
+    def apply(p, x):
+        h = jnp.maximum(x @ p["w1"], 0)
+        return jax.lax.select_n(h, jnp.zeros_like(h), h) @ p["w2"]
+    found = find_chains(apply, params, jnp.arange(20, dtype=jnp.int32).reshape(4, 5) % 3,
+                        check=False)
+    assert len(found) == 0 and found.reasons["w1"].endswith("it selects by value in select_n")
+
+
 def test_a_squeeze_of_the_units_axis_ends_the_chain():
     params = {"w1": jnp.ones((5, 1)), "w2": jnp.ones((1, 3))}
     found = find_chains(lambda p, x: jnp.squeeze(jax.nn.relu(x @ p["w1"]), 1)[:, None]
