@@ -631,9 +631,11 @@ def test_a_normalisation_is_found_by_the_degree_of_its_value(name):
     assert [path_name(p) for p in found.normalised.weights] == (["0/0"] if normalised else [])
 
 
-def _max_pool(h, window, stride):
-    """``h``'s max over windows of its two axes (batch, units), without padding."""
-    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, window, stride, "VALID")
+def _max_pool(h, window, stride, padding="VALID", dilation=None):
+    """``h``'s max over windows of its two axes (batch, units), without padding unless
+    given; ``dilation``: of ``h`` (entries spread apart, padding between them)."""
+    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, window, stride, padding,
+                                 base_dilation=dilation)
 
 
 def _inner(h):
@@ -762,6 +764,18 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
         "scales"),
     "max-pool of 2 units, stride 1": (lambda h, p: _max_pool(h, (1, 2), (1, 1)) @ p["w2"][:5],
                                       "pools across its units (it mixes units)"),
+    "max-pool of 1 unit, stride 2": (lambda h, p: _max_pool(h, (1, 1), (1, 2)) @ p["w2"][:3],
+                                     "pools across its units (it mixes units)"),
+    "max-pool of 1 unit, padded": (lambda h, p: _max_pool(h, (1, 1), (1, 1), ((0, 0), (1, 0)))
+                                   @ jnp.ones((7, 3)), "pools across its units (it mixes units)"),
+    "max-pool of 1 unit, units dilated": (
+        lambda h, p: _max_pool(h, (1, 1), (1, 1), "VALID", (1, 2)) @ jnp.ones((11, 3)),
+        "pools across its units (it mixes units)"),
+    "where between two flattens of h": (
+        lambda h, p: jnp.where(jnp.arange(12) % 2 > 0,
+                               (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12),
+                               (h[:, :, None] * POSITIONS).reshape(4, 12)) @ jnp.ones((12, 3)),
+        "chooses between values with their units on different axes"),
     "argmax over the batch": (lambda h, p: (h * jnp.argmax(h, 0)) @ p["w2"],
                               "its output goes to argmax, which is not positively"),
     "argmin over the batch": (lambda h, p: (h * jnp.argmin(h, 0)) @ p["w2"],
@@ -831,6 +845,9 @@ POSITIONS = jnp.array([1.0, -2.0])
 FLATTENS = {  # the first layer's output h (4, 6) spread over two positions and flattened
     "channel-major": (lambda h: (h[:, :, None] * POSITIONS).reshape(4, 12), 1, 2),
     "position-major": (lambda h: (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12), 2, 1),
+    # reshaped again, to (4, 1, 12): the two position blocks stay before the units
+    "position-major, then an axis added": (
+        lambda h: (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12).reshape(4, 1, 12), 2, 1),
 }
 
 
