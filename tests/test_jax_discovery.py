@@ -807,6 +807,8 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
                            "it is converted to int32 (rounding is not homogeneous)"),
     "1 / h": (lambda h, p: (1.0 / h) @ p["w2"],
               "its output goes to div, which is not positively homogeneous per unit"),
+    "atan2(h, 0)": (lambda h, p: jnp.arctan2(h, 0.0) @ p["w2"],
+                    "its output goes to atan2, which is not positively homogeneous per unit"),
     "h * h": (lambda h, p: (h * h) @ p["w2"], "mul of two values that carry its units is "
               "not of degree 1 in their scales"),
     "h ** h": (lambda h, p: (h ** h) @ p["w2"], DEGREE_2),
