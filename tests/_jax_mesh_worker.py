@@ -11,7 +11,9 @@
 - ``state_bytes[layout][what]``: the most bytes of each transformation's state (made under
   ``jit``) on one device, next to the params' (``params``);
 - ``refused[case]``: the ``ValueError`` each bad placement raised (``None``: none), and
-  ``fsdp_eager`` the one the core's validation raised for an FSDP layout (none expected);
+  ``fsdp_eager`` the one the core's validation raised for an FSDP layout, ``uncommitted``
+  the one an uncommitted leaf outside the chains raised beside the mesh's (none expected
+  for either);
 - ``collectives[layout/transformation]``: the arrays an update moves between devices, and
   how many of them are weight-sized.
 """
@@ -180,6 +182,8 @@ def refusals(m):
         bad = jax.tree_util.tree_map(lambda a: a, placed)
         bad["Dense_1"]["kernel"] = move(bad["Dense_1"]["kernel"])
         refused[case] = _error(lambda: opt.init(bad))
+    # a leaf outside the chains that JAX may move (uncommitted: made on the default device)
+    refused["uncommitted"] = _error(lambda: opt.init(placed | {"scale": jax.numpy.ones(16)}))
     # gradients on other devices than the params
     grads = jax.tree_util.tree_map(lambda a: jax.device_put(a, devices[0]), placed)
     refused["grads_elsewhere"] = _error(lambda: opt.update(grads, opt.init(placed), placed))

@@ -171,6 +171,31 @@ def test_a_chain_ends_where_its_last_layer_stops_passing_its_units_on():
     assert list(found.ends) == ["0/0 -> 1/0 -> 2/0"] and "tanh" in found.ends["0/0 -> 1/0 -> 2/0"]
 
 
+def test_a_second_bias_added_to_a_layer_ends_its_chain():
+    """A layer holds one bias: a second leaf laid out along the units, added after the
+    first, ends the chain (a claim with the first bias alone would not be invariant)."""
+    params = {"w1": pairs()[0][0].T, "w2": pairs()[1][0].T, "b": pairs()[0][1],
+              "b2": pairs(1)[0][1]}
+    for check in (False, True):
+        found = find_chains(lambda p, x: jax.nn.relu(x @ p["w1"] + p["b"] + p["b2"]) @ p["w2"],
+                            params, X, check=check)
+        assert len(found) == 0 and found.reasons["w1"].endswith(
+            "it is added to a value that does not carry its unit scales in add (a constant, a "
+            "residual or another branch)"), found.reasons["w1"]
+
+
+def test_a_layer_whose_active_units_the_model_returns_stays_in_its_chain():
+    """Which units of a layer are active (``h > 0``), returned beside the output, does not
+    change under a positive rescaling of the units: the layer keeps its chain."""
+    def apply(p, x):
+        h = x @ p["w1"]
+        return jax.nn.relu(h) @ p["w2"], h > 0
+    params = {"w1": pairs()[0][0].T, "w2": pairs()[1][0].T}
+    for check in (False, True):
+        found = find_chains(apply, params, X, check=check)
+        assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
+
+
 def test_the_self_check_passes_a_change_of_rtol_and_names_what_fails():
     params = pairs()[:2]
     chains = chains_from_pairs(params)
@@ -606,9 +631,11 @@ def test_a_normalisation_is_found_by_the_degree_of_its_value(name):
     assert [path_name(p) for p in found.normalised.weights] == (["0/0"] if normalised else [])
 
 
-def _max_pool(h, window, stride):
-    """``h``'s max over windows of its two axes (batch, units), without padding."""
-    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, window, stride, "VALID")
+def _max_pool(h, window, stride, padding="VALID", dilation=None):
+    """``h``'s max over windows of its two axes (batch, units), without padding unless
+    given; ``dilation``: of ``h`` (entries spread apart, padding between them)."""
+    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, window, stride, padding,
+                                 base_dilation=dilation)
 
 
 def _inner(h):
@@ -643,6 +670,11 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "one unit, h + b of shape (1,)": (lambda h, b, c: h + b, (1,), True),
     # not a bias of the layer: the add ends the chain
     "h + scalar b": (lambda h, b, c: h + b, (), False),
+    "h + scalar b broadcast to h's shape": (lambda h, b, c: h + jnp.broadcast_to(b, h.shape),
+                                            (), False),
+    # b's long axis is the batch axis of h (4 examples) once transposed
+    "as many units as examples, h + b.T, b of shape (1, 4)": (lambda h, b, c: h + b.T, (1, 4),
+                                                              False),
     "h + b of shape (2, 3), flattened": (lambda h, b, c: h + b.reshape(6), (2, 3), False),
     "h + b cast to integers": (lambda h, b, c: h + b.astype(jnp.int32), (6,), False),
     "h + b.T, b of shape (6, 1)": (lambda h, b, c: h + b.T, (6, 1), False),
@@ -654,6 +686,7 @@ BIASES = {  # the first layer's output h, its bias leaf b and the input c -> the
     "copy(h) + b": (lambda h, b, c: jnp.copy(h) + b, (6,), True),
     "-h + b": (lambda h, b, c: -h + b, (6,), False),
     "h + 2b": (lambda h, b, c: h + 2.0 * b, (6,), False),   # a leaf scaled: no bias as it is
+    "h + b * 2": (lambda h, b, c: h + b * 2.0, (6,), False),
     "|h| + b": (lambda h, b, c: jnp.abs(h) + b, (6,), False),
     "sum over the batch + b": (lambda h, b, c: h.sum(0) + b, (6,), False),
     "cumsum over the batch + b": (lambda h, b, c: jnp.cumsum(h, 0) + b, (6,), False),
@@ -675,7 +708,7 @@ def test_a_bias_joins_its_layer_only_as_the_guide_says(name):
     else, is the layer's bias; anything else added there ends the chain, claimed or not
     (``check=False``) and whatever side of the addition it is on."""
     form, shape, joined = BIASES[name]
-    width = math.prod(shape) if name.startswith("one unit") else 6
+    width = math.prod(shape) if name.startswith(("one unit", "as many units")) else 6
 
     def apply(p, x, c):
         h = form(x @ p["w1"], p["b"], c[:width])
@@ -731,6 +764,18 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
         "scales"),
     "max-pool of 2 units, stride 1": (lambda h, p: _max_pool(h, (1, 2), (1, 1)) @ p["w2"][:5],
                                       "pools across its units (it mixes units)"),
+    "max-pool of 1 unit, stride 2": (lambda h, p: _max_pool(h, (1, 1), (1, 2)) @ p["w2"][:3],
+                                     "pools across its units (it mixes units)"),
+    "max-pool of 1 unit, padded": (lambda h, p: _max_pool(h, (1, 1), (1, 1), ((0, 0), (1, 0)))
+                                   @ jnp.ones((7, 3)), "pools across its units (it mixes units)"),
+    "max-pool of 1 unit, units dilated": (
+        lambda h, p: _max_pool(h, (1, 1), (1, 1), "VALID", (1, 2)) @ jnp.ones((11, 3)),
+        "pools across its units (it mixes units)"),
+    "where between two flattens of h": (
+        lambda h, p: jnp.where(jnp.arange(12) % 2 > 0,
+                               (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12),
+                               (h[:, :, None] * POSITIONS).reshape(4, 12)) @ jnp.ones((12, 3)),
+        "chooses between values with their units on different axes"),
     "argmax over the batch": (lambda h, p: (h * jnp.argmax(h, 0)) @ p["w2"],
                               "its output goes to argmax, which is not positively"),
     "argmin over the batch": (lambda h, p: (h * jnp.argmin(h, 0)) @ p["w2"],
@@ -760,6 +805,10 @@ ENDS = {  # what follows the first layer's output h -> a fragment of the first w
                    "its output goes to top_k, which is not positively homogeneous"),
     "h cast to integers": (lambda h, p: h.astype(jnp.int32) @ p["w2"].astype(jnp.int32),
                            "it is converted to int32 (rounding is not homogeneous)"),
+    "1 / h": (lambda h, p: (1.0 / h) @ p["w2"],
+              "its output goes to div, which is not positively homogeneous per unit"),
+    "atan2(h, 0)": (lambda h, p: jnp.arctan2(h, 0.0) @ p["w2"],
+                    "its output goes to atan2, which is not positively homogeneous per unit"),
     "h * h": (lambda h, p: (h * h) @ p["w2"], "mul of two values that carry its units is "
               "not of degree 1 in their scales"),
     "h ** h": (lambda h, p: (h ** h) @ p["w2"], DEGREE_2),
@@ -800,6 +849,9 @@ POSITIONS = jnp.array([1.0, -2.0])
 FLATTENS = {  # the first layer's output h (4, 6) spread over two positions and flattened
     "channel-major": (lambda h: (h[:, :, None] * POSITIONS).reshape(4, 12), 1, 2),
     "position-major": (lambda h: (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12), 2, 1),
+    # reshaped again, to (4, 1, 12): the two position blocks stay before the units
+    "position-major, then an axis added": (
+        lambda h: (h[:, None, :] * POSITIONS[:, None]).reshape(4, 12).reshape(4, 1, 12), 2, 1),
 }
 
 
@@ -855,6 +907,20 @@ def test_a_weight_refused_as_a_layer_hides_no_layer_after_it():
         jnp.einsum("bi,ijk->bjk", x, p["u"]).reshape(4, 6) @ p["w1"]) @ p["w2"], params, X)
     assert [[path_name(p) for p in c.weights] for c in found] == [["w1", "w2"]]
     assert "has 2 output axes" in found.reasons["u"]
+
+
+def test_a_layer_whose_output_selects_between_values_ends_its_chain():
+    """An integer layer whose ReLU output is the index of a ``select_n`` picks by its
+    values, which a rescaling of its units changes: no chain, and the reason says so."""
+    params = {"w1": jnp.arange(30, dtype=jnp.int32).reshape(5, 6) % 2,
+              "w2": jnp.ones((6, 3), jnp.int32)}
+
+    def apply(p, x):
+        h = jnp.maximum(x @ p["w1"], 0)
+        return jax.lax.select_n(h, jnp.zeros_like(h), h) @ p["w2"]
+    found = find_chains(apply, params, jnp.arange(20, dtype=jnp.int32).reshape(4, 5) % 3,
+                        check=False)
+    assert len(found) == 0 and found.reasons["w1"].endswith("it selects by value in select_n")
 
 
 def test_a_squeeze_of_the_units_axis_ends_the_chain():

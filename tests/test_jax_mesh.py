@@ -97,10 +97,17 @@ def test_eager_arrays_on_one_mesh_in_two_shardings_are_accepted(mesh_run):
     assert mesh_run["refused"]["fsdp_eager"] is None
 
 
+def test_a_leaf_jax_may_move_is_accepted_beside_placed_ones(mesh_run):
+    """An uncommitted leaf (made on the default device, which JAX moves where it is used)
+    outside the chains, beside leaves placed on the mesh, is not refused."""
+    assert mesh_run["refused"]["uncommitted"] is None
+
+
 @pytest.mark.parametrize("case, leaf, placements", [
     ("two_devices", "params leaf Dense_1/kernel", ("[0, 1]", "[0, 1, 2, 3]")),
     ("other_mesh", "params leaf Dense_1/kernel", ("[1, 0, 3, 2]", "[0, 1, 2, 3]")),
-    ("one_device", "params leaf Dense_1/kernel", ("[3]", "[0, 1, 2, 3]")),
+    ("one_device", "params leaf Dense_1/kernel", ("[3]", "[0, 1, 2, 3]",
+                                                  "SingleDeviceSharding(device=CpuDevice(id=3)")),
     ("grads_elsewhere", "grads leaf Dense_0/bias", ("[0]", "[0, 1, 2, 3]")),
     ("explicit_axes", "params leaf Dense_0/kernel", ("('model',)", "Explicit")),
 ])
@@ -124,6 +131,43 @@ def test_state_made_under_jit_is_zero_where_a_param_is_not_finite():
     assert len(buffers) == 7        # weights', biases', the other leaf's, two step counts
     for buffer in buffers:
         assert np.array_equal(np.asarray(buffer), np.zeros(buffer.shape)), buffer
+
+
+def _typed(a):
+    """An array's numbers, a typed key's data included, with its dtype."""
+    return a.dtype, np.asarray(jax.random.key_data(a) if jnp.issubdtype(
+        a.dtype, jax.dtypes.prng_key) else a)
+
+
+def test_state_made_under_jit_is_the_eager_one_beside_leaves_that_are_not_floats():
+    """Params that also hold a typed PRNG key and integers (outside the chains) get the
+    eager state under ``jit`` too: G-Adam's float32 moments of each leaf (those of the key
+    cannot be tied to it by arithmetic)."""
+    params = {"l1": {"w": jnp.arange(6.0).reshape(3, 2) - 2.5, "b": jnp.zeros(3)},
+              "l2": {"w": jnp.ones((1, 3)), "b": jnp.zeros(1)},
+              "key": jax.random.key(0), "index": jnp.arange(2)}
+    chains = chains_from_dict(params, ["l1", "l2"])
+    opt = in_path_space(optax.adam(0.1, mu_dtype=jnp.float32), chains)
+    want, got = opt.init(params), jax.jit(opt.init)(params)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        (da, va), (db, vb) = _typed(a), _typed(b)
+        assert da == db and np.array_equal(va, vb), (a, b)
+
+
+def test_eager_state_of_params_jax_may_move_is_free_to_move_too():
+    """Uncommitted params (which JAX moves where they are used) get an uncommitted eager
+    state, as ``zeros_like`` makes it; a first leaf uncommitted beside others committed to
+    the same device is accepted."""
+    params = {"l1": {"w": jnp.arange(6.0).reshape(3, 2) - 2.5, "b": jnp.zeros(3)},
+              "l2": {"w": jnp.ones((1, 3)), "b": jnp.zeros(1)}, "scale": jnp.ones(2)}
+    chains = chains_from_dict(params, ["l1", "l2"])
+    for opt in (gsgd(0.1, chains, momentum=0.9), in_path_space(optax.adam(0.1), chains)):
+        state = opt.init(params)
+        assert not any(a.committed for a in jax.tree_util.tree_leaves(state))
+    placed = jax.tree_util.tree_map(lambda a: jax.device_put(a, jax.devices()[0]), params)
+    placed["l1"]["b"] = jnp.zeros(3)       # l1/b is the first leaf in key order
+    gsgd(0.1, chains, momentum=0.9).init(placed)
 
 
 @pytest.mark.parametrize("inner", [optax.adagrad(0.1), optax.adafactor(0.01)])
@@ -155,10 +199,14 @@ def test_a_chain_leaf_sharded_over_explicit_axes_is_refused_on_one_device(leaf, 
               "l2": {"w": jnp.ones((1, 3)), "b": jnp.zeros(1)}, "scale": jnp.ones(2)}
     node = params if len(leaf) == 1 else params[leaf[0]]
     node[leaf[-1]] = jax.device_put(node[leaf[-1]], NamedSharding(mesh, spec))
-    init = jax.jit(gsgd(0.1, chains_from_dict(params, ["l1", "l2"]), momentum=0.9).init)
-    if axes is None:
-        init(params)
-        return
-    with pytest.raises(ValueError, match=re.escape(
-            f"params leaf {'/'.join(leaf)} is sharded over the Explicit mesh axes {axes} (")):
-        init(params)
+    init = gsgd(0.1, chains_from_dict(params, ["l1", "l2"]), momentum=0.9).init
+    # the placement printed: the array's sharding, or its type's where traced
+    for run, where in ((init, str(node[leaf[-1]].sharding)), (jax.jit(init), f"spec={spec})")):
+        if axes is None:
+            run(params)
+            continue
+        with pytest.raises(ValueError, match=re.escape(
+                f"params leaf {'/'.join(leaf)} is sharded over the Explicit mesh axes {axes} ("
+                f"NamedSharding(mesh=")) as refused:
+            run(params)
+        assert where in str(refused.value), str(refused.value)
