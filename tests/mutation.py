@@ -202,8 +202,13 @@ def _env(module: str, conf: dict) -> dict:
     """The environment of ``module``'s mutmut runs. Triton interprets its kernels unless
     ``TRITON_INTERPRET=0`` is given (on a GPU): its library is decided at its first import,
     so a test file importing it for compiled kernels before the fused tests' files would make
-    those skip (they set the variable only around their own imports)."""
+    those skip (they set the variable only around their own imports). The scripts some tests
+    start (``torch.distributed.run``, a JAX process of four devices) import the staged copy,
+    mutated as the test's process is, not an installed one."""
+    path = os.pathsep.join(filter(None, [str(_staged(module) / "mutants"),
+                                         os.environ.get("PYTHONPATH")]))
     return os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1",
+                         "PYTHONPATH": path,
                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")} | (
         {"TORCH_COMPILE_DISABLE": "1"} if module in conf.get("dynamo_off", []) else {}) | (
         jax_cache()) | _module_env(module, conf)
@@ -345,13 +350,10 @@ def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
     if not todo:
         return result
 
-    # the scripts some of these tests start (torch.distributed.run) import the staged copy
-    path = os.pathsep.join(filter(None, [str(dest / "mutants"), env.get("PYTHONPATH")]))
-
     def fails(mutant: str, tests: list[str]) -> bool:
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
                                "no:cacheprovider", *tests], cwd=dest / "mutants",
-                              env=env | {"MUTANT_UNDER_TEST": mutant, "PYTHONPATH": path},
+                              env=env | {"MUTANT_UNDER_TEST": mutant},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return done.returncode != 0
 

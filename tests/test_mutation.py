@@ -261,6 +261,14 @@ def test_a_modules_env_setting_reaches_its_tests_alone(tmp_path, monkeypatch, mo
     assert _seen(tmp_path, monkeypatch, module, "KERAS_BACKEND") == [backend]
 
 
+def test_the_scripts_a_modules_tests_start_import_its_staged_copy(tmp_path, monkeypatch):
+    """A test's ``torch.distributed.run`` script (the FSDP example) imports the staged,
+    mutated copy first, not an installed gsgd (which would hide every mutant from it)."""
+    path, = _seen(tmp_path, monkeypatch, "backends/sharded.py", "PYTHONPATH")
+    staged = mutation._staged("backends/sharded.py") / "mutants"
+    assert path == str(staged) and staged.is_relative_to(tmp_path)
+
+
 def test_a_module_without_mutants_is_saved_as_such_and_other_failures_raise(tmp_path,
                                                                             monkeypatch):
     """mutmut stops with an error when no test reaches a mutant. With no mutant at all (a
