@@ -203,10 +203,10 @@ def _env(module: str, conf: dict) -> dict:
     ``TRITON_INTERPRET=0`` is given (on a GPU): its library is decided at its first import,
     so a test file importing it for compiled kernels before the fused tests' files would make
     those skip (they set the variable only around their own imports). The scripts some tests
-    start (``torch.distributed.run``, a JAX process of four devices) import the staged copy,
-    mutated as the test's process is, not an installed one."""
-    path = os.pathsep.join(filter(None, [str(_staged(module) / "mutants"),
-                                         os.environ.get("PYTHONPATH")]))
+    start (``torch.distributed.run``, a JAX process of four devices) import the staged
+    sources, not an installed gsgd: unmutated here (mutmut's trampolines would look for its
+    configuration in such a script's folder), mutated in the reruns of ``in_workers``."""
+    path = os.pathsep.join(filter(None, [str(_staged(module)), os.environ.get("PYTHONPATH")]))
     return os.environ | {"HYPOTHESIS_PROFILE": "mutate", "PYTHONDONTWRITEBYTECODE": "1",
                          "PYTHONPATH": path,
                          "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")} | (
@@ -349,11 +349,13 @@ def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
             and name not in equivalent(conf)}
     if not todo:
         return result
+    # the scripts these tests start import the mutated copy, which `MUTANT_UNDER_TEST` picks
+    path = os.pathsep.join(filter(None, [str(dest / "mutants"), env.get("PYTHONPATH")]))
 
     def fails(mutant: str, tests: list[str]) -> bool:
         done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
                                "no:cacheprovider", *tests], cwd=dest / "mutants",
-                              env=env | {"MUTANT_UNDER_TEST": mutant},
+                              env=env | {"MUTANT_UNDER_TEST": mutant, "PYTHONPATH": path},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return done.returncode != 0
 
