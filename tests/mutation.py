@@ -411,12 +411,17 @@ def counts(result: dict) -> collections.Counter:
         result.get("status", {}).values())
 
 
+#: The statuses of a caught mutant besides "killed": one that hangs the tests, and one
+#: that crashes their process (a fused kernel the interpreter runs on a null pointer).
+CAUGHT = ("timeout", "segfault")
+
+
 def score(result: dict) -> tuple[int, int]:
-    """``(killed, counted)``: killed counts mutmut's "killed" and "timeout" (a mutant that
-    hangs the tests is caught); "no tests" counts as a survivor; the mutants a stopped run
-    did not reach ("not checked") are not counted."""
+    """``(killed, counted)``: killed counts mutmut's "killed" and those ``CAUGHT`` by a
+    timeout or a crash; "no tests" counts as a survivor; the mutants a stopped run did not
+    reach ("not checked") are not counted."""
     n = counts(result)
-    return n["killed"] + n["timeout"], n.total() - n["skipped"] - n["not checked"]
+    return n["killed"] + sum(n[s] for s in CAUGHT), n.total() - n["skipped"] - n["not checked"]
 
 
 def _results(kind: str) -> dict[str, dict]:
@@ -427,7 +432,7 @@ def _results(kind: str) -> dict[str, dict]:
 
 def _score_cells(r: dict | None, why: dict[str, str]) -> list[str]:
     """A module's score in one pass, as the cells of the page's table: mutants, killed
-    (of which timeouts), equivalent, score of the others, open survivors."""
+    (of which timeouts and crashes), equivalent, score of the others, open survivors."""
     if r is None:
         return ["not run", "", "", "", ""]
     killed, counted = score(r)
@@ -435,7 +440,7 @@ def _score_cells(r: dict | None, why: dict[str, str]) -> list[str]:
         return ["0", "", "", "no mutants", ""]
     left = _not_killed(r)
     same = sum(name in why for name in left)
-    timeouts = counts(r)["timeout"]
+    timeouts = sum(counts(r)[s] for s in CAUGHT)
     return [str(counted), f"{killed} ({timeouts})" if timeouts else str(killed), str(same),
             f"{100 * killed / max(counted - same, 1):.1f}%", str(len(left) - same)]
 
@@ -492,21 +497,22 @@ def report(conf: dict) -> str:
     out = ["# Mutation testing: results", "",
            "Produced by `python tests/mutation.py --report` from the runs of",
            "`python tests/mutation.py MODULE` (see [Testing](testing.md)). A mutant counts",
-           "as killed when a test fails or times out on it; an equivalent mutant (no test",
-           "can tell it from the original, for the reason given below) is left out of the",
-           "score of the others, and so is one that only a GPU could tell (its reason says",
-           "\"GPU only\"). mutmut runs on the CPU; the GPU-only mutants were planted one at a",
-           "time on a GPU against the CUDA tests ([Testing](testing.md#on-a-gpu)), and each",
-           "reason says whether they killed it or why it is equivalent there too.", "",
+           "as killed when a test fails, times out or crashes its process on it; an",
+           "equivalent mutant (no test can tell it from the original, for the reason given",
+           "below) is left out of the score of the others, and so is one that only a GPU",
+           "could tell (its reason says \"GPU only\"). mutmut runs on the CPU; the GPU-only",
+           "mutants were planted one at a time on a GPU against the CUDA tests",
+           "([Testing](testing.md#on-a-gpu)), and each reason says whether they killed it or",
+           "why it is equivalent there too.", "",
            "Two passes: mutmut's own operators (the first five columns after the module),",
            "and the condition-level ones (`--pass conditions`, the last five): a condition",
            "made `True` or `False`, a guard deleted, an operand of `and`/`or` or a `not`",
            "dropped, a term of `+ - * /` dropped, a keyword argument dropped, a branch's",
            "`return` made `return None`, a public default made its type's zero. Each pass's",
-           "columns: its mutants, those killed (the timeouts among them in parentheses), the",
-           "equivalent or GPU-only survivors, the score of the others (killed over the",
-           "mutants less the equivalent ones), the open survivors. The run times follow the",
-           "table.", "",
+           "columns: its mutants, those killed (the timeouts and crashes among them in",
+           "parentheses), the equivalent or GPU-only survivors, the score of the others",
+           "(killed over the mutants less the equivalent ones), the open survivors. The run",
+           "times follow the table.", "",
            "| module | mutants | killed | equivalent | score | open "
            "| condition-level mutants | killed | equivalent | score | open |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

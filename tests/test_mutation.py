@@ -67,10 +67,10 @@ def _result(tmp_path, module, status, survivors):
     return r
 
 
-def test_score_counts_timeouts_as_killed_and_missing_tests_as_survivors():
+def test_score_counts_timeouts_and_crashes_as_killed_and_missing_tests_as_survivors():
     r = {"status": {"a": "killed", "b": "timeout", "c": "survived", "d": "no tests",
                     "e": "skipped", "f": "segfault"}}
-    assert mutation.score(r) == (2, 5)
+    assert mutation.score(r) == (3, 5)
 
 
 def test_a_mutant_no_test_reaches_counts_open_or_equivalent_as_a_survivor(tmp_path,
