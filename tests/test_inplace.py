@@ -327,3 +327,111 @@ def test_psi_update_of_torch_tensors_takes_its_fast_paths(monkeypatch):
     gb.psi_update_(state, W, G, plan=Plan(), lr=0.1)
     assert calls == [{"lr": 0.1, "momentum": 0.0, "max_norm": 1e4}]
     assert all(torch.equal(a, b) for a, b in zip(W, before))  # the plan's step, not another
+
+
+def test_helpers_take_no_biases_for_a_chain_without_biases(xp):
+    """``biases=None`` (a chain without biases) through every in-place helper, and through
+    G-SGD on the core's path (a learning rate given as an array): the core's weights."""
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    chain = gc.Chain.mlp([3, 5, 4, 2], bias=False)
+    pb = Problem(chain, 12)
+    G, _ = pb.grads()
+    scales = [np.linspace(0.5, 2.0, n) for n in chain.sizes[1:-1]]
+    lr = xp.asarray(np.asarray(0.1))
+    for step, core in [
+            (lambda A: gb.canonicalize_(chain, A), lambda A: gc.canonicalize(chain, A)),
+            (lambda A: gb.rescale_(chain, A, None, scales),
+             lambda A: gc.rescale(chain, A, None, scales)),
+            (lambda A: gb.path_sgd_step_(chain, A, None, xp.aslist(G), None, 0.1),
+             lambda A: gc.path_sgd_step(chain, A, None, xp.aslist(G), None, 0.1)),
+            (lambda A: gb.gsgd_update_(chain, None, A, None, xp.aslist(G), None, lr=lr),
+             lambda A: gc.gsgd_update(chain, None, A, None, xp.aslist(G), None, lr=lr))]:
+        A = xp.aslist(pb.W)
+        step(A)
+        for a, e in zip(A, core(xp.aslist(pb.W))[0]):
+            np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(e))
+
+
+def test_arguments_the_fast_path_cannot_read_get_the_cores_errors():
+    """Weights as a generator (``model.parameters()``) and hyperparameters the core does not
+    take, or lacks: the core's own errors, nothing written."""
+    pb = Problem(CHAIN, 13)
+    G, Gb = pb.grads()
+    rule = gc.adam_rule(0.01)
+    A, Ab = [np.array(w) for w in pb.W], [np.array(b) for b in pb.b]
+    gen = "weights must be a list with one entry per layer \\(3\\), got generator"
+    for step, error, message in [
+            (lambda: gb.gsgd_update_(CHAIN, None, (a for a in A), Ab, G, Gb, lr=0.1),
+             ValueError, gen),
+            (lambda: gb.path_update_(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab),
+                                     (a for a in A), Ab, G, Gb), ValueError, gen),
+            (lambda: gb.gsgd_update_(CHAIN, None, A, Ab, G, Gb, lr=0.1, betas=(0.9, 0.99)),
+             TypeError, r"gsgd_update\(\) got an unexpected keyword argument 'betas'"),
+            (lambda: gb.gsgd_update_(CHAIN, None, A, Ab, G, Gb), TypeError,
+             r"gsgd_update\(\) missing 1 required keyword-only argument: 'lr'")]:
+        with pytest.raises(error, match=message):
+            step()
+    for a, e in zip(A + Ab, pb.W + pb.b):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_a_step_skipped_for_a_non_finite_gradient_writes_nothing():
+    """Where the fast path declines a step for a NaN gradient, the step is skipped without
+    a write, not written back unchanged: read-only weights are left alone, no error."""
+    pb = Problem(CHAIN, 14)
+    G, Gb = pb.grads()
+    G[1][0] = np.nan
+    rule = gc.adam_rule(0.01)
+    for step in (lambda A, Ab: gb.gsgd_update_(CHAIN, None, A, Ab, G, Gb, lr=0.1),
+                 lambda A, Ab: gb.gsgd_update_(CHAIN, gc.gsgd_init(CHAIN, A, Ab), A, Ab, G,
+                                               Gb, lr=0.1, momentum=0.9),
+                 lambda A, Ab: gb.path_update_(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab),
+                                               A, Ab, G, Gb)):
+        A, Ab = [np.array(w) for w in pb.W], [np.array(b) for b in pb.b]
+        for a in A + Ab:
+            a.flags.writeable = False
+        assert step(A, Ab) is False
+        for a, e in zip(A + Ab, pb.W + pb.b):
+            np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("update", list(_updates()))
+def test_a_gradient_check_that_is_not_finite_leaves_the_step_to_the_core(monkeypatch, update):
+    """A caller's check that overflowed (a bound on the gradients) over finite gradients:
+    the step checks the gradients themselves, finds them finite, and the core takes it."""
+    pb = Problem(CHAIN, 15)
+    G, Gb = pb.grads()
+    calls = []
+    for name in ("gsgd_update", "path_update"):
+        core = getattr(gc, name)
+        monkeypatch.setattr(gc, name, lambda *a, core=core, **k: calls.append(1) or core(*a, **k))
+    A, Ab = [np.array(w) for w in pb.W], [np.array(b) for b in pb.b]
+    sums = [(w * g).sum(0).reshape(-1) for w, g in zip(A[1:], G[1:])]
+    step = _updates()[update]
+    assert step(A, Ab, G, Gb, column_sums=sums, gradient_check=np.asarray(np.inf)) is True
+    assert calls == [1]
+    E, Eb = [np.array(w) for w in pb.W], [np.array(b) for b in pb.b]
+    monkeypatch.undo()
+    step(E, Eb, G, Gb, column_sums=sums, gradient_check=np.asarray(0.0))
+    for a, e in zip(A + Ab, E + Eb):
+        assert_close(a, e, 1e-12)
+
+
+class Stateless(Sign):
+    """signSGD that keeps no state at all: ``None``."""
+
+    def init(self, values):
+        return None
+
+
+def test_a_rule_without_state_steps_in_place(xp):
+    if xp.name == "jax":
+        pytest.skip("JAX arrays are immutable: the in-place layer refuses them")
+    pb, A, Ab, G, Gb = _data(xp, 16)
+    rule = Stateless()
+    E, Eb, state = gc.path_update(CHAIN, rule, None, xp.aslist(pb.W), xp.aslist(pb.b), G, Gb)
+    assert state is None
+    assert gb.path_update_(CHAIN, rule, gc.path_init(CHAIN, rule, A, Ab), A, Ab, G, Gb)
+    for a, e in zip(A + Ab, E + Eb):
+        np.testing.assert_array_equal(xp.to_numpy(a), xp.to_numpy(e))

@@ -386,3 +386,39 @@ def test_a_gradient_or_buffer_of_another_dtype_goes_to_the_core(other):
     psi_update_(gc.PSIState(tuple(Uf)), Wf, G, lr=0.1, momentum=0.9)
     We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1, momentum=0.9)
     _assert_close(Wf + Uf, We + [u.float() for u in state.momentum], 0)
+
+
+def test_in_place_psi_refuses_what_the_core_refuses_with_its_messages():
+    """Arguments the multi-tensor step cannot read (no weights, a generator, a state not
+    from psi_init, a hyperparameter the core does not take, momentum buffers too few or of
+    another shape, though PSI-SGD would not read them): the core's errors, nothing
+    written."""
+    W, G, U = _problem([(4, 3), (3, 2)], 12, torch.float64)
+    before = [a.clone() for a in W + U]
+    state = gc.PSIState(tuple(U))
+    for args, hyper, error, message in [
+            ((gc.PSIState(()), [], []), {}, ValueError, "weights must be a non-empty list"),
+            ((state, (w for w in W), G), {}, ValueError, "weights must be a non-empty list"),
+            ((tuple(U), W, G), {}, ValueError, "state must come from psi_init"),
+            ((state, W, G), dict(nesterov=True), TypeError,
+             r"psi_update\(\) got an unexpected keyword argument 'nesterov'"),
+            ((gc.PSIState(tuple(U[:1])), W, G), {}, ValueError,
+             "momentum buffers has 1 entries for 2 weights"),
+            ((gc.PSIState((U[0].t().contiguous(), U[1])), W, G), {}, ValueError,
+             r"weight 0: momentum buffers has shape \(3, 4\), but the weight has shape "
+             r"\(4, 3\)")]:
+        with pytest.raises(error, match=message):
+            psi_update_(*args, lr=0.1, **hyper)
+    assert all(torch.equal(a, b) for a, b in zip(W + U, before))
+
+
+def test_in_place_psi_sgd_of_numpy_arrays_never_writes_its_buffers():
+    """PSI-SGD keeps no buffer: the core hands the state's arrays back as they were, and
+    none is written, so read-only zeros that hold no memory will do."""
+    W, G, U = _problem([(4, 3), (3, 2)], 13, torch.float64)
+    Wn = [w.numpy().copy() for w in W]
+    Z = [np.broadcast_to(np.zeros(()), w.shape) for w in Wn]
+    psi_update_(gc.PSIState(tuple(Z)), Wn, [g.numpy() for g in G], lr=0.1)
+    _assert_close([torch.as_tensor(w) for w in Wn],
+                  gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1)[0], 1e-12)
+    assert not any(z.flags.writeable or z.any() for z in Z)
