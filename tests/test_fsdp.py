@@ -214,7 +214,8 @@ def test_each_process_holds_the_rows_torch_chunk_gives_it(n, world):
 
 
 def test_a_process_holding_other_rows_than_an_even_split_is_refused():
-    with _as_rank(1, 4):
+    # rank 2 of 4 should hold rows 4 to 6: the message gives their count, not where they start
+    with _as_rank(2, 4):
         w = DTensor.from_local(torch.zeros(1, 2), init_device_mesh("cpu", (4,)), [Shard(0)],
                                run_check=False, shape=torch.Size([7, 2]), stride=(2, 1))
         with pytest.raises(ValueError, match=r"^0\.weight: this process holds 1 of its 7 "
@@ -271,7 +272,8 @@ def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_para
     """check_chain: plain chains and chains sharded by rows on one mesh (1-D, or replicated
     over the other dimension of a 2-D one: HSDP) pass; a mix of plain and sharded, another
     placement (tensor parallelism's split over input units, a replicated DTensor, rows
-    split over both dimensions), two meshes or two sharding dimensions are refused."""
+    split over both dimensions, rows on one and input units on the other), two meshes or
+    two sharding dimensions are refused."""
     names = ["0.weight", "2.weight"]
     with _as_rank(0, 4):
         mesh, hsdp = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
@@ -297,6 +299,12 @@ def test_every_layout_of_a_chain_but_rows_on_one_mesh_is_refused_naming_the_para
                 ([_sharded(8, hsdp, [Shard(0), Shard(0)])] * 2,
                  "0.weight is a DTensor placed (Shard(dim=0), Shard(dim=0)) on a 2-D mesh, "
                  "split otherwise than by rows over one mesh dimension"),
+                # FSDP with tensor parallelism: rows over one dimension, input units over
+                # the other, which is not a replica
+                ([_sharded(8, hsdp, [Shard(0), Shard(1)])] * 2,
+                 "0.weight is a DTensor placed (Shard(dim=0), Shard(dim=1)) on a 2-D mesh, "
+                 "split over its input units (tensor parallelism: RowwiseParallel, or "
+                 "Shard(1))"),
                 ([rows, _sharded(8, DeviceMesh("cpu", [0, 1]))],
                  "2.weight lies on a different device mesh, or is split over another "
                  "dimension of it, from the chain's other parameters"),
