@@ -366,6 +366,34 @@ def test_torch_scratch_buffers_are_made_on_the_layers_device():
         assert (buf.shape, buf.dtype, buf.device) == ((5,), torch.float32, like.device)
 
 
+def test_a_device_plan_takes_its_column_sums_in_one_scratch_buffer_kept_across_steps():
+    """The GPU plan's column sums form their products in the plan's scratch buffer (its
+    bulk needs none): made on the first step, the size of the largest layer summed, and
+    the same buffer on every later step, so no step allocates a layer-sized block."""
+    pb = Problem(CHAIN, 0)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    plan = gbt.ON_DEVICE.plan(CHAIN, W[0])
+    kept = []
+    for step in range(2):
+        G, Gb = Problem(CHAIN, 10 + step).grads()
+        assert fast.fast_step_(None, CHAIN, W, b, _tensors(G), _tensors(Gb), 0.1, plan=plan)
+        kept.append(dict(plan.scratch.buffers))
+    (key, buf), = kept[0].items()
+    largest = max(int(np.prod(CHAIN.layer_shape(l))) for l in range(2, CHAIN.L + 1))
+    assert key == (torch.Tensor, W[0].dtype, "cpu") and buf.shape == (largest,)
+    assert list(kept[1]) == [key] and kept[1][key] is buf
+
+
+def test_the_realized_operator_copies_a_tensor_of_any_dtype():
+    """``gsgd::realized``, through which a compiled step stores its node vectors, returns
+    a tensor of its own equal to its argument whatever its dtype: NumPy, which takes the
+    float32 and float64 copies, has no bfloat16."""
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+        x = torch.arange(6, dtype=dtype).view(2, 3)
+        y = gbt.realized(x)
+        assert y.dtype == dtype and torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
 def test_torch_layer_views_share_storage_and_copy_only_what_is_read():
     """``view3`` gives a ``(n, p, k)`` view on a contiguous tensor's storage; a
     non-contiguous one cannot be written through a view (``None``: the step is handed
@@ -890,3 +918,22 @@ def test_compiled_step_is_one_graph_read_once_after_it(monkeypatch, hyper):
         for a, e in zip(W + b, eW + eb):
             if e is not None:
                 assert_close(a.numpy(), e, 1e-12)
+
+
+@pytest.mark.parametrize("one_graph", [True, False])
+def test_compiled_kernels_take_one_graph_unless_told_to_take_the_two_stages(one_graph):
+    """Compiled kernels stage the whole step as one function, or, made with
+    ``one_graph=False``, as the vector stage then the bulk stage, each compiled whole;
+    either way the step equals the core's."""
+    kernels = gbt.TorchKernels(gbt.CHUNK, compiled=True, one_graph=one_graph)
+    staged = []
+    kernels.compile = lambda fn: staged.append(fn.__name__) or fn  # traced, run eagerly
+    pb = Problem(CHAIN, 5)
+    W, b = _tensors(pb.W), _tensors(pb.b)
+    G, Gb = pb.grads()
+    assert fast.fast_step_(kernels, CHAIN, W, b, _tensors(G), _tensors(Gb), 0.1)
+    assert staged == (["one_graph_stage_"] if one_graph else ["vector_stage", "bulk_stage_"])
+    eW, eb = gc.gsgd_step(CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    for a, e in zip(W + b, eW + eb):
+        if e is not None:
+            assert_close(a.numpy(), e, 1e-12)
