@@ -451,6 +451,19 @@ def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message
         fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, **hyper)
 
 
+@pytest.mark.parametrize("lr", [-0.1, float("nan")])
+def test_a_psi_learning_rate_the_core_refuses_as_a_number_is_refused_before_the_launch(
+        monkeypatch, lr):
+    """A learning rate given as a Python number is checked as the core checks it (only a
+    device tensor's value is not read back): the core's ``ValueError``, before any kernel
+    runs."""
+    W, G, U = _psi_problem(torch.float64)
+    plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
+    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=r"lr must be finite and >= 0, got (-0\.1|nan)"):
+        fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, lr, momentum=0.9)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_half_precision_psi_steps_as_the_core_in_float32(dtype):
     """float16 and bfloat16 weights and buffers step as psi_update steps them (computed in

@@ -422,3 +422,58 @@ def test_in_place_psi_sgd_of_numpy_arrays_never_writes_its_buffers():
     _assert_close([torch.as_tensor(w) for w in Wn],
                   gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1)[0], 1e-12)
     assert not any(z.flags.writeable or z.any() for z in Z)
+
+
+@pytest.mark.parametrize("momentum", [0.5, 8.0])
+def test_a_step_through_a_large_buffer_is_handed_back_by_momentum_times_its_norm(momentum):
+    """The bound on the new row norms counts ``momentum`` times the buffer (the core takes
+    any momentum >= 0, above 1 too): a step ``lr * momentum * u`` of ``2^1021`` is taken
+    (the row's norm overflows: both divide it to zero), one of ``2^1024`` (past the largest
+    float) is handed back with nothing written, and psi_update_ then gives the core's step,
+    which keeps the row. Both are the core's numbers, finite."""
+    w = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.5, 0.0]], dtype=torch.float64)
+    g, u = torch.zeros_like(w), torch.zeros_like(w)
+    u[0, 1] = 2.0 ** 500
+    for e, taken in ((521, True), (524, False)):
+        hyper = dict(lr=2.0 ** e / momentum, momentum=momentum, max_norm=1e4)
+        (Wf, Uf), ran, (We, Ue) = _both([w], [g], [u], **hyper)
+        assert ran is taken, e
+        if not taken:
+            assert torch.equal(Wf[0], w) and torch.equal(Uf[0], u)
+            psi_update_(gc.PSIState(tuple(Uf)), Wf, [g], **hyper)
+            assert torch.equal(Wf[0], w)
+        _assert_close(Wf + Uf, We + Ue, 0)
+        assert all(bool(torch.isfinite(a).all()) for a in Wf + Uf)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_weights_on_two_devices_are_handed_back_and_the_core_steps_them(momentum):
+    """A weight on another device than the first (``meta`` here, which holds no numbers):
+    both fast steps answer ``False``, the bool they promise, with nothing written, and
+    psi_update_ gives the core's step of the CPU weight."""
+    from gsgd_backends.psi import PSIPlan
+
+    W, G, U = ([x[0], x[1].to("meta")]
+               for x in _problem([(4, 3), (3, 2)], 14, torch.float64))
+    hyper = dict(lr=0.1, momentum=momentum, max_norm=1e4)
+    Wf, Uf = [w.clone() for w in W], [u.clone() for u in U]
+    assert psi_step_(Wf, G, Uf, **hyper) is False
+    assert PSIPlan().step_(Wf, G, Uf, **hyper) is False
+    assert torch.equal(Wf[0], W[0]) and torch.equal(Uf[0], U[0])
+    psi_update_(gc.PSIState(tuple(Uf)), Wf, G, **hyper)
+    We, state = gc.psi_update(gc.PSIState(tuple(U)), W, G, **hyper)
+    _assert_close([Wf[0], Uf[0]], [We[0], state.momentum[0]], 0)
+    assert not torch.equal(Wf[0], W[0]) and Wf[1].device.type == "meta"
+
+
+def test_psi_sgd_never_calls_the_momentum_steps_update():
+    """``update`` takes the momentum step's update of buffers and weights; PSI-SGD has no
+    such step: it takes its own single pass (the core's numbers) without calling it, so a
+    caller may pass one hook whatever the momentum."""
+    W, G, U = _problem([(4, 3), (2, 3, 2, 2)], 15, torch.float64)
+    Z = [torch.zeros((), dtype=torch.float64).expand_as(w) for w in W]
+    Wf, calls = [w.clone() for w in W], []
+    assert psi_step_(Wf, G, Z, lr=0.1, momentum=0.0, max_norm=1e4,
+                     update=lambda *args: calls.append(args))
+    assert calls == []
+    _assert_close(Wf, gc.psi_update(gc.PSIState(tuple(U)), W, G, lr=0.1)[0], 1e-12)
