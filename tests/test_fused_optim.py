@@ -8,6 +8,7 @@ this process, these tests skip.
 import collections
 import copy
 import importlib
+import sys
 
 import pytest
 
@@ -179,8 +180,9 @@ def test_the_fused_psi_sgd_step_equals_the_unfused_one(monkeypatch):
 
 @pytest.mark.parametrize("opt_class, hyper", [
     (PSISGD, dict(lr=0.05, weight_decay=0.01)), (GSGD, dict(lr=0.05, nesterov=True,
-                                                            momentum=0.9, weight_decay=0.01))],
-    ids=["psi-sgd", "psi-sgdm-nesterov-wd"])
+                                                            momentum=0.9, weight_decay=0.01)),
+    (PSISGD, dict(lr=0.05, momentum=0.9, max_norm=0.5))],
+    ids=["psi-sgd", "psi-sgdm-nesterov-wd", "psi-sgdm-max-norm"])
 def test_the_fused_psi_step_of_a_resnet_equals_the_unfused_one(opt_class, hyper):
     """PSI-SGD (no buffers: the kernel reads none) and PSI-SGDM on a ResNet with batch norm,
     the rest by torch's fused SGD: equal to the unfused steps over three steps."""
@@ -286,8 +288,9 @@ def test_a_fused_gadamw_step_with_the_rest_under_grad_scaler_is_at_most_8_launch
 
 @pytest.mark.parametrize("opt_class, hyper", [
     (GAdam, dict(lr=0.01, weight_decay=0.1)),
-    (GAdamW, dict(lr=0.01, amsgrad=True, maximize=True))],
-    ids=["gadam-l2", "gadamw-amsgrad-maximize"])
+    (GAdamW, dict(lr=0.01, amsgrad=True, maximize=True)),
+    (GAdam, dict(lr=0.01, betas=(0.8, 0.9), eps=1e-3))],
+    ids=["gadam-l2", "gadamw-amsgrad-maximize", "gadam-betas-eps"])
 def test_the_fused_gadam_step_equals_the_unfused_one(opt_class, hyper, monkeypatch):
     """G-Adam and G-AdamW on a model with batch norm: the chain in the three launches of
     the fused G-Adam step, the rest (the convolution before the batch norm, the batch
@@ -519,3 +522,103 @@ def test_the_fused_step_reads_w_times_grad_unless_asked_for_the_backward_sums(
     _backward(model, opt, _input(model))
     opt.step()
     assert opt.describe().column_sums == taken
+
+
+@pytest.mark.parametrize("opt_class", [GSGD, GAdam])
+def test_the_backward_pass_sums_spare_a_fused_step_of_chains_without_biases_its_read_pass(
+        opt_class, monkeypatch):
+    """Asked for, the backward pass's column sums are what the fused step reads: chains
+    without biases then have no gradient to read before the write pass (two launches, no
+    read pass), and step as the unfused step, which takes those sums too."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7, bias=False), nn.ReLU(),
+                              nn.Linear(7, 3, bias=False)).double().to(DEVICE)
+        skeleton_init_(model)
+        return model
+
+    launched = _launches(monkeypatch, [fused])
+    _assert_twins_step_alike(make, lambda m, **kw: opt_class(m, backward_sums=True, **kw),
+                             dict(lr=0.01), steps=2, atol=ADAM_ATOL)
+    assert launched == ["vector_stage", "write_pass"] * 2
+
+
+@pytest.mark.parametrize("hyper", [dict(lr=0.05), dict(lr=0.05, weight_decay=0.1)],
+                         ids=["sgd", "weight-decay"])
+def test_the_fused_gsgd_step_without_momentum_keeps_no_state_as_the_unfused_one(hyper):
+    """Without momentum G-SGD keeps no buffer: the fused step adds nothing to the
+    optimizer's state either (no momentum buffer, no step count in it)."""
+    model = _mlp()
+    twin = copy.deepcopy(model)
+    a, b = GSGD(model, fused=True, **hyper), GSGD(twin, fused=False, **hyper)
+    for m, o in ((model, a), (twin, b)):
+        _backward(m, o, _input(m))
+        o.step()
+    assert a.state_dict()["state"] == b.state_dict()["state"] == {}
+
+
+def test_the_nonfinite_flag_is_kept_per_device_and_set_from_found_inf():
+    """:func:`~gsgd_adapters.torch.functional.nonfinite_flag`: without ``held``, a fresh
+    float32 flag; with it, the same tensor at every call (no tensor made per step), cleared
+    for finite gradients, set for a non-finite one or from a set ``found_inf``."""
+    from gsgd_adapters.torch.functional import nonfinite_flag
+
+    grads = [torch.ones(3, dtype=torch.float64, device=DEVICE)]
+    flag = nonfinite_flag(grads)
+    assert (flag.dtype, flag.shape, flag.device) == (torch.float32, (1,), grads[0].device)
+    assert float(flag) == 0.0
+    held = {}
+    first = nonfinite_flag(grads, torch.ones(1, device=DEVICE), held)
+    assert float(first) != 0.0 and list(held) == [grads[0].device]
+    again = nonfinite_flag(grads, None, held)
+    assert again is first and float(again) == 0.0
+    nan = torch.full((2,), float("nan"), device=DEVICE)
+    assert float(nonfinite_flag(grads + [nan], None, held)) != 0.0
+    assert torch.equal(grads[0], torch.ones(3, dtype=torch.float64, device=DEVICE))
+
+
+def test_a_fused_step_under_a_float64_default_dtype_equals_the_unfused_one():
+    """``torch.set_default_dtype(torch.float64)`` (as scientific code sets it) changes
+    nothing: the rest's skip flag is still the float32 torch's check takes."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        _assert_twins_step_alike(_bn, GSGD, dict(lr=0.05, momentum=0.9), steps=1)
+    finally:
+        torch.set_default_dtype(old)
+
+
+def test_the_rest_reads_a_tensor_lr_in_float32_as_torchs_fused_sgd_on_a_gpu():
+    """Under ``fused``, torch's fused SGD steps the parameters outside chains with the
+    tensor ``lr`` in float32, the only dtype its CUDA kernels read, on the CPU too (the
+    same step on both): a float64 ``lr`` steps them as its float32 rounding does."""
+    model = _bn()
+    twin = copy.deepcopy(model)
+    x = _input(model)
+    lr = torch.tensor(0.05, dtype=torch.float64, device=DEVICE)
+    opt = GSGD(model, lr=lr, fused=True)
+    rest = [twin[0].bias, twin[1].weight, twin[1].bias]
+    ref = torch.optim.SGD(rest, lr=lr.float(), fused=True)
+    for m, o in ((model, opt), (twin, ref)):
+        _backward(m, o, x)
+        o.step()
+    for p, q in zip([model[0].bias, model[1].weight, model[1].bias], rest):
+        assert torch.equal(p, q)
+
+
+def test_fused_is_a_bool_and_true_is_refused_where_no_fused_step_can_run(monkeypatch):
+    """``use_fused``: ``False`` for ``fused=False`` and by default on CPU tensors; ``True``
+    refused with a message saying why: an algorithm without a fused step, and Triton not
+    importing (``fused=None`` then steps unfused)."""
+    from gsgd_adapters.torch.functional import use_fused
+
+    params = list(_mlp().parameters())
+    assert use_fused(False, params, "G-SGD", True) is False
+    assert use_fused(None, [p.cpu() for p in params], "G-SGD", True) is False
+    with pytest.raises(ValueError, match="^fused=True: the fused Path-SGD step is not "
+                                         "available; use fused=False$"):
+        use_fused(True, params, "Path-SGD", False)
+    monkeypatch.setitem(sys.modules, "gsgd_backends.fused", None)  # Triton missing
+    with pytest.raises(ValueError, match="^fused=True requires Triton"):
+        GSGD(_mlp(), lr=0.1, fused=True)
+    assert use_fused(None, params, "G-SGD", True) is False

@@ -417,3 +417,17 @@ def test_a_step_without_closure_returns_none_and_one_with_it_the_loss(name):
     with torch.no_grad():
         assert opt.step(closure) == "the loss"
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_tensor_lr_steps_as_its_number_bit_for_bit(name):
+    """``lr`` given as a float64 0-d tensor (as schedulers and ``torch.optim`` take it) is
+    read at its full precision by every part, plain parameters included: the same steps
+    as the number, bit for bit."""
+    model, opt = make(name)
+    twin = copy.deepcopy(model)
+    _, other = make(name, twin, lr=torch.tensor(opt.defaults["lr"], dtype=torch.float64))
+    steps(model, opt, 2)
+    steps(twin, other, 2)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n

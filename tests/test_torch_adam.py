@@ -446,3 +446,49 @@ def test_a_sharded_half_precision_chain_steps_on_gathered_arrays(one_process_mes
     _assert_same_run(pairs, 0.0)
     model = pairs[0][0]
     assert not torch.equal(model[0].weight.full_tensor(), _mlp(torch.bfloat16)[0].weight)
+
+
+@pytest.mark.parametrize("cls", [GAdam, GAdamW])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_foreach_picks_torchs_implementation_of_the_rest_adam_update(cls, foreach,
+                                                                     monkeypatch):
+    """Parameters outside chains take ``torch.optim.Adam``'s (``AdamW``'s) update, by its
+    multi-tensor implementation exactly when ``foreach=True`` (on the CPU torch's default
+    is the single-tensor loop)."""
+    import torch.optim.adam as torch_adam
+
+    used = []
+
+    def spied(impl):
+        run = getattr(torch_adam, impl)
+
+        def spy(*args, **kwargs):
+            used.append(impl)
+            return run(*args, **kwargs)
+        return spy
+
+    for impl in ("_single_tensor_adam", "_multi_tensor_adam"):
+        monkeypatch.setattr(torch_adam, impl, spied(impl))
+    model = Net()  # the batch-normalised first layer and the batch norm are the rest
+    skeleton_init_(model)
+    x, y = data()
+    train(model, cls(model, lr=0.01, foreach=foreach), x, y, 1)
+    assert used and set(used) == {"_multi_tensor_adam" if foreach else "_single_tensor_adam"}
+
+
+def test_paper_bn_variant_chains_convolutions_through_batch_norm_and_trains():
+    """The paper's BN variant takes convolutions too: a 4-d filter followed by batch norm
+    joins the chain (its gradient scaled by each output channel's filter norm, eq. 30)
+    and the model trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 3, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(3 * 5 * 5, 2))
+    skeleton_init_(model, chains=[[model[0], model[3], model[6]]])
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 2, 5, 5, generator=g), torch.randn(8, 2, generator=g)
+    opt = GAdam(model, lr=0.01, bn="paper")
+    assert opt.describe().chains[0][0] == ["0", "3", "6"]
+    before = float(loss_of(model, x, y).detach())
+    train(model, opt, x, y, 5)
+    assert float(loss_of(model, x, y).detach()) < before
