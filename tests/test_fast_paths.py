@@ -200,7 +200,7 @@ def test_non_finite_gradient_is_handed_to_the_core_before_any_write(fxp, bad, la
     G[layer] = G[layer].copy()
     G[layer].reshape(-1)[3] = bad
     ran, W, b = _fast(fxp, CHAIN, pb.W, pb.b, G, Gb, 0.1)
-    assert not ran
+    assert ran is False  # a bool, as documented: not merely a falsy value
     for x, y in zip(W + b, fxp.tolist(fxp.aslist(pb.W + pb.b))):
         assert x is None or np.array_equal(x, y)
     A = fxp.aslist(pb.W)
@@ -392,6 +392,33 @@ def test_weights_that_are_not_contiguous_take_the_core_and_are_still_updated():
         assert_close(a.numpy(), e, 1e-12)
 
 
+def test_momentum_buffers_that_are_not_contiguous_take_the_core_and_are_still_updated():
+    """The buffers, like the weights, are written in place: one that is not contiguous sends
+    the step to the core before anything is written, and the in-place step then writes the
+    core's weights and buffers into the caller's tensors."""
+    torch = pytest.importorskip("torch")
+    chain = gc.Chain.mlp([4, 5, 3])
+    pb = Problem(chain, 5)
+    G, Gb = pb.grads()
+    W, G = [w[..., 0] for w in pb.W], [g[..., 0] for g in G]
+    T = lambda xs: [None if x is None else torch.tensor(x) for x in xs]  # noqa: E731
+    A, Ab = T(W), T(pb.b)
+    M0 = [np.full(w.shape, 0.5) for w in W]
+    state = gc.gsgd_init(chain, A, Ab)
+    state = state._replace(momentum=[torch.tensor(M0[0]),  # transposed storage
+                                     torch.tensor(M0[1].T.copy()).T],
+                           step=torch.tensor(1))
+    before = [x.clone() for x in A + Ab + list(state.momentum)]
+    assert fast.fast_step_(gb.kernels_for(A[0]), chain, A, Ab, T(G), T(Gb), 0.1, state,
+                           momentum=0.9) is False
+    assert all(torch.equal(x, y) for x, y in zip(A + Ab + list(state.momentum), before))
+    core = gc.GSGDState(tuple(M0), tuple(np.zeros_like(x) for x in pb.b), np.asarray(1))
+    eW, eb, es = gc.gsgd_update(chain, core, W, pb.b, G, Gb, lr=0.1, momentum=0.9)
+    gb.gsgd_update_(chain, state, A, Ab, T(G), T(Gb), lr=0.1, momentum=0.9)
+    for a, e in zip(A + Ab + list(state.momentum), list(eW) + list(eb) + list(es.momentum)):
+        assert_close(a.numpy(), e, 1e-12)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_takes_the_core(dtype):
     """The fast path declines half precision; the in-place step then writes the core's
@@ -404,8 +431,8 @@ def test_half_precision_takes_the_core(dtype):
     T = lambda xs: [torch.tensor(x.reshape(x.shape[0], -1) if x.ndim == 3 else x).to(half)
                     for x in xs]  # noqa: E731
     A, Ab, Gh, Gbh = T(pb.W), T(pb.b), T(G), T(Gb)
-    assert not fast.fast_step_(gb.kernels_for(A[0]), chain, [a.clone() for a in A],
-                               [a.clone() for a in Ab], Gh, Gbh, 0.1)
+    assert fast.fast_step_(gb.kernels_for(A[0]), chain, [a.clone() for a in A],
+                           [a.clone() for a in Ab], Gh, Gbh, 0.1) is False
     eW, eb = gc.gsgd_step(chain, A, Ab, Gh, Gbh, 0.1)
     assert gb.gsgd_update_(chain, None, A, Ab, Gh, Gbh, lr=0.1)
     for got, want, old in zip(A + Ab, list(eW) + list(eb), T(pb.W) + T(pb.b)):
@@ -803,6 +830,49 @@ def test_momentum_block_with_an_overflow_writes_the_cores_buffers(fxp):
         assert np.all((a == e) | np.isclose(a, e, rtol=_tol(fxp), atol=0))
 
 
+def test_weight_decay_step_that_overflows_keeps_the_cores_values(fxp):
+    """Weight decay without momentum (no buffers): a huge step overflows some entries, and
+    the blocks holding them are recomputed by the per-entry rules and written back, the
+    weights only."""
+    pb = Problem(CHAIN, 3)
+    G, Gb = pb.grads()
+    lr = 1e308 if fxp.is_f64 else 3e38
+    A, Ab = fxp.aslist(pb.W), fxp.aslist(pb.b)
+    kernels = gb.kernels_for(A[0])
+    with _chunk(kernels, 4):
+        assert fast.fast_step_(kernels, CHAIN, A, Ab, fxp.aslist(G), fxp.aslist(Gb), lr,
+                               weight_decay=0.1)
+    eW, eb, _ = gc.gsgd_update(CHAIN, None, fxp.aslist(pb.W), fxp.aslist(pb.b),
+                               fxp.aslist(G), fxp.aslist(Gb), lr=lr, weight_decay=0.1)
+    moved = False
+    for a, e, old in zip(fxp.tolist(A), fxp.tolist(eW), pb.W):  # kept or moved by ~lr
+        assert np.all((a == e) | np.isclose(a, e, rtol=_tol(fxp), atol=0))
+        moved |= bool(np.any(a != old.reshape(a.shape)))
+    assert moved
+    _assert_same(fxp, fxp.tolist(Ab), fxp.tolist(eb), "biases")
+
+
+def test_tau_edges_that_overflow_along_a_deep_tau_chain_are_allocated_as_the_core():
+    """Every tau edge from unit 1 below (so tau chains run the whole depth) and a step huge
+    enough that tau edges' new values overflow: each such edge keeps its value and its node
+    takes its source's ``rho``, which the layers above then divide by, five inner layers
+    deep, as the core's layer-by-layer sweep does."""
+    sizes = (3, 4, 5, 6, 5, 4, 3)
+    inner = range(1, len(sizes) - 1)
+    chain = gc.Chain(sizes, (1,) * (len(sizes) - 1), tau=[[1] * sizes[l] for l in inner],
+                     sigma=[[0] * sizes[l] for l in inner])
+    pb = Problem(chain, 1)
+    pb.W = [w * 100 for w in pb.W]
+    G, Gb = pb.grads()
+    A, Ab = [w.copy() for w in pb.W], [None if x is None else x.copy() for x in pb.b]
+    with np.errstate(all="ignore"):  # the overflows are the point
+        assert fast.fast_step_(gb.kernels_for(A[0]), chain, A, Ab, G, Gb, 1e308)
+        eW, eb = gc.gsgd_step(chain, pb.W, pb.b, G, Gb, 1e308)
+    for l, (a, e) in enumerate(zip(A + Ab, eW + eb)):
+        if e is not None:
+            assert_close(a, e, 1e-12, f"layer {l}")
+
+
 def test_remembered_hyperparameters_are_checked_when_they_change():
     """A plan remembers the last hyperparameters it checked: a changed value (a negative
     learning rate set after valid steps, Nesterov without momentum, ``True`` after ``1.0``)
@@ -930,6 +1000,73 @@ def test_a_layer_is_tame_when_its_three_node_vectors_are(monkeypatch, scales, gr
     for a, e in zip(A + Ab, eW + eb):
         if e is not None:
             np.testing.assert_allclose(a.numpy(), e, rtol=1e-12, atol=0)
+
+
+def _eager_traced(**options):
+    """Traced torch kernels whose stages run eagerly (fast, no compiler)."""
+    import gsgd_backends.torch as bt
+
+    kernels = bt.TorchKernels(bt.CHUNK, compiled=True, **options)
+    kernels.compile = lambda fn: fn
+    return kernels
+
+
+@pytest.mark.parametrize("traced", [True, False])
+def test_two_stage_bulk_gets_reciprocals_of_tame_layers_only_when_traced(monkeypatch, traced):
+    """The kernel interface (:class:`gsgd_backends.LayerKernels`): traced kernels' ``bulk_``
+    gets :func:`fast.reciprocals` on exactly the layers whose node vectors are tame (flagged
+    by the vector stage), ``None`` on the others, and no scratch buffer; eager kernels get
+    no reciprocals and the plan's scratch buffers. The step is the core's."""
+    torch = pytest.importorskip("torch")
+    import gsgd_backends.torch as bt
+
+    kernels = (_eager_traced(one_graph=False) if traced
+               else bt.TorchKernels(bt.CHUNK, host=False))  # its own kernels on every layer
+    seen, calls = [], []
+    special_vectors, bulk = fast.special_vectors, kernels.bulk_
+    monkeypatch.setattr(fast, "special_vectors", lambda *a, **k: seen.append(
+        special_vectors(*a, **k)) or seen[-1])
+
+    def recording_bulk(W, G, **k):
+        calls.append((W.shape, k.get("recips"), k.get("scratch")))  # the defaults: None
+        bulk(W, G, **k)
+
+    kernels.bulk_ = recording_bulk
+    pb = Problem(CHAIN, 8)
+    G, Gb = pb.grads()
+    pb.W[1] = pb.W[1] * 1e-160  # F_1, B_2, B_3 near 1e-160: only layer 2 stays tame
+    T = lambda xs: [None if x is None else torch.tensor(x) for x in xs]  # noqa: E731
+    A, Ab = T(pb.W), T(pb.b)
+    plan = kernels.plan(CHAIN, A[0])
+    assert fast.fast_step_(kernels, CHAIN, A, Ab, T(G), T(Gb), 0.1, plan=plan)
+    tame = [bool(f) for f in seen[0].flags.tolist()[1:]]
+    assert tame == ([False, True, False, False] if traced else [])
+    calls.reverse()  # the bulk runs from the top layer down
+    assert [shape[0] for shape, _, _ in calls] == list(CHAIN.sizes[1:])
+    for l, (_, recips, scratch) in enumerate(calls, start=1):
+        assert scratch is (None if traced else plan.scratch)
+        assert (recips is not None) == (traced and tame[l - 1]), f"layer {l}"
+    eW, eb = gc.gsgd_step(CHAIN, pb.W, pb.b, G, Gb, 0.1)
+    for a, e in zip(A + Ab, eW + eb):
+        if e is not None:
+            np.testing.assert_allclose(a.numpy(), e, rtol=1e-12, atol=0)
+
+
+def test_one_graph_step_with_weight_decay_alone_equals_the_core():
+    """Weight decay without momentum in the one-graph stage (no buffers to write): two
+    steps, each compiled as that one function (``Kernels.one_graph``), weights and biases
+    as the core's."""
+    pytest.importorskip("torch")
+    from _namespaces import available_namespaces as names
+
+    ns = next(n for n in names() if n.name == "torch" and n.dtype_name == "float64")
+    kernels, staged = _eager_traced(), []
+    kernels.compile = lambda fn: staged.append(fn.__name__) or fn
+    got, expected = _momentum_steps(ns, CHAIN, 11, dict(weight_decay=0.05), 2,
+                                    fast_kernels=kernels)
+    assert set(staged) == {"one_graph_stage_"}
+    for what, g, e in zip(("weights", "biases"), got, expected):
+        _assert_same(ns, g, e, what)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
