@@ -580,6 +580,88 @@ def plain_subclass():
         5, 6), nn.ReLU(), nn.Linear(6, 3))
 
 
+
+class NamedRelu(nn.Module):
+    """A GELU kept under the name ``relu`` (the activation swapped, the name not): a module is
+    what it is, whatever the tensor method of its name is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.relu, self.fc2 = nn.Linear(5, 6), nn.GELU(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(x)))
+
+
+def gelu_then_view(h):
+    """GELU, then ``view(h.size(0), -1)``: the GELU's output is also read for its shape."""
+    h = F.gelu(h)
+    return h.view(h.size(0), -1)
+
+
+class TanhThen(nn.Module):
+    """``op(tanh(x), *args)``: a module called with the arguments of the tensor method ``op``."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x, *args):
+        return self.op(torch.tanh(x), *args)
+
+
+class CalledLikeMethod(nn.Module):
+    """A submodule named like a tensor method (``flatten``, ``view``, ``clamp``) and called
+    with that method's arguments, ``self.flatten(h, 1)``: an ``nn.DataParallel`` (as PyTorch's
+    ImageNet example wraps ``features``; a leaf to fx), here of ``method(tanh(h), *args)``,
+    which no name makes a flatten or a ReLU. Kept on the CPU, as on a machine without GPUs."""
+
+    def __init__(self, name, first, args, second):
+        super().__init__()
+        self.first, self.second, self.method, self.args = first, second, name, args
+        wrapped = nn.DataParallel(TanhThen(getattr(torch.Tensor, name)))
+        wrapped.device_ids = []
+        setattr(self, name, wrapped)
+
+    def forward(self, x):
+        return self.second(getattr(self, self.method)(self.first(x), *self.args))
+
+
+class SizeHead(nn.Module):
+    """Seen in use (CenterNet's heads): a trunk feeding two heads, one of them named
+    ``size``, as the tensor method is: a layer, not a read of the trunk's shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.heat, self.size = nn.Linear(5, 6), nn.Linear(6, 2), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x))
+        return self.heat(h), self.size(h)
+
+
+def squash(module, args):
+    """A forward pre-hook squashing a block's input into (-1, 1)."""
+    return (torch.tanh(args[0]),)
+
+
+class ReluBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return F.relu(self.fc(x))
+
+
+def pre_hooked_block():
+    """A block of the user's own (traced through) with a forward pre-hook: the hook is part
+    of what the model computes, and its tanh ends the chain before the block."""
+    model = seq(nn.Linear(5, 6), nn.ReLU(), ReluBlock(), nn.Linear(6, 3))
+    model[2].register_forward_pre_hook(squash)
+    return model
+
+
 # name: (factory, input shape, expected chains, expected PSI layers)
 CATALOGUE = {
     "mlp with dropout": (mlp_dropout, (4, 6), [["0", "3", "6"]], []),
@@ -685,6 +767,32 @@ CATALOGUE = {
                                         (4, 4), [], []),
     "weight_norm (hook)": (parametrised(nn.utils.weight_norm), (4, 4), [], []),
     "NonDynamicallyQuantizableLinear": (plain_subclass, (4, 4), [["0", "2", "4"]], []),
+    "nn.Flatten(1, 2) of a Conv2d output then a Linear per row": (
+        lambda: conv_between(nn.Flatten(1, 2), 6), (2, 2, 8, 8), [], []),
+    # a shape given by keyword is not read: refused, never guessed
+    "x.reshape(shape=(x.size(0), -1))": (
+        lambda: conv_between(lambda h: h.reshape(shape=(h.size(0), -1)), 48),
+        (2, 2, 6, 6), [], []),
+    "x.clamp(min=0.1) (a shifted ReLU)": (
+        lambda: Between(nn.Linear(5, 6), lambda h: h.clamp(min=0.1), nn.Linear(6, 3)),
+        (4, 5), [], []),
+    "a GELU submodule named relu": (NamedRelu, (4, 5), [], []),
+    "GELU, then a view read for its size": (lambda: conv_between(gelu_then_view, 48),
+                                            (2, 2, 6, 6), [], []),
+    "a submodule named flatten called as self.flatten(x, 1)": (
+        lambda: CalledLikeMethod("flatten", nn.Conv2d(2, 3, 3), (1,), nn.Linear(48, 3)),
+        (2, 2, 6, 6), [], []),
+    "a submodule named view called as self.view(x, 2, -1)": (
+        lambda: CalledLikeMethod("view", nn.Conv2d(2, 3, 3), (2, -1), nn.Linear(48, 3)),
+        (2, 2, 6, 6), [], []),
+    "a submodule named clamp called as self.clamp(x, 0)": (
+        lambda: CalledLikeMethod("clamp", nn.Linear(5, 6), (0,), nn.Linear(6, 3)),
+        (4, 5), [], []),
+    "BatchNorm1d after the ReLU": (
+        lambda: seq(nn.Linear(5, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 3)), (6, 5),
+        [], []),
+    "a trunk and two heads, one named size": (SizeHead, (4, 5), [], []),
+    "a block with a forward pre-hook": (pre_hooked_block, (4, 5), [["2.fc", "3"]], []),
 }
 
 # The unsound claims that shapes alone cannot rule out: forced by hand, a
@@ -699,6 +807,13 @@ UNSOUND = {
     "Linear + LayerNorm": ["0", "3"],
     "tied autoencoder (decoder = encoder transposed)": ["enc1", "enc2"],
     "partial flatten(1, 2) of a Conv2d output": ["c2", "fc1"],
+    "nn.Flatten(1, 2) of a Conv2d output then a Linear per row": ["first", "second"],
+    "x.clamp(min=0.1) (a shifted ReLU)": ["first", "second"],
+    "a GELU submodule named relu": ["fc1", "fc2"],
+    "a submodule named flatten called as self.flatten(x, 1)": ["first", "second"],
+    "a submodule named view called as self.view(x, 2, -1)": ["first", "second"],
+    "a submodule named clamp called as self.clamp(x, 0)": ["first", "second"],
+    "a block with a forward pre-hook": ["0", "2.fc", "3"],
 }
 
 # Why discover() leaves each layer of a catalogue entry out of every chain, whole (an entry
@@ -805,4 +920,17 @@ REASONS = {
     "weight_norm (parametrisation)": computed(),
     "spectral_norm (parametrisation)": computed(),
     "weight_norm (hook)": computed(),
+    "nn.Flatten(1, 2) of a Conv2d output then a Linear per row": stopped_at(goes("Flatten")),
+    "x.reshape(shape=(x.size(0), -1))": stopped_at(goes("reshape")),
+    "x.clamp(min=0.1) (a shifted ReLU)": stopped_at(goes("clamp")),
+    "a GELU submodule named relu": stopped_at(goes("GELU"), "fc1", "fc2"),
+    "GELU, then a view read for its size": stopped_at(goes("gelu")),
+    "a submodule named flatten called as self.flatten(x, 1)": stopped_at(goes("DataParallel")),
+    "a submodule named view called as self.view(x, 2, -1)": stopped_at(goes("DataParallel")),
+    "a submodule named clamp called as self.clamp(x, 0)": stopped_at(goes("DataParallel")),
+    "BatchNorm1d after the ReLU": stopped_at(goes("BatchNorm1d"), "0", "3"),
+    "a trunk and two heads, one named size": {
+        "fc": "its output is used by several operations (a branch or a residual add)",
+        "heat": END, "size": END},
+    "a block with a forward pre-hook": {"0": goes("tanh")},
 }

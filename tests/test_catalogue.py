@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _catalogue import CATALOGUE, REASONS, UNSOUND, qat_conv
+from _catalogue import CATALOGUE, REASONS, UNSOUND, after, qat_conv
 from _helpers import DEFAULT_INIT
 from gsgd_adapters.torch import (GSGD, SkeletonWarning, chain_of, check_invariance, discover,
                                  random_rescale_, skeleton_init_)
@@ -227,3 +227,18 @@ def test_a_layer_whose_walk_passes_batch_norm_and_stops_is_normalised(stop):
     for through_bn in (False, True):
         found = discover(model, through_bn, trainable=trainable)
         assert [n for n, _ in found.normalised] == ["c"] and found.chains == [], through_bn
+
+
+def test_with_batch_norm_passed_through_only_batch_norm_joins_a_chain():
+    """The paper's BN variant passes batch norm only: a conv then batch norm then a conv is one
+    chain (its first layer marked normalised there, so not left to PSI), while a conv then
+    instance norm stops there and is PSI's."""
+    def block(norm):
+        return nn.Sequential(nn.Conv2d(2, 3, 3), norm, nn.ReLU(), nn.Conv2d(3, 2, 1))
+    found = discover(block(nn.BatchNorm2d(3)), through_bn=True)
+    assert [(c.names, c.normalised) for c in found.chains] == [(["0", "3"], [True, False])]
+    assert found.normalised == [] and found.reasons == {}
+    found = discover(block(nn.InstanceNorm2d(3, affine=True)), through_bn=True)
+    assert found.chains == [] and [n for n, _ in found.normalised] == ["0"]
+    assert found.reasons == {"0": "followed by InstanceNorm2d",
+                             "3": after("0", "followed by InstanceNorm2d")}

@@ -906,6 +906,22 @@ def test_ddp_dataparallel_and_compile_wrappers_are_unwrapped(one_process_group):
         assert_close(model[i].bias.detach().numpy(), eb_, 1e-12)
 
 
+def test_a_model_keeping_something_else_as_orig_mod_is_not_unwrapped():
+    """Only torch.compile's wrapper is seen through: ``_orig_mod`` that is no module (a
+    model of the user's own keeping a name there) leaves the model as it is."""
+    model = mlp()
+    model._orig_mod = "mlp"
+    assert [c.modules for c in discover(model).chains] == [[model[0], model[2], model[4]]]
+
+
+def test_discovery_runs_on_a_torch_built_without_distributed_support(monkeypatch):
+    """There ``FSDPModule`` cannot be imported, and discovery has no FSDP2 to see through."""
+    import gsgd_adapters.torch.discovery as discovery
+    monkeypatch.setattr(discovery, "_FSDPModule", None)
+    model = mlp()
+    assert [c.names for c in discover(model).chains] == [["0", "2", "4"]]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_trajectory_equals_cpu():
     model = mlp()
