@@ -818,3 +818,51 @@ def test_a_dtype_change_after_zero_grad_steps_like_w_times_grad(name, first_step
             opt.zero_grad()
     assert_same_parameters(net, twin, rtol=1e-5, atol=1e-6)  # float32 sums, summed otherwise
     assert pairs[0][1].describe().column_sums["backward"] == 2 + first_step
+
+
+def test_a_chain_through_batch_norm_steps_on_its_row_scaled_gradients():
+    """``bn="paper"``: the gradient of a layer followed by batch norm is scaled by its rows'
+    norms before the step, which the sums of the backward pass do not see: that chain takes
+    none, and steps as without them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 6, dtype=F64), nn.ReLU(), nn.Linear(6, 7, dtype=F64),
+                        nn.BatchNorm1d(7, dtype=F64), nn.ReLU(), nn.Linear(7, 3, dtype=F64))
+    twin = copy.deepcopy(net)
+    pairs = [(net, GSGD(net, lr=0.05, bn="paper")),
+             (twin, GSGD(twin, lr=0.05, bn="paper", backward_sums=False))]
+    g = torch.Generator().manual_seed(0)
+    step_twins(pairs, [torch.randn(8, 5, dtype=F64, generator=g) for _ in range(2)])
+    assert_same_parameters(net, twin)
+    assert pairs[0][1].describe().column_sums == {}
+
+
+def test_a_layer_frozen_with_its_gradient_zeroed_keeps_the_sums_from_the_backward_pass():
+    """Fine-tuning: ``l2.weight`` frozen after the first step, its gradient zeroed in place
+    (``zero_grad(set_to_none=False)``) and never accumulated into again: ``W * grad`` is
+    zero there, as its sums stay, so every step takes the sums from the backward pass."""
+    (model, opt), (twin, ref) = _pair(GSGD, lr=0.05)
+    for seed in range(3):
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad(set_to_none=False)
+            _loss(m, seed).backward()
+            o.step()
+            m.l2.weight.requires_grad_(False)
+    assert_same_parameters(model, twin)
+    assert opt.describe().column_sums == BACKWARD
+
+
+def test_ddp_says_a_gradient_changed_though_every_layers_record_had_stopped(one_process_group):
+    """A micro-batch under DDP's ``no_sync``, every gradient clipped in place, a reduced
+    micro-batch, a step: the step reads ``W * grad`` because the gradients were changed;
+    the last backward pass was reduced, though no chain layer's record still counted it."""
+    import _ddp_worker as dw
+
+    model, x, y = dw.model_and_data()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = GSGD(ddp, lr=0.05)
+    with ddp.no_sync():
+        ((ddp(x) - y) ** 2).mean().backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.1)
+    ((ddp(x) - y) ** 2).mean().backward()
+    opt.step()
+    assert opt.describe().column_sums == {CHANGED: 1}

@@ -179,13 +179,15 @@ class _Layer:
     def accumulated(self) -> None:
         """After autograd accumulated into the weight's gradient (in place, or into a new
         tensor): the gradient now known."""
+        # told though the record is broken: DDP's end of this backward pass says whether it
+        # was reduced (a ``no_sync`` before it is no longer the last)
+        if self.on_accumulated is not None:
+            self.on_accumulated(self)
         if self.broken:
             return
         self.clean = False
         self.accumulations.add(_graph_task())
         self.known = _state(self.weight.grad)
-        if self.on_accumulated is not None:
-            self.on_accumulated(self)
 
     def reduced(self) -> None:
         """DDP wrote the gradient after this backward pass's accumulation (its all-reduce,
