@@ -277,6 +277,308 @@ def test_a_grad_scale_of_two_elements_is_refused_before_any_launch(monkeypatch):
         _step_all(plan, parts, momentum=0.9, grad_scale=torch.ones(2, device=DEVICE))
 
 
+@pytest.mark.parametrize("lr, hyper, message", [
+    (0.1, dict(momentum=0.9, dampening=1.5), r"dampening must be finite and in \[0, 1\]"),
+    (0.1, dict(nesterov=True), "nesterov needs momentum > 0"),
+    (0.1, dict(momentum=0.9, weight_decay=-0.1), "weight_decay must be finite and >= 0"),
+    (-0.1, dict(momentum=0.9), r"lr must be finite and >= 0, got -0\.1"),
+    (float("nan"), dict(), "lr must be finite and >= 0, got nan"),
+])
+def test_hyperparameters_the_core_refuses_are_refused_before_any_launch(monkeypatch, lr,
+                                                                        hyper, message):
+    """A dampening above 1, Nesterov without momentum, a negative weight decay, and a
+    learning rate given as a number that is negative or NaN: the core's ``ValueError``
+    before any kernel runs, nothing written."""
+    parts = _setup(MANY)
+    plan = _plan(MANY, parts[0][1][0])
+    before = _snapshot(parts)
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        _step_all(plan, parts, lr=lr, **hyper)
+    _assert_unchanged(before, _snapshot(parts), range(2))
+
+
+@pytest.mark.parametrize("hyper", [dict(momentum=0.9), dict(weight_decay=0.1)], ids=str)
+def test_momentum_or_weight_decay_without_states_is_refused_before_any_launch(
+        monkeypatch, hyper):
+    """Momentum or weight decay alone keeps a buffer or a step count: without ``states``
+    the step is a ``ValueError`` saying so, before any kernel runs, nothing written."""
+    parts = _setup(MANY[:1])
+    plan = _plan(MANY[:1], parts[0][1][0])
+    before = _snapshot(parts)
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match="momentum and weight decay need states"):
+        fused.fused_step_(plan, *[[p[i] for p in parts] for i in range(1, 5)], 0.1, **hyper)
+    _assert_unchanged(before, _snapshot(parts), [0])
+
+
+def test_a_fused_step_unscales_gradients_by_grad_scale_at_a_one_element_lr():
+    """GradScaler's ``grad_scale`` (a one-element device tensor, 4): the step of gradients
+    scaled by 4 is the core's step of the unscaled ones, at a learning rate given as a
+    one-element device tensor, and the gradients hold the unscaled values after it."""
+    parts = _setup(MANY[:1])
+    pb, W, b, G, Gb, state = parts[0]
+    want_W, want_b, want_s = gc.gsgd_update(MANY[0], gc.gsgd_init(MANY[0], pb.W, pb.b), pb.W,
+                                            pb.b, *pb.grads(), lr=0.1, momentum=0.9)
+    unscaled = [g.clone() for g in G + Gb]
+    for g in G + Gb:
+        g.mul_(4)
+    _step_all(_plan(MANY[:1], W[0]), parts,
+              lr=torch.tensor([0.1], dtype=torch.float64, device=DEVICE), momentum=0.9,
+              grad_scale=torch.tensor([4.0], device=DEVICE))
+    for got, want in zip(W + b + list(state.momentum),
+                         list(want_W) + list(want_b) + list(want_s.momentum)):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
+    for got, want in zip(G + Gb, unscaled):
+        torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+
+
+def test_plain_g_sgd_of_two_chains_without_states_takes_column_sums_and_checks():
+    """No momentum, no weight decay, no ``states``, two chains with column sums and
+    gradient checks handed in: a finite check steps its chain as the core does, a NaN one
+    skips its chain only."""
+    parts = _setup(MANY)
+    plan = _plan(MANY, parts[0][1][0])
+    sums = [[(w * g).reshape(c.layer_shape(l)).sum(dim=(0, 2))
+             for l, w, g in zip(range(2, c.L + 1), p[1][1:], p[3][1:])]
+            for c, p in zip(MANY, parts)]
+    checks = [sum(g.sum() for g in p[3]) for p in parts]
+    before = _snapshot(parts)
+    fused.fused_step_(plan, *[[p[i] for p in parts] for i in range(1, 5)], 0.1,
+                      column_sums=sums, gradient_check=[checks[0], checks[1] * float("nan")])
+    _assert_unchanged(before, _snapshot(parts), [1])
+    pb, W, b = parts[0][:3]
+    want_W, want_b, _ = gc.gsgd_update(MANY[0], None, pb.W, pb.b, *pb.grads(), lr=0.1)
+    for got, want in zip(W + b, list(want_W) + list(want_b)):
+        if got is not None:
+            np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_weight_decay_alone_steps_with_buffer_less_states_as_the_optimizer_keeps_them():
+    """Weight decay without momentum with the states the optimizer gathers for it
+    (``GSGDState((), (), count)``: no buffer, a step count): the core's step, counted."""
+    parts = _setup(MANY[:1])
+    pb, W, b, G, Gb, _ = parts[0]
+    state = gc.GSGDState((), (), torch.zeros((), dtype=torch.int32, device=DEVICE))
+    want_W, want_b, _ = gc.gsgd_update(MANY[0], None, pb.W, pb.b, *pb.grads(), lr=0.1,
+                                       weight_decay=0.1)
+    fused.fused_step_(_plan(MANY[:1], W[0]), [W], [b], [G], [Gb], 0.1, [state],
+                      weight_decay=0.1)
+    for got, want in zip(W + b, list(want_W) + list(want_b)):
+        np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
+    assert int(state.step) == 1
+
+
+def _meta_like(t):
+    return torch.zeros_like(t, device="meta")
+
+
+@pytest.mark.parametrize("chain, change, message", [
+    (0, lambda s: s._replace(momentum=s.momentum[:1]), "chain 0: momentum has 1 arrays for 2"),
+    (0, lambda s: s._replace(momentum=(s.momentum[0][:1], s.momentum[1])),
+     r"chain 0, layer 1: the momentum buffer has shape \(1, 3, 1\) and dtype torch.float64; "
+     r"expected \(4, 3, 1\) and torch.float64"),
+    (0, lambda s: s._replace(bias_momentum=(None, s.bias_momentum[1])),
+     r"chain 0, layer 1: the bias momentum buffer has shape None and dtype None; expected "
+     r"\(4,\) and torch.float64"),
+    (1, lambda s: s._replace(bias_momentum=(torch.zeros(3, dtype=torch.float64,
+                                                        device=DEVICE), None, None)),
+     r"chain 1, layer 1: the bias momentum buffer has shape \(3,\) and dtype torch.float64; "
+     r"expected None and torch.float64"),
+    (1, lambda s: s._replace(step=torch.zeros(2, dtype=torch.int32, device=DEVICE)),
+     r"states\[1\].step must be a one-element tensor on .*, got shape \(2,\)"),
+    (1, lambda s: s._replace(step=_meta_like(s.step)),
+     r"states\[1\].step must be a one-element tensor on .*, got shape \(\) on meta"),
+])
+def test_states_whose_buffers_or_counter_do_not_fit_are_refused_before_any_launch(
+        monkeypatch, chain, change, message):
+    """A momentum buffer missing, of another shape, missing where the layer has a bias or
+    given where it has none, and a step counter of two elements or on another device: a
+    ``ValueError`` naming the chain, the layer and both shapes, before any kernel runs."""
+    parts = [list(p) for p in _setup(MANY)]
+    plan = _plan(MANY, parts[0][1][0])
+    parts[chain][5] = change(parts[chain][5])
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        _step_all(plan, parts, momentum=0.9)
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(found_inf=torch.zeros(1, device="meta")),
+     r"found_inf must be a one-element tensor on .*, got shape \(1,\) on meta"),
+    ("check", r"gradient_check\[0\] must be a one-element tensor on .*, got shape \(\) on meta"),
+])
+def test_device_tensors_on_another_device_are_refused_before_any_launch(monkeypatch, given,
+                                                                        message):
+    """``found_inf`` and a gradient check that are not on the parameters' device: a
+    ``ValueError`` saying where they are, before any kernel runs."""
+    parts = _setup(MANY[:1])
+    plan = _plan(MANY[:1], parts[0][1][0])
+    if given == "check":
+        _, W, _, G, _, _ = parts[0]
+        given = dict(column_sums=[[(W[1] * G[1]).reshape(MANY[0].layer_shape(2)).sum(
+            dim=(0, 2))]], gradient_check=[_meta_like(G[0].sum())])
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        _step_all(plan, parts, momentum=0.9, **given)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p, s: s.update(state=p[5]._replace(momentum=(
+        _meta_like(p[5].momentum[0]), p[5].momentum[1]))),
+     "chain 0, layer 1: the momentum buffer is on meta, the plan's tensors on"),
+    (lambda p, s: s.update(state=p[5]._replace(momentum=(
+        p[5].momentum[0], torch.zeros(2, 4, 2, dtype=torch.float64, device=DEVICE)[..., :1]))),
+     r"chain 0, layer 2: .* the momentum buffer of shape \(2, 4, 1\) is not contiguous"),
+    (lambda p, s: s.update(state=p[5]._replace(bias_momentum=(
+        torch.zeros(8, dtype=torch.float64, device=DEVICE)[::2], p[5].bias_momentum[1]))),
+     r"chain 0, layer 1: .* the bias momentum buffer of shape \(4,\) is not contiguous"),
+    (lambda p, s: s.update(state=p[5]._replace(bias_momentum=(
+        p[5].bias_momentum[0], _meta_like(p[5].bias_momentum[1])))),
+     "chain 0, layer 2: the bias momentum buffer is on meta"),
+    (lambda p, s: s.update(column_sums=[[_meta_like(p[1][0][:, 0, 0])]],
+                           gradient_check=[p[3][0].sum()]),
+     "chain 0, layer 2: the column sum is on meta"),
+])
+def test_a_tensor_on_another_device_or_not_contiguous_is_named_before_any_launch(
+        monkeypatch, change, message):
+    """A momentum buffer, a bias buffer, a column sum on another device or not
+    contiguous: a ``ValueError`` naming the chain, the layer and which tensor it is,
+    before any kernel runs."""
+    parts = [list(p) for p in _setup(MANY[:1])]
+    plan = _plan(MANY[:1], parts[0][1][0])
+    kw = {}
+    change(parts[0], kw)
+    if "state" in kw:
+        parts[0][5] = kw.pop("state")
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        _step_all(plan, parts, momentum=0.9, **kw)
+
+
+def test_weights_of_another_dtype_than_the_plans_are_refused_before_any_launch(monkeypatch):
+    """A float64 plan handed float32 weights and gradients (no states, so no buffer's dtype
+    to tell): a ``ValueError`` saying the plan does not fit them, before any kernel runs."""
+    parts = _setup(MANY[:1])
+    plan = _plan(MANY[:1], parts[0][1][0])
+    W, b, G, Gb = ([None if t is None else t.float() for t in x] for x in parts[0][1:5])
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match="chain 0: .* does not fit weights of dtype "
+                                         "torch.float32"):
+        fused.fused_step_(plan, [W], [b], [G], [Gb], 0.1)
+
+
+def test_without_weight_decay_path_values_beyond_float32_leave_the_cores_momentum():
+    """float32 weights of 1e20 (path values of 1e40 overflow float32), momentum without
+    weight decay: the momentum buffers are the core's (no ``0 * inf`` of a decay that is
+    off turns the path gradients into NaN)."""
+    chain = gc.Chain.mlp([2, 2, 2])
+    W = [torch.full((2, 2), 1e20, dtype=torch.float32, device=DEVICE) for _ in range(2)]
+    b = [torch.zeros(2, dtype=torch.float32, device=DEVICE) for _ in range(2)]
+    G = [torch.full((2, 2), g, dtype=torch.float32, device=DEVICE) for g in (0.5, 0.25)]
+    Gb = [torch.ones(2, dtype=torch.float32, device=DEVICE) for _ in range(2)]
+    want = gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1, momentum=0.9)
+    state = gc.gsgd_init(chain, W, b)
+    fused.fused_step_(_plan([chain], W[0]), [W], [b], [G], [Gb], 0.1, [state], momentum=0.9)
+    assert float(want[2].momentum[0][0, 1]) > 0
+    for got, expected in zip(W + b + list(state.momentum) + list(state.bias_momentum),
+                             [*want[0], *want[1], *want[2].momentum, *want[2].bias_momentum]):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def _step_lists(parts, **kw):
+    """The arguments of a step of ``parts`` with column sums and checks, ``kw`` replacing
+    any."""
+    args = dict(zip(["weights", "biases", "grads", "bias_grads"],
+                    [[p[i] for p in parts] for i in range(1, 5)]), lr=0.1,
+                states=[p[5] for p in parts],
+                column_sums=[[(w * g).reshape(c.layer_shape(l)).sum(dim=(0, 2))
+                              for l, w, g in zip(range(2, c.L + 1), p[1][1:], p[3][1:])]
+                             for c, p in zip(MANY, parts)],
+                gradient_check=[sum(g.sum() for g in p[3]) for p in parts])
+    args.update(kw)
+    return args
+
+
+@pytest.mark.parametrize("name", ["weights", "biases", "grads", "bias_grads", "states",
+                                  "column_sums", "gradient_check"])
+def test_a_list_that_has_not_one_entry_per_chain_is_refused_before_any_launch(monkeypatch,
+                                                                               name):
+    """Two chains, one list of the step's with one entry: a ``ValueError`` naming it."""
+    parts = _setup(MANY)
+    args = _step_lists(parts)
+    args[name] = args[name][:1]
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=f"^{name}: the plan steps 2 chains, got 1 lists"):
+        fused.fused_step_(_plan(MANY, parts[0][1][0]), **args, momentum=0.9)
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("column_sums", "gradient_check is the check of column_sums: pass both"),
+    ("gradient_check", "gradient_check is the check of column_sums: pass both"),
+    ("sums of the wrong shape", r"column_sums of layer 2: expected shape \(4,\)"),
+])
+def test_column_sums_without_their_check_or_of_the_wrong_shape_are_refused(monkeypatch, drop,
+                                                                           message):
+    """Column sums without a gradient check, a check without sums, sums of another
+    length: a ``ValueError`` before any kernel runs."""
+    parts = _setup(MANY)
+    args = _step_lists(parts)
+    if drop in args:
+        args[drop] = None
+    else:
+        args["column_sums"][0][0] = args["column_sums"][0][0][:2]
+    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    with pytest.raises(ValueError, match=message):
+        fused.fused_step_(_plan(MANY, parts[0][1][0]), **args, momentum=0.9)
+
+
+def test_chains_without_biases_step_with_biases_and_bias_grads_none():
+    """Two bias-free chains stepped with ``biases`` and ``bias_grads`` ``None``: each
+    takes the core's step."""
+    chains_ = [MANY[1], MANY[1]]
+    parts = _setup(chains_)
+    fused.fused_step_(_plan(chains_, parts[0][1][0]), [p[1] for p in parts], None,
+                      [p[3] for p in parts], None, 0.1)
+    for pb, W, *_ in parts:
+        want_W, _, _ = gc.gsgd_update(MANY[1], None, pb.W, None, *pb.grads(), lr=0.1)
+        for got, want in zip(W, want_W):
+            np.testing.assert_allclose(got.cpu().numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("likes, message", [
+    ([], "a fused plan needs at least one chain"),
+    ([(torch.float64, DEVICE), (torch.float32, DEVICE)],
+     "a fused plan steps chains of one device and dtype"),
+    ([(torch.float32, DEVICE), (torch.float32, "meta")],
+     "a fused plan steps chains of one device and dtype"),
+    ([(torch.int32, DEVICE)], "the fused step takes floating tensors, got torch.int32"),
+])
+def test_a_fused_plan_of_chains_it_cannot_step_at_once_is_refused(likes, message):
+    """No chain, chains of two dtypes or two devices, integer weights: ``ValueError``
+    when the plan is made."""
+    plans = [gbt.ON_DEVICE.plan(MANY[0], torch.zeros(4, 3, 1, dtype=dtype, device=device))
+             for dtype, device in likes]
+    with pytest.raises(ValueError, match=message):
+        fused.FusedPlan(plans, BLOCKS)
+
+
+def test_a_non_finite_bias_gradient_skips_its_chain():
+    """An infinite bias gradient in one chain: that chain is skipped whole (weights,
+    biases, buffers, step count), with or without column sums handed in."""
+    for sums in (False, True):
+        parts = _setup(MANY)
+        parts[0][4][1][0] = float("inf")
+        args = _step_lists(parts) if sums else {}
+        before = _snapshot(parts)
+        if sums:
+            fused.fused_step_(_plan(MANY, parts[0][1][0]), **args, momentum=0.9)
+        else:
+            _step_all(_plan(MANY, parts[0][1][0]), parts, momentum=0.9)
+        _assert_unchanged(before, _snapshot(parts), [0])
+        assert [int(p[5].step) for p in parts] == [0, 1]
+
+
 def test_cpu_tensors_outside_the_interpreter_are_refused(monkeypatch):
     parts = _setup(MANY[:1], device=torch.device("cpu"))
     plan = _plan(MANY[:1], parts[0][1][0])
