@@ -66,6 +66,24 @@ def assert_all_close(actuals, expecteds, rtol, what=""):
         assert_close(a, e, rtol, f"{what}[{i}]")
 
 
+def record_calls(monkeypatch, module, names) -> list[str]:
+    """Wrap each function ``names`` of ``module`` so that a call appends its name to the
+    list returned, then runs it (which of torch's implementations a step takes)."""
+    used = []
+
+    def spied(name):
+        run = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            used.append(name)
+            return run(*args, **kwargs)
+        return spy
+
+    for name in names:
+        monkeypatch.setattr(module, name, spied(name))
+    return used
+
+
 class Problem:
     """Host float64 weights, biases, data and gradients of one random chain problem."""
 

@@ -247,6 +247,25 @@ def test_a_fused_step_reads_nothing_back_to_the_host():
     assert [int(p[5].step) for p in parts] == [1, 0]
 
 
+def _step_lists(parts, **kw):
+    """The arguments of a step of ``parts`` with column sums and checks, ``kw`` replacing
+    any."""
+    args = dict(zip(["weights", "biases", "grads", "bias_grads"],
+                    [[p[i] for p in parts] for i in range(1, 5)]), lr=0.1,
+                states=[p[5] for p in parts],
+                column_sums=[[(w * g).reshape(c.layer_shape(l)).sum(dim=(0, 2))
+                              for l, w, g in zip(range(2, c.L + 1), p[1][1:], p[3][1:])]
+                             for c, p in zip(MANY, parts)],
+                gradient_check=[sum(g.sum() for g in p[3]) for p in parts])
+    args.update(kw)
+    return args
+
+
+def _no_launch(monkeypatch, module) -> None:
+    """Fail the test if ``module`` launches a kernel (a refusal comes before any)."""
+    monkeypatch.setattr(module, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda p: p[3].__setitem__(1, p[3][1][:, :1]), "layer 2"),
     (lambda p: p[1].__setitem__(0, p[1][0].transpose(0, 1).contiguous().transpose(0, 1)),
@@ -262,7 +281,7 @@ def test_bad_input_is_refused_before_any_launch(monkeypatch, change, message):
     if isinstance(out, gc.GSGDState):
         parts[0][5] = out
         message = "int32"
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, momentum=0.9)
 
@@ -272,7 +291,7 @@ def test_a_grad_scale_of_two_elements_is_refused_before_any_launch(monkeypatch):
     ``ValueError`` before any kernel runs."""
     parts = _setup(MANY[:1])
     plan = _plan(MANY[:1], parts[0][1][0])
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match="grad_scale must be a one-element tensor"):
         _step_all(plan, parts, momentum=0.9, grad_scale=torch.ones(2, device=DEVICE))
 
@@ -292,7 +311,7 @@ def test_hyperparameters_the_core_refuses_are_refused_before_any_launch(monkeypa
     parts = _setup(MANY)
     plan = _plan(MANY, parts[0][1][0])
     before = _snapshot(parts)
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, lr=lr, **hyper)
     _assert_unchanged(before, _snapshot(parts), range(2))
@@ -306,7 +325,7 @@ def test_momentum_or_weight_decay_without_states_is_refused_before_any_launch(
     parts = _setup(MANY[:1])
     plan = _plan(MANY[:1], parts[0][1][0])
     before = _snapshot(parts)
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match="momentum and weight decay need states"):
         fused.fused_step_(plan, *[[p[i] for p in parts] for i in range(1, 5)], 0.1, **hyper)
     _assert_unchanged(before, _snapshot(parts), [0])
@@ -338,14 +357,10 @@ def test_plain_g_sgd_of_two_chains_without_states_takes_column_sums_and_checks()
     gradient checks handed in: a finite check steps its chain as the core does, a NaN one
     skips its chain only."""
     parts = _setup(MANY)
-    plan = _plan(MANY, parts[0][1][0])
-    sums = [[(w * g).reshape(c.layer_shape(l)).sum(dim=(0, 2))
-             for l, w, g in zip(range(2, c.L + 1), p[1][1:], p[3][1:])]
-            for c, p in zip(MANY, parts)]
-    checks = [sum(g.sum() for g in p[3]) for p in parts]
+    args = _step_lists(parts, states=None)
+    args["gradient_check"][1] = args["gradient_check"][1] * float("nan")
     before = _snapshot(parts)
-    fused.fused_step_(plan, *[[p[i] for p in parts] for i in range(1, 5)], 0.1,
-                      column_sums=sums, gradient_check=[checks[0], checks[1] * float("nan")])
+    fused.fused_step_(_plan(MANY, parts[0][1][0]), **args)
     _assert_unchanged(before, _snapshot(parts), [1])
     pb, W, b = parts[0][:3]
     want_W, want_b, _ = gc.gsgd_update(MANY[0], None, pb.W, pb.b, *pb.grads(), lr=0.1)
@@ -398,7 +413,7 @@ def test_states_whose_buffers_or_counter_do_not_fit_are_refused_before_any_launc
     parts = [list(p) for p in _setup(MANY)]
     plan = _plan(MANY, parts[0][1][0])
     parts[chain][5] = change(parts[chain][5])
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, momentum=0.9)
 
@@ -418,7 +433,7 @@ def test_device_tensors_on_another_device_are_refused_before_any_launch(monkeypa
         _, W, _, G, _, _ = parts[0]
         given = dict(column_sums=[[(W[1] * G[1]).reshape(MANY[0].layer_shape(2)).sum(
             dim=(0, 2))]], gradient_check=[_meta_like(G[0].sum())])
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, momentum=0.9, **given)
 
@@ -451,7 +466,7 @@ def test_a_tensor_on_another_device_or_not_contiguous_is_named_before_any_launch
     change(parts[0], kw)
     if "state" in kw:
         parts[0][5] = kw.pop("state")
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=message):
         _step_all(plan, parts, momentum=0.9, **kw)
 
@@ -462,7 +477,7 @@ def test_weights_of_another_dtype_than_the_plans_are_refused_before_any_launch(m
     parts = _setup(MANY[:1])
     plan = _plan(MANY[:1], parts[0][1][0])
     W, b, G, Gb = ([None if t is None else t.float() for t in x] for x in parts[0][1:5])
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match="chain 0: .* does not fit weights of dtype "
                                          "torch.float32"):
         fused.fused_step_(plan, [W], [b], [G], [Gb], 0.1)
@@ -486,20 +501,6 @@ def test_without_weight_decay_path_values_beyond_float32_leave_the_cores_momentu
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
 
 
-def _step_lists(parts, **kw):
-    """The arguments of a step of ``parts`` with column sums and checks, ``kw`` replacing
-    any."""
-    args = dict(zip(["weights", "biases", "grads", "bias_grads"],
-                    [[p[i] for p in parts] for i in range(1, 5)]), lr=0.1,
-                states=[p[5] for p in parts],
-                column_sums=[[(w * g).reshape(c.layer_shape(l)).sum(dim=(0, 2))
-                              for l, w, g in zip(range(2, c.L + 1), p[1][1:], p[3][1:])]
-                             for c, p in zip(MANY, parts)],
-                gradient_check=[sum(g.sum() for g in p[3]) for p in parts])
-    args.update(kw)
-    return args
-
-
 @pytest.mark.parametrize("name", ["weights", "biases", "grads", "bias_grads", "states",
                                   "column_sums", "gradient_check"])
 def test_a_list_that_has_not_one_entry_per_chain_is_refused_before_any_launch(monkeypatch,
@@ -508,7 +509,7 @@ def test_a_list_that_has_not_one_entry_per_chain_is_refused_before_any_launch(mo
     parts = _setup(MANY)
     args = _step_lists(parts)
     args[name] = args[name][:1]
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=f"^{name}: the plan steps 2 chains, got 1 lists"):
         fused.fused_step_(_plan(MANY, parts[0][1][0]), **args, momentum=0.9)
 
@@ -528,7 +529,7 @@ def test_column_sums_without_their_check_or_of_the_wrong_shape_are_refused(monke
         args[drop] = None
     else:
         args["column_sums"][0][0] = args["column_sums"][0][0][:2]
-    monkeypatch.setattr(fused, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused)
     with pytest.raises(ValueError, match=message):
         fused.fused_step_(_plan(MANY, parts[0][1][0]), **args, momentum=0.9)
 
@@ -748,7 +749,7 @@ def test_bad_psi_input_is_refused_before_the_launch(monkeypatch, change, message
     hyper = change(W, G, U) or dict(momentum=0.9)
     G += [torch.zeros(2, 2, device=DEVICE)] * (len(W) - len(G))
     U += [torch.zeros(2, 2, device=DEVICE)] * (len(W) - len(U))
-    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused_psi)
     with pytest.raises(ValueError, match=message):
         fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, 0.1, **hyper)
 
@@ -761,7 +762,7 @@ def test_a_psi_learning_rate_the_core_refuses_as_a_number_is_refused_before_the_
     runs."""
     W, G, U = _psi_problem(torch.float64)
     plan = fused_psi.FusedPSIPlan(W, PSI_BLOCKS)
-    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused_psi)
     with pytest.raises(ValueError, match=r"lr must be finite and >= 0, got (-0\.1|nan)"):
         fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(U)), W, G, lr, momentum=0.9)
 
@@ -838,7 +839,7 @@ def test_fused_psi_on_cpu_tensors_without_the_interpreter_is_refused(monkeypatch
     W, G, U = _psi_problem(torch.float64)
     plan = fused_psi.FusedPSIPlan([w.cpu() for w in W], PSI_BLOCKS)
     monkeypatch.setattr(fused_psi, "interpreted", lambda: False)
-    monkeypatch.setattr(fused_psi, "launch", lambda *a, **k: pytest.fail("a kernel ran"))
+    _no_launch(monkeypatch, fused_psi)
     with pytest.raises(ValueError, match="only under Triton's interpreter"):
         fused_psi.fused_psi_step_(plan, gc.PSIState(tuple(u.cpu() for u in U)),
                                   [w.cpu() for w in W], [g.cpu() for g in G], 0.1)

@@ -11,7 +11,7 @@ import torch._dynamo.utils as dynamo_utils
 import torch.nn as nn
 
 import gsgd_core as gc
-from _helpers import assert_close
+from _helpers import assert_close, record_calls
 from _twins import assert_same_parameters, step_twins
 from test_torch_adapter import float64_default, loss_of, train  # noqa: F401 (autouse)
 from gsgd_adapters.torch import (GAdam, GAdamW, SkeletonWarning, SkippedStepWarning, discover,
@@ -457,18 +457,7 @@ def test_foreach_picks_torchs_implementation_of_the_rest_adam_update(cls, foreac
     is the single-tensor loop)."""
     import torch.optim.adam as torch_adam
 
-    used = []
-
-    def spied(impl):
-        run = getattr(torch_adam, impl)
-
-        def spy(*args, **kwargs):
-            used.append(impl)
-            return run(*args, **kwargs)
-        return spy
-
-    for impl in ("_single_tensor_adam", "_multi_tensor_adam"):
-        monkeypatch.setattr(torch_adam, impl, spied(impl))
+    used = record_calls(monkeypatch, torch_adam, ("_single_tensor_adam", "_multi_tensor_adam"))
     model = Net()  # the batch-normalised first layer and the batch norm are the rest
     skeleton_init_(model)
     x, y = data()

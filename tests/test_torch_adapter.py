@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import gsgd_core as gc
-from _helpers import DEFAULT_INIT, assert_close
+from _helpers import DEFAULT_INIT, assert_close, record_calls
 from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkeletonWarning,
                                  SkippedStepWarning, check_invariance, discover,
                                  random_rescale_, skeleton_init_)
@@ -640,18 +640,7 @@ def test_foreach_picks_torchs_implementation_of_the_rest_update(cls, foreach, mo
     is the single-tensor loop)."""
     import torch.optim.sgd as torch_sgd
 
-    used = []
-
-    def spied(impl):
-        run = getattr(torch_sgd, impl)
-
-        def spy(*args, **kwargs):
-            used.append(impl)
-            return run(*args, **kwargs)
-        return spy
-
-    for impl in ("_single_tensor_sgd", "_multi_tensor_sgd"):
-        monkeypatch.setattr(torch_sgd, impl, spied(impl))
+    used = record_calls(monkeypatch, torch_sgd, ("_single_tensor_sgd", "_multi_tensor_sgd"))
     model = normed_mlp()  # its last layer and the normalisation's parameters are the rest
     opt = cls(model, lr=0.1, foreach=foreach)
     x, y = data(model)
