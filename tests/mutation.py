@@ -166,12 +166,19 @@ def stage(module: str, tests: list[str], conf: dict, keep: bool = False) -> Path
     return dest
 
 
+#: Exit codes mutmut calls "suspicious" that are a crash of the tests' process: SIGABRT,
+#: which the C library raises on a heap a kernel wrote out of bounds.
+CRASHES = {-6: "abort"}
+
+
 def statuses(dest: Path, module: str) -> dict[str, str]:
-    """Every mutant of the run in ``dest`` and its status as mutmut names it."""
+    """Every mutant of the run in ``dest`` and its status as mutmut names it, or as
+    ``CRASHES`` does."""
     from mutmut.stats import status_by_exit_code
 
     meta = json.loads((dest / "mutants" / (import_path(module) + ".meta")).read_text())
-    return {k: status_by_exit_code[v] for k, v in sorted(meta["exit_code_by_key"].items())}
+    return {k: CRASHES.get(v) or status_by_exit_code[v]
+            for k, v in sorted(meta["exit_code_by_key"].items())}
 
 
 def hashes(dest: Path, module: str) -> dict[str, str]:
@@ -412,8 +419,9 @@ def counts(result: dict) -> collections.Counter:
 
 
 #: The statuses of a caught mutant besides "killed": one that hangs the tests, and one
-#: that crashes their process (a fused kernel the interpreter runs on a null pointer).
-CAUGHT = ("timeout", "segfault")
+#: that crashes their process (a fused kernel the interpreter runs on a null pointer, or
+#: one that writes past a buffer's end).
+CAUGHT = ("timeout", "segfault", "abort")
 
 
 def score(result: dict) -> tuple[int, int]:

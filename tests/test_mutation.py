@@ -69,8 +69,17 @@ def _result(tmp_path, module, status, survivors):
 
 def test_score_counts_timeouts_and_crashes_as_killed_and_missing_tests_as_survivors():
     r = {"status": {"a": "killed", "b": "timeout", "c": "survived", "d": "no tests",
-                    "e": "skipped", "f": "segfault"}}
-    assert mutation.score(r) == (3, 5)
+                    "e": "skipped", "f": "segfault", "g": "abort", "h": "suspicious"}}
+    assert mutation.score(r) == (4, 7)
+
+
+def test_an_aborted_test_process_is_a_crash_and_other_odd_exit_codes_stay_suspicious(
+        tmp_path):
+    meta = tmp_path / "mutants" / "gsgd_backends" / "plan.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {"a": -6, "b": -11, "c": 7, "d": 1}}))
+    assert mutation.statuses(tmp_path, "backends/plan.py") == {
+        "a": "abort", "b": "segfault", "c": "suspicious", "d": "killed"}
 
 
 def test_a_mutant_no_test_reaches_counts_open_or_equivalent_as_a_survivor(tmp_path,
