@@ -15,7 +15,7 @@ from array_api_compat import array_namespace
 import gsgd_core
 from gsgd_core import Chain, GSGDState
 from gsgd_core.arrays import check_hyper, is_real, quiet_fp
-from gsgd_core.gsgd import check_update_hypers
+from gsgd_core.gsgd import check_buffers, check_update_hypers
 from gsgd_core.rules import all_finite
 
 from ._dispatch import assign, kernels_for, library
@@ -91,6 +91,8 @@ def gsgd_update_(chain: Chain, state: GSGDState | None, weights, biases, grads, 
     if column_sums is not None or gradient_check is not None:
         check_column_sums(chain, column_sums, weights[0].dtype, gradient_check)
     h = _fast_hypers(hyper, state, plan)
+    if h is not None and h["momentum"] != 0:
+        check_buffers(chain, state)  # before the fast path reads a buffer that is not there
     finite = None  # known once the fast path has declined the step
     if (kernels is not None or plan is not None) and h is not None:
         if fast_step_(kernels, chain, weights, biases, grads, bias_grads, state=state,

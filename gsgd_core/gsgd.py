@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence
 
-from .arrays import (check_hyper, is_off, is_real, prepare, quiet_fp, restore, scalar, unvecs,
-                     vecs, view3)
+from .arrays import (check_hyper, check_list, is_off, is_real, prepare, quiet_fp, restore,
+                     scalar, unvecs, vecs, view3)
 from .chain import Chain
 from .rules import StepRule, all_finite, direction, guard
 from .sweeps import allocate3, chain_products, icr3, path_values3
@@ -142,6 +142,8 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
         if use_momentum and state is None:
             raise ValueError("momentum needs a state: create one with gsgd_init(chain, weights, "
                              "biases)")
+        if use_momentum:
+            check_buffers(chain, state)
         extra = () if state is None else (("momentum", state.momentum),
                                           ("bias_momentum", state.bias_momentum))
 
@@ -167,6 +169,20 @@ def gsgd_update(chain: Chain, state: GSGDState | None, weights: Arrays,
             return S, Sb, scalar(p, lr), new_state
 
         return path_step(chain, weights, biases, grads, bias_grads, steps, extra)
+
+
+def check_buffers(chain: Chain, state: GSGDState) -> None:
+    """``ValueError`` naming the layer where a momentum step's ``state`` lacks a buffer:
+    every layer needs one, and every layer with a bias a bias buffer."""
+    momentum = check_list(chain, "momentum", state.momentum)
+    bias_momentum = check_list(chain, "bias_momentum", state.bias_momentum)
+    for l, (m, mb) in enumerate(zip(momentum, bias_momentum), start=1):
+        if m is None:
+            raise ValueError(f"layer {l}: state.momentum[{l - 1}] is None; a step with "
+                             f"momentum needs a buffer per layer (gsgd_init makes them)")
+        if chain.bias[l - 1] and mb is None:
+            raise ValueError(f"layer {l}: the layer has a bias but state.bias_momentum"
+                             f"[{l - 1}] is None (gsgd_init makes every buffer)")
 
 
 def path_step(chain: Chain, weights: Arrays, biases: OptArrays | None, grads: Arrays,
