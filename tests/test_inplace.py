@@ -376,6 +376,23 @@ def test_arguments_the_fast_path_cannot_read_get_the_cores_errors():
         np.testing.assert_array_equal(a, e)
 
 
+@pytest.mark.parametrize("field, message", [
+    ("momentum", r"^layer 2: state.momentum\[1\] is None; a step with momentum needs"),
+    ("bias_momentum", r"^layer 2: the layer has a bias but state.bias_momentum\[1\] is None")])
+def test_a_momentum_state_lacking_a_buffer_is_refused_by_layer_before_any_write(fxp, field,
+                                                                                message):
+    _, W, b, G, Gb = _data(fxp)
+    state = gc.gsgd_init(CHAIN, W, b)
+    buffers = list(getattr(state, field))
+    buffers[1] = None
+    state = state._replace(**{field: tuple(buffers)})
+    before = [np.array(fxp.to_numpy(a)) for a in W + b]
+    with pytest.raises(ValueError, match=message):
+        gb.gsgd_update_(CHAIN, state, W, b, G, Gb, lr=0.1, momentum=0.9)
+    for a, e in zip(W + b, before):
+        np.testing.assert_array_equal(fxp.to_numpy(a), e)
+
+
 def test_a_step_skipped_for_a_non_finite_gradient_writes_nothing():
     """Where the fast path declines a step for a NaN gradient, the step is skipped without
     a write, not written back unchanged: read-only weights are left alone, no error."""
