@@ -659,6 +659,46 @@ def test_well_formed_column_sums_pass_the_check(check):
                                        check) is None
 
 
+def _given_sums_step(**given):
+    """A fast NumPy step of ``CHAIN`` with ``given`` column sums and check: whether it went
+    through, and the weights and biases after it (``None`` stays)."""
+    import gsgd_backends.numpy as gbn
+
+    pb = Problem(CHAIN, 3)
+    G, Gb = pb.grads()
+    W, b = [w.copy() for w in pb.W], [None if x is None else x.copy() for x in pb.b]
+    sums = [(w * g).reshape(CHAIN.layer_shape(l)).sum(axis=(0, 2))
+            for l, w, g in zip(range(2, CHAIN.L + 1), W[1:], G[1:])]
+    given = {k: v(sums, sum(g.sum() for g in G)) for k, v in given.items()}
+    done = fast.fast_step_(gbn.KERNELS, CHAIN, W, b, G, Gb, 0.1, **given)
+    return done, [a for a in W + b if a is not None], pb
+
+
+def test_a_step_reads_the_column_sums_it_is_given_and_sums_the_gradients_to_check_them():
+    """Column sums handed in without a check (DESIGN §12): the step equals the one that sums
+    ``W * grad`` itself, its check the gradients' sum; planted wrong, the sums move the
+    weights elsewhere (the step reads them, not the weights)."""
+    done, want, _ = _given_sums_step()
+    assert done
+    done, got, _ = _given_sums_step(column_sums=lambda s, t: s)
+    assert done
+    for a, e in zip(got, want):
+        np.testing.assert_allclose(a, e, rtol=1e-13, atol=1e-15)
+    done, wrong, _ = _given_sums_step(column_sums=lambda s, t: [x + 1.0 for x in s])
+    assert done and not all(np.allclose(a, e) for a, e in zip(wrong, want))
+
+
+def test_a_gradient_check_that_is_not_finite_hands_the_step_back_unwritten():
+    """The caller's check stands for the gradients: not finite, the fast step hands the
+    step back with nothing written (the gradients themselves are all finite here)."""
+    done, after, pb = _given_sums_step(column_sums=lambda s, t: s,
+                                       gradient_check=lambda s, t: t * np.nan)
+    assert not done
+    assert all(np.array_equal(a, e) for a, e in zip(after, pb.W + [x for x in pb.b
+                                                                   if x is not None]))
+    assert _given_sums_step(column_sums=lambda s, t: s, gradient_check=lambda s, t: t)[0]
+
+
 class _OtherLibrary:
     """Another library's array of NumPy's dtype on NumPy's device (as CuPy's have)."""
 
@@ -871,6 +911,24 @@ def test_marks_find_each_layers_special_edges_and_their_places_in_the_stack(chai
         assert np.array_equal(spec[m.tau_at[rows]], tau)
         assert np.array_equal(spec[m.free_at[cols]], free)
         assert np.all(m.tau_col[m.tau_col < 0] == -1) and np.all(m.free_row[m.free_row < 0] == -1)
+
+
+@pytest.mark.parametrize("chain", [CHAIN, MARKED], ids=["default skeleton", "custom skeleton"])
+def test_marks_place_special_edges_by_index_select_which_takes_no_negative_index(chain):
+    """Each mark's place among its layer's special edges counts from that layer's first
+    (``0 <= place < count``): the eager torch step takes them with ``index_select``."""
+    from gsgd_backends.plan import marks_of, special_edges, stack_plan
+
+    marks = marks_of(chain, stack_plan(chain), np.float64)
+    for l in range(1, chain.L + 1):
+        n, p, k = chain.layer_shape(l)
+        m, spec = marks.layer(l), torch.from_numpy(special_edges(chain, l))
+        rows, cols = np.flatnonzero(m.tau_col >= 0), np.flatnonzero(m.free_row >= 0)
+        for at, want in ((m.tau_at[rows], rows * p * k + m.tau_col[rows]),
+                         (m.free_at[cols], m.free_row[cols] * p * k + cols)):
+            assert np.all((0 <= at) & (at < len(spec))), (l, at)
+            got = torch.index_select(spec, 0, torch.from_numpy(at))
+            assert got.tolist() == want.astype(np.int64).tolist()
 
 
 def test_marks_compare_indices_in_the_steps_dtype_while_it_holds_them_exactly():
