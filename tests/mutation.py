@@ -333,6 +333,8 @@ def run_functions(module: str, functions: list[str], jobs: int, conf: dict) -> d
     result = in_workers(dest, {"module": module, "status": status, "survivors": survivors},
                         conf, env)
     seconds = time.perf_counter() - start
+    if "counts" in before:
+        before["counts"] = _uncounted(before, status, [mutant_glob(module, f) for f in functions])
     before["status"] = before.get("status", {}) | result["status"]
     before["survivors"] = {n: d for n, d in before["survivors"].items()
                            if n not in status} | result["survivors"]
@@ -340,6 +342,21 @@ def run_functions(module: str, functions: list[str], jobs: int, conf: dict) -> d
         {"seconds": round(seconds, 1), "jobs": jobs, "date": time.strftime("%Y-%m-%d"),
          "functions": functions, "mutants": len(status)}]
     return _save(before)
+
+
+def _uncounted(before: dict, status: dict[str, str], patterns: list[str]) -> dict[str, int]:
+    """The ``counts`` of a result kept as counts, less the verdicts it held for the mutants
+    of ``status``, which a run of their functions replaces. mutmut numbers a function's
+    mutants in order, so a result that names one of a function's mutants as a survivor
+    counted that function's mutants, the same names, each survivor as "survived" and the
+    others as "killed"; a function none of whose mutants it names is taken to be new to it
+    (mutmut left it alone when it ran)."""
+    survivors = before["survivors"]
+    counted = [p for p in patterns if any(fnmatch.fnmatch(n, p) for n in survivors)]
+    old = collections.Counter(
+        "survived" if n in survivors else "killed" for n in status
+        if n not in before.get("status", {}) and any(fnmatch.fnmatch(n, p) for p in counted))
+    return dict(collections.Counter(before["counts"]) - old)
 
 
 def in_workers(dest: Path, result: dict, conf: dict, env: dict) -> dict:
@@ -455,9 +472,11 @@ def _score_cells(r: dict | None, why: dict[str, str]) -> list[str]:
 
 def _not_killed(r: dict) -> list[str]:
     """The mutants that survived, or that no test reached (each may be named equivalent); a
-    result kept as counts names its survivors alone."""
-    return [n for n, s in r["status"].items() if s in ("survived", "no tests")] \
-        if r.get("status") else list(r["survivors"])
+    result kept as counts names its survivors alone, beside the verdicts of the functions run
+    since (``status``)."""
+    status = r.get("status", {})
+    counted = [n for n in r["survivors"] if n not in status] if "counts" in r else []
+    return counted + [n for n, s in status.items() if s in ("survived", "no tests")]
 
 
 def _run_times(results: dict[str, dict], conditions: dict[str, dict]) -> list[str]:

@@ -430,6 +430,24 @@ def test_a_functions_mutants_are_added_to_a_saved_result(tmp_path, monkeypatch):
         mutation.run_functions(module, ["_finite"], 2, conf)
 
 
+def test_a_result_kept_as_counts_loses_the_verdicts_a_functions_run_replaces():
+    """Run again, a function whose mutants a counts-kept result named among its survivors
+    had all its mutants counted there (the named as survivors, the others as killed): their
+    new verdicts replace those; a function it names none of is new to it."""
+    f, g = "m.x_f__mutmut_", "m.x_g__mutmut_"
+    before = {"counts": {"killed": 10, "survived": 2}, "survivors": {f + "2": "", "other": ""}}
+    status = {f + "1": "killed", f + "2": "killed", f + "3": "survived", g + "1": "killed"}
+    assert mutation._uncounted(before, status, ["m.x_f__mutmut_*", "m.x_g__mutmut_*"]) == {
+        "killed": 8, "survived": 1}
+    after = {"counts": mutation._uncounted(before, status, ["m.x_f__mutmut_*"]),
+             "status": status, "survivors": {"other": "", f + "3": ""}}
+    assert mutation.score(after) == (11, 13)
+    assert sorted(mutation._not_killed(after)) == [f + "3", "other"]
+    # a second run of the same function: its verdicts are in ``status`` already, not counts
+    before["status"] = dict.fromkeys(status, "killed")
+    assert mutation._uncounted(before, status, ["m.x_f__mutmut_*"]) == before["counts"]
+
+
 def test_the_page_counts_the_mutants_of_functions_changed_since(tmp_path, monkeypatch):
     """``--again`` after functions changed runs their mutants (mutmut makes them anew) as
     well as the survivors; the page counts both, from mutmut's hash of each function."""
