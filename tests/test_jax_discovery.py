@@ -4,6 +4,7 @@ input, models with nothing to prove, layouts, hand descriptions checked like fou
 import math
 from dataclasses import replace
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -17,8 +18,10 @@ from jax.experimental import io_callback  # noqa: E402
 
 import gsgd_core as gc  # noqa: E402
 from gsgd_adapters.jax import (ChainLeaves, Discovery, Layout, check_invariance,  # noqa: E402
-                               discovery, find_chains, random_rescale, skeleton_init, units)
+                               discovery, find_chains, random_rescale, skeleton_init,
+                               skeleton_state, units)
 from gsgd_adapters.jax.leaves import key_paths, path_name  # noqa: E402
+from gsgd_adapters.jax.ops import DEFAULT_BOUND  # noqa: E402
 from gsgd_adapters.optax import (chains_from_dict, chains_from_pairs, gsgd, path_sgd,  # noqa: E402
                                  psi_sgd)
 
@@ -270,6 +273,41 @@ def test_the_self_check_tolerates_float64_rounding_only_where_enabled():
         assert check_invariance(apply, p32, X.astype(jnp.float32), chains=chains)
 
 
+def test_the_self_check_without_float64_passes_a_float_on_and_warns_of_nothing():
+    """Without float64, the arguments go to the model as given: a float stays a float (no
+    float32 array in its place, with JAX's warning that float64 is not available)."""
+    def apply(p, x, gain):
+        assert isinstance(gain, float)
+        return gain * _mlp(p, x)
+    p32 = jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), pairs())
+    with jax.enable_x64(False), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert check_invariance(apply, p32, X.astype(jnp.float32), 2.0,
+                                chains=chains_from_pairs(p32))["0/0 -> 1/0 -> 2/0"] < 1e-4
+
+
+def test_numpy_float32_parameters_are_checked_in_float64_as_jaxs_are():
+    """With float64 on, NumPy float32 weights are rescaled and compared in float64, as JAX
+    float32 weights are: float32 rounding would fail the float64 tolerance."""
+    params = [(np.asarray(w, np.float32), np.asarray(b, np.float32)) for w, b in pairs()]
+    found = find_chains(_mlp, params, X.astype(jnp.float32))
+    assert len(found) == 1, found.reasons
+
+
+def test_the_self_check_passes_non_array_arguments_on_and_skips_empty_outputs():
+    """A string argument reaches the model as it is; an empty float output (nothing to
+    compare) neither counts nor fails."""
+    def apply(p, x, act="tanh"):
+        y = _mlp(p, x, getattr(jax.nn, act))
+        return y, y[:0], jnp.zeros((0, 3))
+    params, chains = pairs(), chains_from_pairs(pairs())
+    change = check_invariance(apply, params, X, "relu", chains=chains)
+    assert change["0/0 -> 1/0 -> 2/0"] < 1e-12
+    assert check_invariance(apply, params, X, chains=chains, act="relu") == change
+    assert check_invariance(lambda p, x: apply(p, x, "relu")[1:], params, X,
+                            chains=chains) == {"0/0 -> 1/0 -> 2/0": 0.0}
+
+
 @pytest.mark.parametrize("skeleton", ["he", "paper"])
 def test_skeleton_init_is_the_cores_on_each_chains_view(skeleton):
     """"he" (the default): skeleton edges of magnitude ``he_skeleton_scale`` with their
@@ -287,6 +325,58 @@ def test_skeleton_init_is_the_cores_on_each_chains_view(skeleton):
         np.testing.assert_array_equal(b, b0)
     with pytest.raises(ValueError, match="^skeleton must be 'he' or 'paper', got 'HE'$"):
         skeleton_init(params, found, skeleton="HE")
+
+
+def _equal_trees(a, b) -> bool:
+    return jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x, y: bool(jnp.all(x == y)),
+                                                         a, b))
+
+
+def test_skeleton_init_updates_an_nnx_module_in_place_by_the_recipe_asked_for():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class MLP(nnx.Module):   # pairs() as NNX params (no initialiser to compile)
+        def __init__(self, params):
+            self.w = nnx.List([nnx.Param(w) for w, _ in params])
+            self.b = nnx.List([nnx.Param(b) for _, b in params])
+
+        def __call__(self, x):
+            return _mlp([(w[...], b[...]) for w, b in zip(self.w, self.b)], x)
+    model = MLP(pairs())
+    found = find_chains(model, X, skeleton="paper", check=False)
+    want = skeleton_init(nnx.as_pure(nnx.state(model, nnx.Param)), found, skeleton="paper")
+    assert skeleton_init(model, found, skeleton="paper") is model
+    assert _equal_trees(nnx.as_pure(nnx.state(model, nnx.Param)), want)
+
+
+def test_skeleton_state_takes_weights_within_the_jax_libraries_defaults_as_default():
+    """Flax's ``lecun_normal`` reaches ``DEFAULT_BOUND / sqrt(fan_in)``, Haiku's truncated
+    normal ``2 / sqrt(fan_in)``: past torch's ``1 / sqrt(fan_in)``, still a default
+    initialisation; past ``DEFAULT_BOUND`` it is none."""
+    params = pairs()
+    chains = chains_from_pairs(params)
+
+    def reaching(bound):   # each layer's largest weight at bound / sqrt(fan_in)
+        return [(w * (bound / math.sqrt(w.shape[1]) / jnp.max(jnp.abs(w))), b)
+                for w, b in params]
+    assert skeleton_state(reaching(2.0), chains) == ["default"]
+    assert skeleton_state(reaching(1.01 * DEFAULT_BOUND), chains) == ["unknown"]
+    init = skeleton_init(reaching(2.0), chains, skeleton="paper")   # the chains' recipe
+    assert skeleton_state(init, chains) == ["initialised"]
+
+
+def test_a_psi_group_among_the_chains_is_no_chain_to_the_chain_operations():
+    """A PSI-SGD group (``chain`` None, as ``Discovery.normalised``) passed with the chains
+    is left to ``psi_sgd``: no skeleton, rescaling, state or self-check of its weights."""
+    params = pairs()
+    chains = chains_from_pairs(params)
+    mixed = chains + [ChainLeaves(None, ((1, 0),), ())]
+    key = jax.random.PRNGKey(0)
+    for got, want in ((skeleton_init(params, mixed), skeleton_init(params, chains)),
+                      (random_rescale(params, mixed, key), random_rescale(params, chains, key))):
+        assert _equal_trees(got, want)
+    assert skeleton_state(params, mixed) == skeleton_state(params, chains) == ["unknown"]
+    assert list(check_invariance(_mlp, params, X, chains=mixed)) == ["0/0 -> 1/0 -> 2/0"]
 
 
 def _log_scales(params, twin):

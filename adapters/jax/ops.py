@@ -108,12 +108,18 @@ def random_rescale(params, chains: Sequence[ChainLeaves], key, spread: float = 1
 
 
 def _float64(tree):
-    """Floating arrays of ``tree`` in float64 where JAX has it enabled."""
+    """Floating arrays of ``tree`` (JAX's or NumPy's, and floats) in float64 where JAX has it
+    enabled; anything else (strings, integers, objects) as it is."""
     if not jax.config.jax_enable_x64:
         return tree
     return jax.tree_util.tree_map(
-        lambda x: jnp.asarray(x, jnp.float64) if isinstance(x, (jax.Array, float)) and
-        jnp.issubdtype(jnp.result_type(x), jnp.floating) else x, tree)
+        lambda x: jnp.asarray(x, jnp.float64) if _is_float(x) else x, tree)
+
+
+def _is_float(x) -> bool:
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return jnp.issubdtype(x.dtype, jnp.floating)
+    return isinstance(x, float)
 
 
 def _outputs(out) -> list:
