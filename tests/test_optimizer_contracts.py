@@ -10,6 +10,7 @@ import copy
 import io
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -18,20 +19,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _catalogue import CATALOGUE, UNSOUND
-from _helpers import DEFAULT_INIT
+from _helpers import DEFAULT_INIT, triton_interpreting
 from _strategies import examples
-from gsgd_adapters.torch import GAdam, GAdamW, GSGD, PSISGD, PathSGD, skeleton_init_
+from gsgd_adapters.torch import (GAdam, GAdamW, GSGD, PSISGD, PathSGD, SkeletonWarning,
+                                 skeleton_init_)
 
 pytestmark = DEFAULT_INIT
 
 
-def make_model(seed=0):
+def make_model(seed=0, init=True):
     """``0`` (Linear followed by batch norm: a PSI part in GSGD and PSISGD), ``3 -> 5 -> 7``
-    (a chain), and plain parameters (``0.bias``, the batch norm's); float64."""
+    (a chain), and plain parameters (``0.bias``, the batch norm's); float64; skeleton
+    initialised unless not ``init`` (torch's default init then)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 5),
                           nn.ReLU(), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)).double()
-    skeleton_init_(model)
+    if init:
+        skeleton_init_(model)
     return model
 
 
@@ -431,3 +435,189 @@ def test_a_tensor_lr_steps_as_its_number_bit_for_bit(name):
     steps(twin, other, 2)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p, q), n
+
+
+# ------------------------------------------------------------------ chains given by hand
+def test_chains_by_hand_join_the_first_group_with_their_trainable_parameters_only():
+    """``GSGD(other_params, chains=...)``: the chains' parameters join the first group the
+    user gave (or make the only one, given none), and no other group appears; a frozen bias
+    is not taken into the optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 5), nn.ReLU(),
+                          nn.Linear(5, 2), nn.Linear(2, 2)).double()
+    model[2].bias.requires_grad_(False)
+    chain = [model[0], model[2], model[4]]
+    trainable = [model[0].weight, model[0].bias, model[2].weight, model[4].weight,
+                 model[4].bias]
+    head = list(model[5].parameters())
+    for groups, first in (([], []), ([dict(params=head, lr=0.02)], head)):
+        opt = GSGD(groups, chains=[chain], lr=0.01)
+        assert len(opt.param_groups) == 1
+        assert [id(p) for p in opt.param_groups[0]["params"]] == [
+            id(p) for p in first + trainable]
+
+
+# ------------------------------------------------------------------ what describe() says
+def _chain_state(opt):
+    [chain] = [p for p in opt.describe().parts if p.kind == "chain"]
+    return chain.skeleton_state
+
+
+def test_path_sgd_describes_its_chains_skeleton_as_not_read():
+    _, opt = make("PathSGD")  # skeleton-initialised: still not what Path-SGD reads
+    assert _chain_state(opt) == "unused" and opt.describe().chains[0][2] is None
+    assert "skeleton not read by this algorithm's step" in str(opt.describe())
+
+
+def test_a_chain_stepped_from_its_skeleton_stays_trained_and_one_reinitialised_is_trained():
+    """Once stepped from a skeleton-initialised chain, describe() says "initialised, then
+    trained" even after another rule moved its free edges (the weights alone no longer tell:
+    a new optimizer says so); stepped from torch's init and skeleton-initialised since, as
+    the warning asks, it says what the weights show, not the default init it began from."""
+    model, opt = make("GSGD")
+    steps(model, opt, 1)
+    plain = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps(model, plain, 1, start=1)
+    assert _chain_state(make("GSGD", model)[1]) == "unknown"
+    assert _chain_state(opt) == "trained"
+    assert "skeleton initialised (he), then trained" in str(opt.describe())
+    model, opt = make("GSGD", make_model(init=False))
+    with pytest.warns(SkeletonWarning, match="is not initialised"):
+        steps(model, opt, 1)
+    skeleton_init_(model)
+    steps(model, opt, 1, start=1)
+    assert _chain_state(opt) == "trained"
+
+
+# ------------------------------------------------------------------ the skeleton record
+@pytest.mark.parametrize("record", [["initialised", None], ["initialised", None, "he"]],
+                         ids=["one part short", "not a skeleton state"])
+def test_a_state_dict_with_a_bad_skeleton_record_is_refused_before_anything_loads(record):
+    model, opt = make("GSGD")
+    steps(model, opt, 1)
+    saved = {**opt.state_dict(), "gsgd_skeleton": record}
+    _, other = make("GSGD")
+    with pytest.raises(ValueError, match=r"gsgd_skeleton must hold one skeleton state or "
+                                         r"None per part \(3\), got \["):
+        other.load_state_dict(saved)
+    assert not other.state and other.state_dict()["gsgd_skeleton"] == [None] * 3
+
+
+def test_a_loaded_state_dict_says_what_the_skeleton_was_when_training_began():
+    """Trained from torch's init: the resumed optimizer says so and is not warned again.
+    Saved before any step: the first step after the load checks the skeleton (and warns)."""
+    model, opt = make("GSGD", make_model(init=False))
+    with pytest.warns(SkeletonWarning):
+        steps(model, opt, 1)
+    twin = copy.deepcopy(model)
+    _, resumed = make("GSGD", twin)
+    resumed.load_state_dict(opt.state_dict())
+    assert _chain_state(resumed) == "began default"
+    assert "when training began (a default init), trained since" in str(resumed.describe())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SkeletonWarning)
+        steps(twin, resumed, 1, start=1)
+    _, fresh = make("GSGD", make_model(init=False))
+    model, opt = make("GSGD", make_model(init=False))
+    opt.load_state_dict(fresh.state_dict())
+    with pytest.warns(SkeletonWarning, match="is not initialised"):
+        steps(model, opt, 1)
+    assert opt.state_dict()["gsgd_skeleton"] == ["default", None, None]
+
+
+class _PickledBeforeTheSkeletonRecord:
+    """Pickles as an optimizer pickled before the skeleton states, the check's flag and the
+    fused switch were kept."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def __reduce__(self):
+        state = {k: v for k, v in self.opt.__getstate__().items()
+                 if k not in ("_began", "_unchecked", "_fused")}
+        return object.__new__, (type(self.opt),), state
+
+
+def test_a_copied_or_pickled_optimizer_names_its_parameters_as_the_original_does():
+    """``describe()`` names the parameters outside the chains, with the reason, on a deep
+    copy and an unpickled copy of model and optimizer together, whose parameters are new
+    tensors."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 5),
+                          nn.ReLU(), nn.Linear(5, 2))
+    opt = GSGD(model, lr=0.1)
+    want = str(opt.describe())
+    assert "0.bias: not in a chain: followed by BatchNorm1d" in want
+    buf = io.BytesIO()
+    torch.save({"m": model, "o": opt}, buf)
+    buf.seek(0)
+    for copied in (copy.deepcopy({"m": model, "o": opt}), torch.load(buf, weights_only=False)):
+        assert str(copied["o"].describe()) == want
+
+
+def test_an_optimizer_pickled_before_the_skeleton_record_unpickles_and_steps_alike():
+    model, opt = make("GSGD")
+    steps(model, opt, 1)
+    twin, old = pickle.loads(pickle.dumps((model, _PickledBeforeTheSkeletonRecord(opt))))
+    steps(model, opt, 1, start=1)
+    steps(twin, old, 1, start=1)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
+    assert old.state_dict()["gsgd_skeleton"] == [None] * 3
+
+
+# ------------------------------------------------------------------ the fused step's plans
+# Triton's interpreter runs the kernels on CPU tensors where it is on when triton is first
+# imported (its own jit functions included), so at collection, before a test imports
+# triton through torch: as tests/test_fused_optim.py does.
+with triton_interpreting(torch.cuda.is_available()):
+    try:
+        import triton.language as tl
+
+        import gsgd_backends.fused
+        import gsgd_backends.fused_psi  # noqa: F401
+    except ImportError:
+        tl = None
+
+
+def _fused_kernels():
+    """Skips where the kernels cannot run interpreted on CPU tensors in this process."""
+    if tl is None:
+        pytest.skip("the fused step's kernels are Triton's, which does not import here")
+    if type(tl.zeros).__name__ != "InterpretedFunction" or not gsgd_backends.fused.interpreted():
+        pytest.skip("triton or the kernels were imported compiled in this process")
+
+
+def _two_chains_two_psi_weights():
+    """``0`` and ``3`` followed by batch norm (one PSI part of two weights) and two chains,
+    ``6 -> 8`` and ``10 -> 12``, in one group; float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 5),
+                          nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 6), nn.ReLU(),
+                          nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 5), nn.ReLU(),
+                          nn.Linear(5, 2)).double()
+    return model, [[model[6], model[8]], [model[10], model[12]]]
+
+
+def test_the_fused_step_follows_the_parts_with_gradients_and_a_new_dtype():
+    """The fused step keeps its plans between steps: stepping each chain alone in turn, one
+    PSI weight alone, then every part after ``model.float()``, it ends where the unfused
+    step does (a plan kept for other chains, weights or dtype would be refused)."""
+    _fused_kernels()
+    without = [(), (10, 12), (0, 6, 8), ()]  # the layers without gradients at each step
+    ends = []
+    for fused in (False, True):
+        model, chains = _two_chains_two_psi_weights()
+        opt = GSGD(model, lr=0.1, chains=chains, fused=fused)
+        with triton_interpreting():
+            for k, none in enumerate(without + [()]):
+                if k == len(without):
+                    model.float()
+                g = torch.Generator().manual_seed(k)
+                for i, layer in enumerate(model):
+                    for p in layer.parameters():
+                        p.grad = None if i in none else torch.randn(
+                            p.shape, generator=g, dtype=p.dtype)
+                opt.step()
+        ends.append(snapshot(model))
+    for n, p in ends[1].items():
+        torch.testing.assert_close(p, ends[0][n], rtol=1e-6, atol=1e-6)

@@ -230,6 +230,10 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        at = self.__dict__.pop("_names_at", None)
+        if at is not None:  # the names of the copy's parameters, by their places in the groups
+            params = [p for g in self.param_groups for p in g["params"]]
+            self._names = {id(params[i]): name for i, name in at.items()}
         if "_parts" in self.__dict__:
             self.__dict__.setdefault("_began", {})  # pickled before the states were kept
             self.__dict__.setdefault("_unchecked", False)
@@ -241,6 +245,11 @@ class ScaleInvariantOptimizer(Optimizer, metaclass=abc.ABCMeta):
         # anew, on the copy's layers: ChainSums.__reduce__).
         state = super().__getstate__()
         state.update({k: self.__dict__[k] for k in _OWN_STATE if k in self.__dict__})
+        if "_names" in state:  # keyed by id, which a copy's parameters do not share
+            at = {id(p): i for i, p in enumerate(p for g in self.param_groups
+                                                 for p in g["params"])}
+            state["_names_at"] = {at[k]: name for k, name in state.pop("_names").items()
+                                  if k in at}
         return state
 
     def state_dict(self) -> dict:
