@@ -1072,6 +1072,30 @@ REFUSED = {  # a model of w (and v) -> the reason that w is in no chain
         lambda p, x: _conv(jax.nn.relu(x.reshape(2, -1)[:, :4] @ p["w"]).reshape(2, 1, 6, 1),
                            p["v"]), (4, 6), (3, 1, 1, 1),
         "the next convolution does not read its units as input channels"),
+    # a dense layer flattened over two positions, then read as a 1x1 image's channels: the
+    # convolution's channel c is no unit c (layouts of convolutions have no P or Q)
+    "units spread channel-major into the next conv's channels": (
+        lambda p, x: _conv(FLATTENS["channel-major"][0](jax.nn.relu(
+            x.reshape(4, -1)[:, :4] @ p["w"])).reshape(4, 12, 1, 1), p["v"]), (4, 6),
+        (3, 12, 1, 1), "the next convolution does not read its units as input channels"),
+    "units spread position-major into the next conv's channels": (
+        lambda p, x: _conv(FLATTENS["position-major"][0](jax.nn.relu(
+            x.reshape(4, -1)[:, :4] @ p["w"])).reshape(4, 12, 1, 1), p["v"]), (4, 6),
+        (3, 12, 1, 1), "the next convolution does not read its units as input channels"),
+    "batch-grouped conv": (
+        lambda p, x: _conv(jax.nn.relu(jax.lax.conv_general_dilated(
+            x, p["w"], (1, 1), "VALID", batch_group_count=2)), p["v"]), (6, 4, 3, 3),
+        (3, 6, 1, 1), "grouped or depthwise convolution (feature_group_count=1, "
+        "batch_group_count=2)"),
+    "an outer product": (lambda p, x: jax.nn.relu(jnp.einsum(
+        "bi,j->bij", x.reshape(2, -1)[:, :4], p["w"])).reshape(2, 24) @ p["v"], (6,), (24, 3),
+        "its weight (6,) has 1 output axes and 0 contracted ones in dot_general"),
+    # one cast of the weight (mixed precision) read by both layers of a tied autoencoder
+    "tied through one cast": (lambda p, x: (lambda w: jax.nn.relu(
+        x.reshape(2, -1)[:, :4] @ w) @ w.T)(p["w"].astype(jnp.float32)), (4, 6), (6, 3),
+        "the weight is read 2 times"),
+    "returned through a view only": (lambda p, x: (jnp.sum(x), p["w"].T, p["v"]), (4, 6),
+                                     (6, 3), "returned by the model, not as the weight"),
 }
 
 
