@@ -622,3 +622,106 @@ def test_fused_is_a_bool_and_true_is_refused_where_no_fused_step_can_run(monkeyp
     with pytest.raises(ValueError, match="^fused=True requires Triton"):
         GSGD(_mlp(), lr=0.1, fused=True)
     assert use_fused(None, params, "G-SGD", True) is False
+
+
+@pytest.mark.filterwarnings("ignore:G-.*had no gradient:UserWarning")
+@pytest.mark.parametrize("opt_class, hyper", [(GSGD, dict(lr=0.05, momentum=0.9)),
+                                              (GAdam, dict(lr=0.01))], ids=["gsgd", "gadam"])
+@pytest.mark.parametrize("what", ["weight", "bias"])
+def test_a_layer_frozen_after_the_optimizer_was_built_is_never_written_by_the_fused_step(
+        what, opt_class, hyper):
+    """A weight or bias frozen mid-training (no gradient from then on, the optimizer built
+    before) is left as it was, and the chain steps as unfused (the runs of layers with a
+    gradient; a bias without one fixed), not by the fused step, which takes whole chains."""
+    model = _mlp()
+    twin, x = copy.deepcopy(model), _input(model)
+    a, b = opt_class(model, fused=True, **hyper), opt_class(twin, fused=False, **hyper)
+    for step in range(3):
+        if step == 1:  # the middle layer's
+            for m in model, twin:
+                getattr(m[2], what).requires_grad_(False)
+            frozen = getattr(model[2], what).detach().clone()
+        for m, o in ((model, a), (twin, b)):
+            _backward(m, o, x)
+            o.step()
+    assert torch.equal(getattr(model[2], what), frozen)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("opt_class, hyper", [
+    (GSGD, dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
+    (GAdam, dict(lr=0.01, weight_decay=0.1))], ids=["gsgd", "gadam"])
+def test_a_frozen_bias_with_a_zeroed_stale_gradient_is_never_written_by_the_fused_step(
+        opt_class, hyper):
+    """A bias frozen before the optimizer was built keeps the gradient of its last
+    backward pass, zeroed (not dropped) by ``zero_grad(set_to_none=False)``: it is still a
+    basis path that never moves, under weight decay too, as unfused."""
+    model = _mlp()
+    x = _input(model)
+    model(x).square().mean().backward()  # trained before the bias was frozen
+    model[0].bias.requires_grad_(False)
+    twin = copy.deepcopy(model)
+    frozen = model[0].bias.detach().clone()
+    a, b = opt_class(model, fused=True, **hyper), opt_class(twin, fused=False, **hyper)
+    for _ in range(2):
+        for m, o in ((model, a), (twin, b)):
+            o.zero_grad(set_to_none=False)
+            m(x).square().mean().backward()
+            o.step()
+    assert model[0].bias.grad is not None and torch.equal(model[0].bias, frozen)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::gsgd_adapters.torch.SkeletonWarning")  # chain through bn
+@pytest.mark.parametrize("opt_class, hyper", [(GSGD, dict(lr=0.05, momentum=0.9)),
+                                              (GAdam, dict(lr=0.01))], ids=["gsgd", "gadam"])
+def test_a_chain_through_batch_norm_under_bn_paper_steps_under_fused_as_unfused(opt_class,
+                                                                                 hyper):
+    """``bn="paper"`` scales the gradients of a chain through batch norm by row norms,
+    which the fused step does not: that chain steps unfused under ``fused=True``, equal to
+    ``fused=False``."""
+    _assert_twins_step_alike(_bn, lambda m, **kw: opt_class(m, bn="paper", **kw), hyper,
+                             steps=2)
+
+
+def test_a_chain_fsdp2_shards_steps_under_fused_as_on_the_unsharded_model(one_process_group):
+    """FSDP2's chains (DTensor rows) step by the sharded kernels under ``fused=True``, not
+    the fused step: as the unsharded model steps, in a world of one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    plain = _mlp()
+    model, mesh = copy.deepcopy(plain), init_device_mesh(DEVICE.type, (1,))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = _input(plain)
+    a = GSGD(model, lr=0.05, momentum=0.9, fused=True)
+    b = GSGD(plain, lr=0.05, momentum=0.9, fused=False)
+    for _ in range(2):
+        for m, o in ((model, a), (plain, b)):
+            _backward(m, o, x)
+            o.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("key", ["momentum", "dampening", "weight_decay"])
+def test_a_hyperparameter_set_to_a_tensor_of_two_elements_is_refused_beside_a_tensor_lr(key):
+    """Under ``fused`` a tensor ``lr`` is left to the kernels, but nothing else: a group's
+    other hyperparameter set (after construction) to a tensor of two elements is refused
+    naming it, as without a tensor ``lr``, before any parameter is written."""
+    model = _mlp()
+    x = _input(model)
+    opt = GSGD(model, lr=torch.tensor(0.05), momentum=0.9, fused=True)
+    _backward(model, opt, x)
+    opt.step()
+    opt.param_groups[0][key] = torch.tensor([0.1, 0.1])
+    _backward(model, opt, x)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=f"^{key} as a tensor must have one element"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
