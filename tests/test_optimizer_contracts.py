@@ -621,3 +621,55 @@ def test_the_fused_step_follows_the_parts_with_gradients_and_a_new_dtype():
         ends.append(snapshot(model))
     for n, p in ends[1].items():
         torch.testing.assert_close(p, ends[0][n], rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ amp's protocol, by hand
+def test_a_grad_scale_alone_unscales_the_gradients_as_torchs_fused_optimizers_read_it():
+    """``opt.grad_scale`` without ``found_inf`` (what torch's fused optimizers read, each
+    on its own): the step is the one on the unscaled gradients, bit for bit (a power of
+    two scales exactly)."""
+    ends = []
+    for scale in (None, 1024.0):
+        model, opt = make("GSGD")
+        model.zero_grad(set_to_none=True)
+        x, y = batch(0)
+        nn.functional.cross_entropy(model(x), y).mul(scale or 1.0).backward()
+        if scale is not None:
+            opt.grad_scale = torch.tensor(scale)
+        opt.step()
+        ends.append(snapshot(model))
+    for n, p in ends[1].items():
+        assert torch.equal(p, ends[0][n]), n
+
+
+# ------------------------------------------------------------------ the skeleton warning
+SILENCE = ("Silence with warnings.filterwarnings('ignore', category="
+           "gsgd_adapters.torch.SkeletonWarning)")
+
+
+def test_a_step_at_lr_0_is_not_warned_and_leaves_the_skeleton_check_to_the_first_real_one():
+    """DCP's ``get_state_dict`` steps at lr 0 before it loads: that step trains nothing, so
+    it neither warns nor records the skeleton; the first step that trains does both."""
+    model, opt = make("GSGD", make_model(init=False), lr=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SkeletonWarning)
+        steps(model, opt, 1)
+    assert opt.state_dict()["gsgd_skeleton"] == [None] * 3
+    opt.param_groups[0]["lr"] = 0.05
+    with pytest.warns(SkeletonWarning, match="is not initialised"):
+        steps(model, opt, 1, start=1)
+    assert opt.state_dict()["gsgd_skeleton"] == ["default", None, None]
+
+
+def test_each_skeleton_warning_ends_with_how_to_silence_it():
+    """From torch's init, and skeleton-initialised then trained by another rule (free edges
+    off the recipe's scale)."""
+    default = make_model(init=False)
+    moved = make_model()
+    steps(moved, torch.optim.SGD(moved.parameters(), lr=0.05), 1)
+    for model, says in ((default, "from a default init"), (moved, "another rule")):
+        _, opt = make("GSGD", model)
+        with pytest.warns(SkeletonWarning) as caught:
+            steps(model, opt, 1, start=1)
+        [message] = [str(w.message) for w in caught]
+        assert says in message and message.endswith(SILENCE), message
