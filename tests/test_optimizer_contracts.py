@@ -673,3 +673,53 @@ def test_each_skeleton_warning_ends_with_how_to_silence_it():
             steps(model, opt, 1, start=1)
         [message] = [str(w.message) for w in caught]
         assert says in message and message.endswith(SILENCE), message
+
+
+# ------------------------------------------------------------------ survivors of optim.py
+def test_check_finite_on_finite_gradients_steps_as_without_the_check():
+    """``check_finite=True`` refuses only a non-finite gradient: on finite ones the step is
+    the unchecked one, bit for bit."""
+    ends = []
+    for check in (False, True):
+        model, opt = make("GSGD", check_finite=check)
+        steps(model, opt, 2)
+        ends.append(snapshot(model))
+    for n, p in ends[1].items():
+        assert torch.equal(p, ends[0][n]), n
+
+
+def test_a_ddp_model_is_followed_as_params_and_as_model_with_param_groups(one_process_group):
+    """Under DDP the column sums of a backward pass run under ``no_sync`` (not averaged
+    over the processes) are refused, whether the DDP model is the params or ``model=``
+    beside param groups."""
+    for as_model in (False, True):
+        model = make_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = (GSGD([dict(params=list(model.parameters()))], lr=0.05, model=ddp)
+               if as_model else GSGD(ddp, lr=0.05))
+        x, y = batch(0)
+        with ddp.no_sync():
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        assert opt.describe().column_sums == {
+            "the last backward pass ran under DDP's no_sync": 1}, as_model
+
+
+@pytest.mark.parametrize("unscaled_before", [False, True])
+def test_the_fused_step_says_who_unscaled_the_gradients_its_column_sums_were_refused_for(
+        unscaled_before):
+    """``fused=True`` with the sums from the backward pass, amp's protocol by hand: a
+    ``grad_scale`` (``scaler.step``) is unscaled by the fused step on the device; none
+    beside ``found_inf`` means ``scaler.unscale_(opt)`` unscaled the gradients before."""
+    _fused_kernels()
+    model = make_model()
+    opt = GSGD(model, lr=0.05, fused=True, backward_sums=True)
+    with triton_interpreting():
+        backward(model, 0)
+        opt.found_inf = torch.zeros(())
+        if not unscaled_before:
+            opt.grad_scale = torch.ones(())
+        opt.step()
+    why = ("GradScaler.unscale_ changed the gradients in place" if unscaled_before
+           else "the fused step unscaled the gradients on the device")
+    assert opt.describe().column_sums == {why: 1}
