@@ -1040,6 +1040,22 @@ def test_a_kernel_transposed_before_its_convolution_keeps_its_layout_on_the_leaf
     found = find_chains(apply, params, IMAGES)
     assert [[path_name(p) for p in c.weights] for c in found] == [["k1", "k2"]]
     assert found[0].layouts == (Layout(3, 2, (0, 1)), Layout(0, 1, (2, 3)))
+def test_hand_described_one_dimensional_kernels_read_their_units():
+    """Haiku's and Flax's ``Conv1D`` kernels (WIO) described by hand (``transposed``): the
+    last axis holds a layer's units, the one before its inputs, the first its kernel
+    positions; the chain checks on the model."""
+    def conv(x, k):
+        return jax.lax.conv_general_dilated(x, k, (1,), "VALID",
+                                            dimension_numbers=("NWC", "WIO", "NWC"))
+    ks = jax.random.split(jax.random.PRNGKey(4), 3)
+    params = {"c1": {"w": jax.random.normal(ks[0], (3, 2, 4))},
+              "c2": {"w": jax.random.normal(ks[1], (3, 4, 3))}}
+    (c,) = chains_from_dict(params, ["c1", "c2"], transposed=True)
+    assert c.chain.sizes == (2, 4, 3) and c.chain.slots == (3, 3)
+    apply = lambda p, x: conv(jax.nn.relu(conv(x, p["c1"]["w"])), p["c2"]["w"])
+    assert check_invariance(apply, params, jax.random.normal(ks[2], (2, 7, 2)), chains=[c])
+
+
 REFUSED = {  # a model of w (and v) -> the reason that w is in no chain
     "grouped conv": (lambda p, x: _conv(jax.nn.relu(_conv(x, p["w"], 2)), p["v"]),
                      (6, 2, 3, 3), (3, 6, 1, 1),
