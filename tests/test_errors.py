@@ -167,6 +167,17 @@ def test_rescale_errors(scales, message):
     assert str(err.value) == message
 
 
+def test_rescale_errors_count_a_deeper_chains_hidden_layers():
+    chain = gc.Chain((3, 4, 4, 2))
+    W = [np.ones(chain.layer_shape(l)) for l in range(1, chain.L + 1)]
+    for scales, message in [
+            ([np.ones(4)], "scales has 1 vectors, but the chain has 2 hidden layers"),
+            ("ab", "scales must be a list of 2 vectors (one per hidden layer), got str")]:
+        with pytest.raises(ValueError) as err:
+            gc.rescale(chain, W, None, scales)
+        assert str(err.value) == message
+
+
 def test_skeleton_init_validates_the_biases_it_is_given():
     """Biases may be left out, but biases given are checked like every entry point's."""
     W, b, _, _ = _params()
@@ -186,8 +197,9 @@ def test_other_entry_points_validate_too():
         gc.path_values((3, 4, 2), W, b)
     with pytest.raises(ValueError, match="rng must be a numpy.random.Generator, got int$"):
         gc.random_rescaling(CHAIN, 0)
-    with pytest.raises(ValueError, match="spread must be finite and >= 0"):
-        gc.random_rescaling(CHAIN, np.random.default_rng(), -1.0)
+    for spread in (-1.0, np.nan, np.inf):
+        with pytest.raises(ValueError, match="spread must be finite and >= 0"):
+            gc.random_rescaling(CHAIN, np.random.default_rng(), spread)
     with pytest.raises(ValueError, match="lr must be finite and >= 0"):
         gc.path_sgd_step(CHAIN, W, b, G, Gb, -1.0)
     with pytest.raises(ValueError, match=r"layer 2: path values\[1\] has shape"):

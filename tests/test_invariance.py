@@ -52,10 +52,12 @@ def test_canonical_form_is_idempotent_and_constant_on_orbits(hxp, chain, seed, s
     pb = Problem(chain, seed)
     W, b = hxp.aslist(pb.W), hxp.aslist(pb.b)
     Wc, bc = gc.canonicalize(chain, W, b)
-    for l, w in enumerate(hxp.tolist(Wc), start=1):  # every free weight is exactly +-r_l
+    # every free weight is exactly +-r_l, with its sign: g_c scales by c > 0
+    for l, (w, w0) in enumerate(zip(hxp.tolist(Wc), pb.W), start=1):
         free = w.reshape(chain.layer_shape(l))[chain.free_mask(l)]
+        sign = np.sign(np.reshape(w0, chain.layer_shape(l))[chain.free_mask(l)])
         r = np.asarray(chain.skeleton_scale[l - 1], dtype=free.dtype)
-        assert np.array_equal(np.abs(free), np.full_like(free, r))
+        assert np.array_equal(free, sign.astype(free.dtype) * r)
     Wcc, bcc = gc.canonicalize(chain, Wc, bc)
     for a, c in zip(hxp.tolist(Wcc) + hxp.tolist(bcc), hxp.tolist(Wc) + hxp.tolist(bc)):
         if hxp.name == "jax":
@@ -210,6 +212,10 @@ def test_group_helpers_defaults_and_edge_cases():
     rng = np.random.default_rng(5)
     want = [np.exp(rng.standard_normal(n)) for n in chain.sizes[1:-1]]
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    rng = np.random.default_rng(5)
+    half = [np.exp(0.5 * rng.standard_normal(n)) for n in chain.sizes[1:-1]]
+    assert all(np.array_equal(a, b) for a, b in
+               zip(gc.random_rescaling(chain, np.random.default_rng(5), 0.5), half))
     as_lists = gc.rescale(chain, pb.W, pb.b, [list(s) for s in got])
     as_arrays = gc.rescale(chain, pb.W, pb.b, got)
     assert all(np.array_equal(a, b) for a, b in zip(as_lists[0], as_arrays[0]))
