@@ -700,6 +700,13 @@ NORMS_BY_DEGREE = {  # of the first layer's output h (x: the input), per unit ov
         h.shape[1], 1e-5, h.dtype)), False),
     "h / (mean|h| + sum(x)**2)": (lambda h, x: h / (jnp.mean(jnp.abs(h), 0) + x.sum() ** 2),
                                   False),
+    # a power multiplies the degree it is given (2 here), not the layer's 1
+    "(h*h)**2 / mean(h**4)": (lambda h, x: (h * h) ** 2 / jnp.mean(h ** 4, 0), True),
+    # a scalar constant first in a max is no where's fixed test: h keeps degree 1
+    "max(-1, h)": (lambda h, x: jnp.maximum(-1.0, h), False),
+    # a statistic's eps is added to it, never subtracted or taken as a floor
+    "h / max(std, eps)": (lambda h, x: h / jnp.maximum(jnp.std(h, 0), 1e-5), False),
+    "h / (mean|h| - eps)": (lambda h, x: h / (jnp.mean(jnp.abs(h), 0) - 1e-5), False),
 }
 
 
