@@ -1047,6 +1047,8 @@ def test_a_kernel_transposed_before_its_convolution_keeps_its_layout_on_the_leaf
     found = find_chains(apply, params, IMAGES)
     assert [[path_name(p) for p in c.weights] for c in found] == [["k1", "k2"]]
     assert found[0].layouts == (Layout(3, 2, (0, 1)), Layout(0, 1, (2, 3)))
+
+
 def test_hand_described_one_dimensional_kernels_read_their_units():
     """Haiku's and Flax's ``Conv1D`` kernels (WIO) described by hand (``transposed``): the
     last axis holds a layer's units, the one before its inputs, the first its kernel
