@@ -1,6 +1,10 @@
 """State dicts saved by earlier versions of the torch optimizers load into this one and
-resume bit for bit (tests/fixtures/make_state_dicts.py wrote them: ``state_dicts_v1.pt``
-before the skeleton states were kept, ``state_dicts_v2.pt`` with them)."""
+resume the saved run (tests/fixtures/make_state_dicts.py wrote them: ``state_dicts_v1.pt``
+before the skeleton states were kept, ``state_dicts_v2.pt`` with them). The run is in
+float64 and agrees to 1e-9: on the CPU that wrote it, bit for bit; on another CPU its
+matrix kernels round differently, and Adam's first steps divide a near-zero gradient by
+its own square root, which makes a rounding of 1e-16 one of 1e-11 (a buffer lost or
+misread changes the parameters by 1e-3 or more)."""
 
 import copy
 import pathlib
@@ -26,9 +30,9 @@ def files() -> dict:
 
 
 @pytest.mark.parametrize("version, name", CASES)
-def test_a_saved_state_dict_resumes_bit_for_bit(files, version, name):
+def test_a_saved_state_dict_resumes_the_saved_run(files, version, name):
     """The model's and the optimizer's state dicts load into a fresh model and optimizer,
-    and the next steps give the saved run's parameters exactly, with no SkeletonWarning."""
+    and the next steps give the saved run's parameters, with no SkeletonWarning."""
     ck = copy.deepcopy(files[version][name])
     net = saved_by.model()
     opt = saved_by.OPTIMIZERS[name](net)
@@ -43,4 +47,5 @@ def test_a_saved_state_dict_resumes_bit_for_bit(files, version, name):
     finally:
         torch.set_num_threads(threads)
     for i, (p, want) in enumerate(zip(net.parameters(), ck["after"], strict=True)):
-        assert torch.equal(p.detach(), want), (name, i)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-9, atol=1e-9,
+                                   msg=lambda m, i=i: f"{name}, parameter {i}: {m}")
