@@ -115,6 +115,11 @@ def test_the_self_check_drops_an_unsound_claim(monkeypatch):
         check_invariance(apply, params, X, chains=claimed)
     found = find_chains(apply, params, X)
     assert len(found) == 0 and "self-check" in found.reasons["0/0"]
+    # a dropped chain's biases are left out for the same reason as its weights
+    found = find_chains(_tanh_net, params, X)
+    why = "the self-check found that a random rescaling of chain 0/0 -> 1/0 changes"
+    assert len(found) == 0 and set(found.reasons) == {"0/0", "0/1", "1/0", "1/1"}
+    assert all(r.startswith(why) for r in found.reasons.values()), found.reasons
 
 
 def _mlp(params, x, act=jax.nn.relu):
@@ -308,6 +313,20 @@ def test_the_self_check_passes_non_array_arguments_on_and_skips_empty_outputs():
                             chains=chains) == {"0/0 -> 1/0 -> 2/0": 0.0}
 
 
+def test_non_array_leaves_of_the_params_and_arguments_reach_the_model_as_they_are():
+    """A string among the params (a setting kept with the weights) and a string argument
+    are passed on untraced: the chain is found, and the setting is no leaf to explain."""
+    params = {"layers": pairs(), "act": "relu"}
+
+    def apply(p, x, act, *, scale):
+        return scale * _mlp(p["layers"], x, getattr(jax.nn, p["act"] if act is None else act))
+    for found in (find_chains(apply, params, X, None, scale=2.0),
+                  find_chains(apply, params, X, "relu", scale=2.0)):
+        assert [[path_name(p) for p in c.weights] for c in found] == [
+            ["layers/0/0", "layers/1/0", "layers/2/0"]]
+        assert found.reasons == {}
+
+
 @pytest.mark.parametrize("skeleton", ["he", "paper"])
 def test_skeleton_init_is_the_cores_on_each_chains_view(skeleton):
     """"he" (the default): skeleton edges of magnitude ``he_skeleton_scale`` with their
@@ -496,6 +515,37 @@ def test_within_strips_the_prefix_from_every_name_and_refuses_a_chain_outside():
     dropped = Discovery((), {"params/a": "why"}, changes={"params/a -> other/b": 0.5,
                                                           "params/a -> params/b": 0.1})
     assert dropped.within("params").changes == {"a -> b": 0.1}
+
+
+def _split_net(p, x):
+    """A batch-normalised layer ``n``, then a chain whose weights sit under ``w`` and whose
+    biases sit under ``b``."""
+    h = x @ p["n"].T
+    m = jnp.mean(h, 0)
+    h = jax.nn.relu((h - m) / jnp.sqrt(jnp.mean((h - m) ** 2, 0) + 1e-5))
+    h = jax.nn.relu(h @ p["w"][0].T + p["b"][0])
+    return h @ p["w"][1].T + p["b"][1]
+
+
+def test_within_refuses_a_chain_or_normalised_weight_not_wholly_under_the_prefix():
+    """The prefix must hold every weight and bias of every chain, and the normalised
+    weights: stripped from a leaf outside it, a key path would name another leaf."""
+    ks = jax.random.split(jax.random.PRNGKey(2), 3)
+    params = {"n": jax.random.normal(ks[0], (6, 5)),
+              "w": [jax.random.normal(ks[1], (4, 6)), jax.random.normal(ks[2], (3, 4))],
+              "b": [0.1 * jnp.ones(4), 0.1 * jnp.ones(3)]}
+    found = find_chains(_split_net, params, X)
+    assert [c.name() for c in found] == ["w/0 -> w/1"]
+    assert found.normalised.weights == (("n",),)
+    assert found.within().chains == found.chains
+    for prefix in ("w", "b", "n"):
+        with pytest.raises(ValueError, match="^chain w/0 -> w/1 is not wholly under "
+                                             f"{prefix}$"):
+            found.within(prefix)
+    chainless = replace(found, chains=())
+    assert chainless.within("n").normalised.weights == ((),)
+    with pytest.raises(ValueError, match="^chain n is not wholly under w$"):
+        chainless.within("w")
 
 
 def test_print_of_a_discovery_shows_chains_ends_normalised_weights_and_reasons():

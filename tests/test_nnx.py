@@ -123,6 +123,20 @@ def test_find_chains_takes_a_module_names_its_pure_params_and_leaves_it_alone():
         tuple(p + ("value",) for p in c.weights) for c in found("mlp")]
 
 
+def test_find_chains_of_a_module_takes_the_skeleton_recipe_and_check_asked_for():
+    """``skeleton=`` and ``check=`` reach the module's own discovery: its chain's units are
+    the recipe's, a recipe misspelt is refused, and ``check=False`` rescales nothing."""
+    m = MODELS["mlp"](nnx.Rngs(0), jnp.float64)
+    (he,), (paper,) = found("mlp"), find_chains(m, INPUTS["mlp"], skeleton="paper")
+    assert paper.weights == he.weights and paper.chain != he.chain
+    assert paper.chain.with_skeleton_scale(paper.chain.he_skeleton_scale()) == he.chain
+    with pytest.raises(ValueError, match="^skeleton must be 'he' or 'paper', got 'HE'$"):
+        find_chains(m, INPUTS["mlp"], skeleton="HE")
+    unchecked = find_chains(m, INPUTS["mlp"], check=False)
+    assert found("mlp").changes and unchecked.changes == {}
+    assert [c.chain for c in unchecked] == [he.chain]
+
+
 @pytest.mark.parametrize("name, kind, form, optimizer", [
     ("mlp", "gsgd", "split", nnx.Optimizer),            # the chains of nnx.split's state
     ("mlp", "g-adam", "module", nnx.Optimizer),
