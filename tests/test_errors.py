@@ -168,6 +168,8 @@ def test_rescale_errors(scales, message):
 
 
 def test_rescale_errors_count_a_deeper_chains_hidden_layers():
+    """On a chain of two hidden layers, the refusals of a wrong count or a string of
+    scales say two, the number of hidden layers (not of layers, nor one)."""
     chain = gc.Chain((3, 4, 4, 2))
     W = [np.ones(chain.layer_shape(l)) for l in range(1, chain.L + 1)]
     for scales, message in [
