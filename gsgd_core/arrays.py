@@ -120,10 +120,24 @@ def is_array(x) -> bool:
     return array_api_compat.is_array_api_obj(x)
 
 
-def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
+class _NoGrads:
+    """The type of :data:`NO_GRADS`."""
+
+    def __repr__(self) -> str:
+        return "NO_GRADS"
+
+
+#: ``grads=`` of a call that takes no gradients; a call that takes them passes the caller's
+#: list, so that a missing one (``None``) is refused by name like any other wrong list.
+NO_GRADS = _NoGrads()
+
+
+def prepare(chain: Chain, weights, biases=None, *, grads=NO_GRADS, bias_grads=None,
             extra: Sequence[tuple[str, Any]] = (), biases_optional: bool = False) -> Prepared:
     """Validate a call's arrays against ``chain`` and resolve their namespace once.
 
+    ``grads`` and ``bias_grads`` are a step's gradients (``bias_grads=None``: none for a
+    chain without biases); ``grads`` stays :data:`NO_GRADS` in a call that takes none.
     ``extra`` holds further per-layer lists (``(name, list)``) whose entries must have the
     weights' shapes (momentum buffers, path values, ...); ``None`` entries are skipped.
     With ``biases_optional``, ``biases=None`` is accepted whatever the chain's biases.
@@ -147,10 +161,9 @@ def prepare(chain: Chain, weights, biases=None, *, grads=None, bias_grads=None,
                              f"expected ({chain.sizes[l]},)")
     arrays = [w for w in weights] + [b for b in biases if b is not None]
     lists = list(extra)
-    if grads is not None:
-        lists.append(("grads", grads))
-    if bias_grads is not None or grads is not None:
-        lists.append(("bias_grads", [None] * chain.L if bias_grads is None else bias_grads))
+    if grads is not NO_GRADS:
+        lists += [("grads", grads),
+                  ("bias_grads", [None] * chain.L if bias_grads is None else bias_grads)]
     for name, values in lists:
         values = check_list(chain, name, values)
         is_bias = name.startswith("bias")

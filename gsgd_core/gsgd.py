@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence
 
-from .arrays import (check_hyper, check_list, is_off, is_real, prepare, quiet_fp, restore,
-                     scalar, unvecs, vecs, view3)
+from .arrays import (NO_GRADS, check_hyper, check_list, is_off, is_real, prepare, quiet_fp,
+                     restore, scalar, unvecs, vecs, view3)
 from .chain import Chain
 from .rules import StepRule, all_finite, direction, guard
 from .sweeps import allocate3, chain_products, icr3, path_values3
@@ -33,7 +33,7 @@ class GSGDState(NamedTuple):
     step: Any
 
 
-def sweep_inputs(chain, weights, biases, grads=None, bias_grads=None, extra=()):
+def sweep_inputs(chain, weights, biases, grads=NO_GRADS, bias_grads=None, extra=()):
     """What every sweep starts from: the validated call (:func:`.arrays.prepare`), the
     weights as ``(n, p, k)`` views, the biases, and the chain products ``B``, ``F``."""
     p = prepare(chain, weights, biases, grads=grads, bias_grads=bias_grads, extra=extra)

@@ -163,3 +163,40 @@ def test_layer_metadata_is_cached_per_namespace_and_device():
     assert {m.free_mask.device.type for m in prepare(chain, *meta).meta} == {"meta"}
     assert {a.device.type for a in gc.path_values(chain, *meta)[0]} == {"meta"}
     assert prepare(chain, *cpu).meta is first
+
+
+def test_hyperparameters_given_as_arrays_on_another_device_join_the_weights_device():
+    """A 0-d learning rate, momentum and weight decay made on array_api_strict's default
+    device (a schedule's values) step weights on its second device: they are moved to the
+    weights', and the step is the one of the same Python numbers."""
+    xs = pytest.importorskip("array_api_strict")
+    other, rng = xs.Device("device1"), np.random.default_rng(0)
+    chain, W, b, G, Gb = _problem(*CHAINS["mlp-units"], torch.float64)
+    W, b, G, Gb = ([None if a is None else xs.asarray(rng.standard_normal(tuple(a.shape)),
+                                                        device=other) for a in arrays]
+                   for arrays in (W, b, G, Gb))
+    state = gc.gsgd_init(chain, W, b)
+    hypers = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)
+    got = gc.gsgd_update(chain, state, W, b, G, Gb, **{k: xs.asarray(v) for k, v in
+                                                       hypers.items()})
+    want = gc.gsgd_update(chain, state, W, b, G, Gb, **hypers)
+    assert {a.device for a in _leaves(got)} == {other}
+    cpu = xs.Device("CPU_DEVICE")
+    for x, y in zip(_leaves(got), _leaves(want), strict=True):
+        assert np.allclose(np.asarray(x.to_device(cpu)), np.asarray(y.to_device(cpu)),
+                           rtol=1e-14, atol=0)
+
+
+def test_a_chain_used_under_jit_on_committed_weights_is_used_eagerly_after():
+    """Under ``jax.jit``, the layer metadata of weights committed to a device (closed over,
+    so concrete) are tracers: none is kept on the chain, and an eager call after the traced
+    one gets arrays of its own."""
+    jax = pytest.importorskip("jax")
+    chain = gc.Chain.mlp([3, 4, 2])
+    device = jax.devices()[0]
+    W, b = ([jax.device_put(jax.numpy.ones(s), device) for s in shapes]
+            for shapes in ([(4, 3), (2, 4)], [(4,), (2,)]))
+    traced = jax.jit(lambda: gc.path_values(chain, W, b))()
+    eager = gc.path_values(chain, W, b)
+    for x, y in zip(traced[0] + traced[1], eager[0] + eager[1]):
+        assert np.array_equal(np.asarray(x), np.asarray(y))

@@ -67,6 +67,19 @@ def _untouchable(a):
      r"^weights must be a list with one entry per layer \(2\), got NoneType$"),
     (lambda W, b, G, Gb: (W, [None, None], G, Gb),
      r"^layer 1: the chain has a bias here but biases\[0\] is None$"),
+    (lambda W, b, G, Gb: ([np.asarray(1.0), W[1]], b, G, Gb),
+     r"^layer 1: weight has shape \(\), but the chain expects \(4, 3\)"),
+    (lambda W, b, G, Gb: ([W[0], np.ones((2, 13))], b, G, Gb),
+     r"^layer 2: weight has shape \(2, 13\), but the chain expects \(2, 12\)"),
+    # the biases share the weights' namespace and dtype like every other array
+    (lambda W, b, G, Gb: (W, [b[0].astype(np.float32), None], G, Gb),
+     r"^all arrays must share the weights' dtype float64; found an array of dtype float32 "
+     r"and shape \(4,\)$"),
+    (lambda W, b, G, Gb: (W, [torch.ones(4, dtype=torch.float64), None], G, Gb),
+     "^all arrays must come from one array namespace"),
+    # a step without its gradients
+    (lambda W, b, G, Gb: (W, b, None, Gb),
+     r"^grads must be a list with one entry per layer \(2\), got NoneType$"),
 ])
 def test_structural_errors_name_layer_and_shapes(mutate, message):
     W, b, G, Gb = mutate(*_params())
@@ -96,6 +109,7 @@ def test_errors_come_before_any_arithmetic():
     # NumPy's float32 is a numbers.Real but not a float: checked as a number all the same
     (dict(lr=np.float32(-1.0)), r"lr must be finite and >= 0, got np.float32\(-1.0\)"),
     (dict(lr=0.1, momentum=np.float32("nan")), "momentum must be finite"),
+    (dict(lr="fast"), r"^lr must be a Python number or a 0-d array, got 'fast'$"),
 ])
 def test_hyperparameter_errors(hyper, message):
     W, b, G, Gb = _params()
@@ -114,6 +128,42 @@ def test_hyperparameters_at_their_bounds_are_accepted():
     W1, b1 = gc.gsgd_step(CHAIN, W, b, G, Gb, np.asarray(0.1))
     W2, b2 = gc.gsgd_step(CHAIN, W, b, G, Gb, 0.1)
     assert all(np.array_equal(x, y) for x, y in zip(W1 + b1[:1], W2 + b2[:1]))
+
+
+def test_a_zero_hyperparameter_given_as_an_array_keeps_its_state():
+    """A momentum of 0 given as a 0-d array (a schedule's value, which may rise later) keeps
+    the momentum buffers: the step is plain SGD's, and the buffers hold its path-space
+    direction. A Python 0 switches momentum off and leaves them as they were."""
+    W, b, G, Gb = _params()
+    state = gc.gsgd_init(CHAIN, W, b)
+    W0, b0, off = gc.gsgd_update(CHAIN, state, W, b, G, Gb, lr=0.1, momentum=0.0)
+    W1, b1, on = gc.gsgd_update(CHAIN, state, W, b, G, Gb, lr=0.1, momentum=np.asarray(0.0))
+    assert all(np.allclose(x, y, rtol=1e-14, atol=0) for x, y in zip(W0 + b0[:1], W1 + b1[:1]))
+    assert all(not np.any(m) for m in off.momentum + off.bias_momentum[:1])
+    assert all(np.any(m) for m in on.momentum + on.bias_momentum[:1])
+
+
+def test_errors_at_the_first_layer_name_its_index_and_no_biases_still_checks_every_layer():
+    """A refusal gives the list index of the layer it names, 0 for layer 1; and with
+    ``biases=None`` every layer's weight and gradient is still checked."""
+    chain = gc.Chain((3, 4, 2), (1, 3), bias=(False, True))
+    W, G = [np.ones((4, 3)), np.ones((2, 4, 3))], [np.ones((4, 3)), np.ones((2, 4, 3))]
+    b, Gb = [None, np.ones(2)], [None, np.ones(2)]
+    for biases, grads, bias_grads, message in [
+            ([np.ones(4), b[1]], G, Gb, "layer 1: the chain has no bias here but biases[0] is "
+                                        "an array of shape (4,)"),
+            (b, G, [np.ones(4), Gb[1]], "layer 1: bias_grads[0] given for a layer without a "
+                                        "bias"),
+            (b, ["g", G[1]], Gb, "layer 1: grads[0] is a str, not an array")]:
+        with pytest.raises(ValueError) as err:
+            gc.gsgd_step(chain, W, biases, grads, bias_grads, 0.1)
+        assert str(err.value) == message
+    plain = gc.Chain((3, 4, 2), (1, 3), bias=False)
+    for weights, grads, message in [
+            ([W[0], np.ones((2, 5, 3))], G, r"^layer 2: weight has shape \(2, 5, 3\)"),
+            (W, [G[0], np.ones((2, 5))], r"^layer 2: grads\[1\] has shape \(2, 5\)")]:
+        with pytest.raises(ValueError, match=message):
+            gc.gsgd_step(plain, weights, None, grads, None, 0.1)
 
 
 def test_momentum_needs_a_state_and_a_matching_one():

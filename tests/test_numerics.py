@@ -535,3 +535,29 @@ def test_a_tau_edge_that_would_overflow_keeps_its_value_and_the_paths_above_stil
         assert got[0][0, 0] == W[0][0, 0]  # kept
         V2, _ = gc.path_values(chain, got)
         assert_close(V2[1][1, 0], V[1][1, 0] - lr * D[1][1, 0], 1e-12, "the path above")
+
+
+def test_the_guarded_functions_raise_no_floating_point_error_where_numpy_would():
+    """Under ``np.errstate(all="raise")``, the steps and ICR run on weights whose path
+    products underflow and whose paths through a zero weight have a zero product, and
+    Adam without an epsilon runs on gradients whose squares underflow (a quotient of a
+    zero denominator): each is handled by the numerical rules, not an error, and every
+    result is finite."""
+    chain = gc.Chain((3, 4, 2), (1, 3), bias=(True, False))
+    W = [np.full((4, 3), 1e-200), np.full((2, 4, 3), 1e-200)]
+    W[0][0, 0] = W[1][0, 0, 0] = 0.0
+    b, G, Gb = [np.zeros(4), None], [np.ones((4, 3)), np.ones((2, 4, 3))], [np.ones(4), None]
+    rng = np.random.default_rng(0)
+    V, c = [rng.standard_normal(w.shape) for w in W], [rng.standard_normal(4), None]
+    tiny = [np.full(w.shape, 1e-170) for w in W]
+    adam = gc.adam_rule(0.01, eps=0.0)
+    calls = [lambda: gc.icr(chain, W, b, G, Gb),
+             lambda: gc.gsgd_update(chain, gc.gsgd_init(chain, W, b), W, b, G, Gb, lr=0.1,
+                                    momentum=0.9)[:2],
+             lambda: gc.path_sgd_step(chain, W, b, G, Gb, 0.1),
+             lambda: gc.path_update(chain, adam, gc.path_init(chain, adam, V, c), V, c, tiny,
+                                    [np.full(4, 1e-170), None])[:2]]
+    for call in calls:
+        with np.errstate(all="raise"):
+            out = call()
+        assert all(np.all(np.isfinite(a)) for part in out for a in part if a is not None)
