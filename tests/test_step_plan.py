@@ -738,8 +738,9 @@ def test_scratch_buffers_are_reused_per_library_dtype_and_device():
 
 def test_a_plan_validates_each_signature_of_arrays_once(monkeypatch):
     """``StepPlan.prepared`` validates a call's arrays as the core does, once per signature
-    (types, shapes, dtypes, devices; missing gradients included): a training loop's steps
-    after the first validate nothing."""
+    (types, shapes, dtypes, devices): a training loop's steps after the first validate
+    nothing, and missing gradients are refused by name every time, without the plan
+    forgetting the signature it validated."""
     chain = gc.Chain.mlp([3, 4, 2], bias=[False, True])
     pb = Problem(chain, 0)
     W, b = _tensors(pb.W), _tensors(pb.b)
@@ -752,11 +753,14 @@ def test_a_plan_validates_each_signature_of_arrays_once(monkeypatch):
         got = plan.prepared(W, b, G, Gb)
         plan.prepared(W, b, G, Gb)
     assert len(calls) == 1 and len(got.meta) == chain.L
-    plan.prepared(W, b, None, None)
-    plan.prepared(W, b, None, None)
-    assert len(calls) == 2
-    plan.prepared([w.double() for w in W], b, G, Gb)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"grads must be a list .* got NoneType"):
+            plan.prepared(W, b, None, None)
     assert len(calls) == 3
+    plan.prepared(W, b, G, Gb)
+    assert len(calls) == 3
+    single = [[None if a is None else a.float() for a in v] for v in (W, b, G, Gb)]
+    assert plan.prepared(*single).dtype == torch.float32 and len(calls) == 4
 
 
 @pytest.mark.parametrize("args", [
