@@ -281,6 +281,13 @@ def _errors(mesh) -> dict:
     except ValueError as exc:
         out["mixed"] = str(exc)
     model = build("gsgd_mlp")
+    for m in (model[0], model[2], model[4]):  # 2.bias stays whole: ignored by FSDP2
+        fully_shard(m, mesh=mesh, ignored_params={m.bias} if m is model[2] else None)
+    try:
+        GSGD(model, lr=0.1)
+    except ValueError as exc:
+        out["bias"] = str(exc)
+    model = build("gsgd_mlp")
     for m in (model[0], model[2], model[4]):  # tensor parallel: columns split
         m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(1)]))
         m.bias = nn.Parameter(distribute_tensor(m.bias.detach(), mesh, [Shard(0)]))

@@ -123,10 +123,12 @@ def test_skeleton_init_after_sharding(run, world):
 
 @pytest.mark.parametrize("world", [1, 2], scope="module")
 def test_unsupported_layouts_are_refused(run, world):
-    """A chain with some layers sharded and some not, or weights split by columns (tensor
-    parallelism), is refused when the optimizer is built, naming the parameter."""
+    """A chain with some layers sharded and some not, a bias left whole among sharded
+    layers, or weights split by columns (tensor parallelism), is refused when the optimizer
+    is built, naming the parameter."""
     errors = run["errors"]
     assert "2.weight is a plain tensor in a chain" in errors["mixed"]
+    assert "2.bias is a plain tensor in a chain whose other parameters" in errors["bias"]
     assert "0.weight is a DTensor placed (Shard(dim=1),)" in errors["columns"]
     assert "tensor parallelism" in errors["columns"]
 
