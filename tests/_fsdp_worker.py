@@ -269,33 +269,30 @@ def _checkpoint_run(rank, world, mesh, ckpt_dir) -> dict:
                 resumed=full_state(fresh, opt2))
 
 
+def _refusal(model) -> str:
+    """The ``ValueError`` GSGD raises when built on ``model`` (``""`` if it is built)."""
+    try:
+        GSGD(model, lr=0.1)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def _errors(mesh) -> dict:
     """What the optimizers say about layouts they cannot step."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    out = {}
-    model = build("gsgd_mlp")
-    fully_shard(model[0], mesh=mesh)  # the other layers stay plain tensors
-    try:
-        GSGD(model, lr=0.1)
-    except ValueError as exc:
-        out["mixed"] = str(exc)
-    model = build("gsgd_mlp")
-    for m in (model[0], model[2], model[4]):  # 2.bias stays whole: ignored by FSDP2
-        fully_shard(m, mesh=mesh, ignored_params={m.bias} if m is model[2] else None)
-    try:
-        GSGD(model, lr=0.1)
-    except ValueError as exc:
-        out["bias"] = str(exc)
-    model = build("gsgd_mlp")
-    for m in (model[0], model[2], model[4]):  # tensor parallel: columns split
+    mixed = build("gsgd_mlp")
+    fully_shard(mixed[0], mesh=mesh)  # the other layers stay plain tensors
+    bias = build("gsgd_mlp")
+    for m in (bias[0], bias[2], bias[4]):  # 2.bias stays whole: ignored by FSDP2
+        fully_shard(m, mesh=mesh, ignored_params={m.bias} if m is bias[2] else None)
+    columns = build("gsgd_mlp")
+    for m in (columns[0], columns[2], columns[4]):  # tensor parallel: columns split
         m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), mesh, [Shard(1)]))
         m.bias = nn.Parameter(distribute_tensor(m.bias.detach(), mesh, [Shard(0)]))
-    try:
-        GSGD(model, lr=0.1)
-    except ValueError as exc:
-        out["columns"] = str(exc)
-    return out
+    return {k: _refusal(model) for k, model in
+            dict(mixed=mixed, bias=bias, columns=columns).items()}
 
 
 def _check_finite_run(rank, world, mesh) -> list:

@@ -554,6 +554,11 @@ def test_a_copied_or_pickled_optimizer_names_its_parameters_as_the_original_does
         assert str(copied["o"].describe()) == want
 
 
+def _names(opt) -> str:
+    """``describe()`` without its counts of column sums, which a copy starts anew."""
+    return str(opt.describe()).split("\n  chain steps")[0]
+
+
 def test_a_copy_of_an_optimizer_given_part_of_its_models_parameters_steps_and_names_alike():
     """``GSGD(params, model=model)`` whose params leave some of the model's parameters out
     (a layer the user does not train): a deep copy and an unpickled copy of model and
@@ -564,15 +569,12 @@ def test_a_copy_of_an_optimizer_given_part_of_its_models_parameters_steps_and_na
     opt = GSGD([p for p in model.parameters() if id(p) not in left_out], lr=0.1,
                momentum=0.9, model=model)
     steps(model, opt, 1)
-    def named(o):
-        return str(o.describe()).split("\n  chain steps")[0]
-
-    want = named(opt)
+    want = _names(opt)
     assert "0.weight" not in want and "chain 3 -> 5 -> 7" in want
     copies = [copy.deepcopy((model, opt)), pickle.loads(pickle.dumps((model, opt)))]
     steps(model, opt, 2, start=1)
     for twin, other in copies:
-        assert named(other) == want
+        assert _names(other) == want
         steps(twin, other, 2, start=1)
         for (n, p), q in zip(model.named_parameters(), twin.parameters()):
             assert torch.equal(p, q), n
